@@ -1,0 +1,35 @@
+# One-command workflows. `make verify` and `make test` set up .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch lies on disk on these machines; pin it so no multi-GB CUDA build is fetched.
+TORCH ?= torch==2.13.0
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: setup verify test lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(FIND_LINKS) "$(TORCH)"
+	$(BIN)/pip install -q $(FIND_LINKS) -e ".[test]"
+	touch $@
+
+verify: setup  ## the main job: check every derivation of the appendix
+	$(BIN)/gradmerge verify
+
+test: setup  ## the whole test suite
+	$(BIN)/pytest proofs_tests/
+
+lint: setup  ## ruff (lint + format) and mypy on the public package
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache *.egg-info

@@ -1,0 +1,55 @@
+"""gradmerge: merging and un-merging fine-tuned models by uncertainty-based gradient matching.
+
+Daheim, Möllenhoff, Ponti, Gurevych & Khan, "Model Merging by Uncertainty-Based Gradient
+Matching", ICLR 2024. See DESIGN.md for the map from the paper's notation to these names.
+"""
+
+from gradmerge import params
+from gradmerge.curvature import Curvature, Dense, Diagonal, ScaledIdentity
+from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
+from gradmerge.errors import (
+    ArgumentError,
+    DeviceError,
+    DTypeError,
+    GradmergeError,
+    NonFiniteError,
+    NotPositiveDefiniteError,
+    StructureError,
+)
+from gradmerge.merge import (
+    fisher_average,
+    gradient_matching,
+    influence_remove,
+    remove,
+    task_arithmetic,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # merge and removal rules (Eq. 6, Eq. 13, Koh & Liang)
+    "task_arithmetic",
+    "fisher_average",
+    "gradient_matching",
+    "remove",
+    "influence_remove",
+    # curvature operators
+    "Curvature",
+    "ScaledIdentity",
+    "Diagonal",
+    "Dense",
+    # diagnostics (Eq. 2)
+    "gradient_mismatch",
+    "GradientMismatch",
+    "GradientFn",
+    # parameter-dict algebra
+    "params",
+    # errors
+    "GradmergeError",
+    "StructureError",
+    "DTypeError",
+    "DeviceError",
+    "NonFiniteError",
+    "NotPositiveDefiniteError",
+    "ArgumentError",
+]

@@ -1,0 +1,90 @@
+"""Diagonal curvature: one non-negative value per parameter (e.g. the paper's diagonal Fisher)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gradmerge import params as P
+from gradmerge.curvature.base import Curvature, not_pd
+from gradmerge.curvature.identity import ScaledIdentity
+from gradmerge.params import Layout, Params
+
+
+class Diagonal(Curvature):
+    """The operator ``diag(d)`` with ``d`` given per parameter tensor.
+
+    ``values[k]`` has the shape of parameter ``k``; ``mv(v)[k] = values[k] * v[k]`` and
+    ``solve(v)[k] = v[k] / values[k]`` (exact, elementwise).
+
+    Args:
+        values: dict of finite floating tensors on one device, in one dtype.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> F = gm.Diagonal({"w": torch.tensor([1.0, 4.0])})
+        >>> (F + 1.0).solve({"w": torch.tensor([2.0, 5.0])})
+        {'w': tensor([1., 1.])}
+    """
+
+    rank = 1
+
+    def __init__(self, values: Params) -> None:
+        P.check_params(values, name="Diagonal values")
+        self.values: dict[str, Tensor] = dict(values)
+        self._layout = P.layout_of(self.values)
+
+    def __repr__(self) -> str:
+        return f"Diagonal({len(self.values)} tensors, {P.numel(self.values)} values)"
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def _check(self, v: Params) -> None:
+        P.check_compatible(self.values, v, ref_name="the curvature", name="the vector")
+
+    def mv(self, v: Params) -> dict[str, Tensor]:
+        self._check(v)
+        return {k: self.values[k] * v[k] for k in self.values}
+
+    def solve(self, v: Params) -> dict[str, Tensor]:
+        self._check(v)
+        for k, d in self.values.items():
+            if not bool((d > 0).all()):
+                bad = int((d <= 0).sum())
+                raise not_pd(
+                    "diagonal system",
+                    f"{bad} of {d.numel()} entries of {k!r} are ≤ 0, smallest {float(d.min()):.3e}",
+                )
+        return {k: v[k] / self.values[k] for k in self.values}
+
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Diagonal:
+        return Diagonal({k: d.to(device=device, dtype=dtype) for k, d in self.values.items()})
+
+    def scaled(self, c: float) -> Diagonal:
+        return Diagonal({k: c * d for k, d in self.values.items()})
+
+    def min_eigenvalue(self) -> float:
+        return min(float(d.min()) for d in self.values.values())
+
+    def _scale(self) -> float:
+        return max(float(d.abs().max()) for d in self.values.values())
+
+    def _dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        d = next(iter(self.values.values()))
+        return d.dtype, d.device
+
+    def _like(self) -> dict[str, Tensor]:
+        return self.values
+
+    def _add_same(self, other: Diagonal) -> Diagonal:
+        P.check_compatible(self.values, other.values, ref_name="Diagonal", name="Diagonal")
+        return Diagonal(P.add(self.values, other.values))
+
+    def _promote(self, other: Curvature) -> Diagonal:
+        if not isinstance(other, ScaledIdentity):
+            raise TypeError(f"cannot express {type(other).__name__} as a Diagonal")
+        return Diagonal({k: torch.full_like(d, other.delta) for k, d in self.values.items()})

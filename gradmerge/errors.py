@@ -1,0 +1,31 @@
+"""Typed errors. Every message says what was expected, what came, and how to fix it."""
+
+from __future__ import annotations
+
+
+class GradmergeError(Exception):
+    """Base class of every error gradmerge raises on bad input."""
+
+
+class StructureError(GradmergeError, ValueError):
+    """Parameter dicts or curvatures whose keys or shapes do not match."""
+
+
+class DTypeError(GradmergeError, TypeError):
+    """A tensor of the wrong (or of a mixed) floating-point dtype."""
+
+
+class DeviceError(GradmergeError, ValueError):
+    """Tensors that live on different devices."""
+
+
+class NonFiniteError(GradmergeError, ValueError):
+    """A NaN or an infinity in an input."""
+
+
+class NotPositiveDefiniteError(GradmergeError, ValueError):
+    """A system that must be solved is singular or not positive definite."""
+
+
+class ArgumentError(GradmergeError, ValueError):
+    """An argument of the right type but an unusable value (e.g. a wrong number of alphas)."""

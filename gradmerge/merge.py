@@ -1,0 +1,248 @@
+"""Merge and removal rules, each written once against the :class:`Curvature` interface.
+
+Notation (Daheim et al., ICLR 2024, appendix) → arguments:
+
+==============================  ==================  =============================================
+paper                           code                meaning
+==============================  ==================  =============================================
+θ_LLM                           ``base``            pretrained parameters
+θ_t                             ``finetuned[t]``    parameters fine-tuned on task t
+H_0                             ``prior``           prior precision around ``base`` (float δ: δ·I)
+H_t                             ``curvatures[t]``   task t's curvature, a SUM over its examples
+α_t                             ``alphas[t]``       task weights
+H̄ = H_0 + Σ_t α_t H_t                               merged precision
+H̄_\\t = δI + ∇²ℓ̄_\\t(θ_LLM)      ``remaining``       curvature of the data that stays (removal)
+∇ℓ̄_t(θ_LLM)                     ``gradient``        gradient of the data to remove, at the base
+==============================  ==================  =============================================
+
+Task arithmetic (H_t = 0) and Fisher averaging (H_0 = 0) are the merge rule of Eq. 6 with those
+inputs; they are implemented as exactly that, so every method shares one code path.
+
+The functions are pure: parameter dicts and curvatures in, a new parameter dict out; no I/O, no
+device moves. Inputs are validated (keys, shapes, dtypes, devices, finiteness, PSD curvatures);
+errors are typed (:mod:`gradmerge.errors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from gradmerge import params as P
+from gradmerge.curvature import Curvature, ScaledIdentity
+from gradmerge.errors import ArgumentError
+from gradmerge.params import Params
+
+CurvatureLike = Curvature | float
+"""A curvature operator, or a float δ meaning δ·I."""
+
+
+def task_arithmetic(
+    base: Params, finetuned: Sequence[Params], *, alphas: float | Sequence[float] = 1.0
+) -> dict[str, Tensor]:
+    r"""Task arithmetic: θ_TA = θ_LLM + Σ_t α_t (θ_t − θ_LLM)  (Eq. 2, first term).
+
+    Implemented as Eq. 6 with H_t = 0 and H_0 = I, which reduces to this closed form exactly.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> base = {"w": torch.zeros(2)}
+        >>> gm.task_arithmetic(base, [{"w": torch.ones(2)}, {"w": 3 * torch.ones(2)}], alphas=0.5)
+        {'w': tensor([2., 2.])}
+    """
+    zero = ScaledIdentity(0.0)
+    return gradient_matching(base, finetuned, [zero] * len(finetuned), prior=1.0, alphas=alphas)
+
+
+def fisher_average(
+    finetuned: Sequence[Params],
+    curvatures: Sequence[Curvature],
+    *,
+    alphas: float | Sequence[float] = 1.0,
+) -> dict[str, Tensor]:
+    r"""Fisher-weighted averaging: θ = (Σ_t α_t H_t)⁻¹ Σ_t α_t H_t θ_t  (Matena & Raffel, 2022).
+
+    Implemented as Eq. 6 with H_0 = 0 (and θ_LLM = 0, on which the result then does not depend).
+    Σ_t α_t H_t must be positive definite; with diagonal Fishers that have zero entries, damp them
+    (``curvature + 1e-8``) or use :func:`gradient_matching` with a small prior.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> F1, F2 = gm.Diagonal({"w": torch.tensor([1.0])}), gm.Diagonal({"w": torch.tensor([3.0])})
+        >>> gm.fisher_average([{"w": torch.tensor([0.0])}, {"w": torch.tensor([4.0])}], [F1, F2])
+        {'w': tensor([3.])}
+    """
+    if len(finetuned) == 0:
+        raise ArgumentError("fisher_average needs at least one fine-tuned model, got none")
+    origin = P.zeros_like(finetuned[0])
+    return gradient_matching(origin, finetuned, curvatures, prior=0.0, alphas=alphas)
+
+
+def gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[CurvatureLike],
+    *,
+    prior: CurvatureLike,
+    alphas: float | Sequence[float] = 1.0,
+) -> dict[str, Tensor]:
+    r"""The uncertainty-based gradient-matching merge (Eq. 6).
+
+    .. math::
+
+        \hat\theta_{1:T} = \theta_{LLM} + \bar H^{-1} \sum_t \alpha_t (H_0 + H_t)(\theta_t - \theta_{LLM}),
+        \qquad \bar H = H_0 + \sum_t \alpha_t H_t .
+
+    It is exact (equals the multi-task MAP θ_{1:T}) when every loss is quadratic with Hessian
+    H_t, and otherwise a first-order correction of task arithmetic for the gradient mismatch of
+    Eq. 2.
+
+    Args:
+        base: θ_LLM.
+        finetuned: θ_1, …, θ_T, each with the keys and shapes of ``base``.
+        curvatures: H_1, …, H_T (SUM over each task's examples), or floats (δ·I).
+        prior: H_0, the precision of the prior around ``base`` (a curvature, or a float δ: δ·I).
+        alphas: one α for all tasks, or one per task.
+
+    Returns:
+        The merged parameters, a new dict with the keys of ``base``.
+
+    Raises:
+        StructureError, DTypeError, DeviceError, NonFiniteError: inputs that do not fit together.
+        NotPositiveDefiniteError: a curvature that is not PSD, or H̄ singular (add damping to H_0).
+        ArgumentError: a wrong number of curvatures or alphas.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> base = {"w": torch.zeros(2)}
+        >>> fts = [{"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([0.0, 1.0])}]
+        >>> Hs = [gm.Diagonal({"w": torch.tensor([9.0, 0.0])}), gm.Diagonal({"w": torch.tensor([0.0, 9.0])})]
+        >>> gm.gradient_matching(base, fts, Hs, prior=1.0)
+        {'w': tensor([1., 1.])}
+    """
+    tasks = len(finetuned)
+    if tasks == 0:
+        raise ArgumentError("gradient_matching needs at least one fine-tuned model, got none")
+    if len(curvatures) != tasks:
+        raise ArgumentError(
+            f"got {tasks} fine-tuned models but {len(curvatures)} curvatures: pass one per model"
+        )
+    weights = _alphas(alphas, tasks)
+    P.check_params(base, name="base")
+    task_vectors = [
+        _task_vector(base, ft, name=f"finetuned[{t}]") for t, ft in enumerate(finetuned)
+    ]
+    h0 = _curvature(prior, base, name="prior")
+    hs = [_curvature(c, base, name=f"curvatures[{t}]") for t, c in enumerate(curvatures)]
+
+    merged_precision = h0  # H̄ = H_0 + Σ_t α_t H_t
+    rhs = P.zeros_like(base)  # Σ_t α_t (H_0 + H_t)(θ_t − θ_LLM)
+    for alpha, h, tau in zip(weights, hs, task_vectors, strict=True):
+        merged_precision = merged_precision + alpha * h
+        rhs = P.axpy(alpha, P.add(h0.mv(tau), h.mv(tau)), rhs)
+    return P.add(base, merged_precision.solve(rhs))  # Eq. 6
+
+
+def remove(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    *,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float = 1.0,
+) -> dict[str, Tensor]:
+    r"""Remove data (or a task) D_t from a model by gradient matching (Eq. 13).
+
+    .. math::
+
+        \hat\theta_{\setminus t} = \theta_{LLM}
+            - \alpha_t \bar H_{\setminus t}^{-1} (H_0 + H_t)(\theta_t - \theta_{LLM}),
+
+    where θ_t was fine-tuned on D_t from θ_LLM with prior precision H_0 (Eq. 15), H_t is the
+    curvature of D_t, and α_t the weight D_t had in θ_LLM's training loss (Eq. 9). Exact for
+    linear regression, where it reproduces Cook's formula (Eq. 14–16).
+
+    Args:
+        base: θ_LLM, trained on all data including D_t.
+        finetuned: θ_t.
+        curvature: H_t (SUM over D_t's examples), or a float (δ·I).
+        remaining: H̄_\t = δI + ∇²ℓ̄_\t(θ_LLM), the curvature at ``base`` of the data that stays,
+            INCLUDING the base model's own regulariser δ·I (``C_remaining + delta``).
+        prior: H_0 used when fine-tuning θ_t.
+        alpha: α_t.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> base, ft = {"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}
+        >>> gm.remove(base, ft, gm.Diagonal({"w": torch.tensor([1.0])}), remaining=4.0, prior=1.0)
+        {'w': tensor([0.5000])}
+    """
+    P.check_params(base, name="base")
+    tau = _task_vector(base, finetuned, name="finetuned")
+    h0 = _curvature(prior, base, name="prior")
+    ht = _curvature(curvature, base, name="curvature")
+    rest = _curvature(remaining, base, name="remaining")
+    correction = rest.solve(P.add(h0.mv(tau), ht.mv(tau)))
+    return P.axpy(-float(alpha), correction, base)  # Eq. 13
+
+
+def influence_remove(
+    base: Params, gradient: Params, *, remaining: CurvatureLike, alpha: float = 1.0
+) -> dict[str, Tensor]:
+    r"""Remove data D_t with the influence-function step of Koh & Liang (2017) (Sec. 1.4).
+
+    .. math::
+
+        \hat\theta_{\setminus t} = \theta_{LLM} + \alpha_t \bar H_{\setminus t}^{-1} g_t,
+        \qquad g_t = \nabla \bar\ell_t(\theta_{LLM}).
+
+    The appendix prints it without α_t (the case α_t = 1); the α_t follows from Eq. 11 without
+    the Taylor step of Eq. 12 (see ERRATA.md). Exact for linear regression.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> gm.influence_remove({"w": torch.tensor([1.0])}, {"w": torch.tensor([-2.0])}, remaining=4.0)
+        {'w': tensor([0.5000])}
+    """
+    P.check_params(base, name="base")
+    P.check_params(gradient, name="gradient")
+    P.check_compatible(base, gradient, ref_name="base", name="gradient")
+    rest = _curvature(remaining, base, name="remaining")
+    return P.axpy(float(alpha), rest.solve(gradient), base)
+
+
+# ----- input handling shared by the rules ------------------------------------------------------
+def _alphas(alphas: float | Sequence[float], tasks: int) -> list[float]:
+    if isinstance(alphas, (int, float)):
+        values = [float(alphas)] * tasks
+    else:
+        values = [float(a) for a in alphas]
+        if len(values) != tasks:
+            raise ArgumentError(
+                f"got {len(values)} alphas for {tasks} fine-tuned models: pass one α per model, "
+                "or a single float for all"
+            )
+    bad = [a for a in values if a != a or a in (float("inf"), float("-inf"))]
+    if bad:
+        raise ArgumentError(f"alphas must be finite, got {values}")
+    return values
+
+
+def _task_vector(base: Params, finetuned: Params, *, name: str) -> dict[str, Tensor]:
+    P.check_params(finetuned, name=name)
+    P.check_compatible(base, finetuned, ref_name="base", name=name)
+    return P.sub(finetuned, base)
+
+
+def _curvature(value: CurvatureLike, base: Params, *, name: str) -> Curvature:
+    if isinstance(value, bool) or not isinstance(value, (Curvature, int, float)):
+        raise TypeError(
+            f"{name} must be a curvature (gm.Diagonal, gm.Dense, ...) or a float δ meaning δ·I, "
+            f"got {type(value).__name__}"
+        )
+    curvature = ScaledIdentity(float(value)) if isinstance(value, (int, float)) else value
+    curvature.check_covers(base, name=name)
+    curvature.check_psd(name=name)
+    return curvature
