@@ -1,0 +1,1 @@
+"""Exact reference models and derivation checks of the appendix (the theory testbed)."""
