@@ -5,7 +5,7 @@ Matching", ICLR 2024. See DESIGN.md for the map from the paper's notation to the
 """
 
 from gradmerge import params
-from gradmerge.curvature import Curvature, Dense, Diagonal, ScaledIdentity
+from gradmerge.curvature import KFAC, Blocks, Curvature, Dense, Diagonal, ScaledIdentity, SolveInfo
 from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
 from gradmerge.errors import (
     ArgumentError,
@@ -38,6 +38,9 @@ __all__ = [
     "ScaledIdentity",
     "Diagonal",
     "Dense",
+    "KFAC",
+    "Blocks",
+    "SolveInfo",
     # diagnostics (Eq. 2)
     "gradient_mismatch",
     "GradientMismatch",

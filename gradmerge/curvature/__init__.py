@@ -1,8 +1,10 @@
 """Curvature operators: one file per structure, all behind :class:`Curvature`."""
 
 from gradmerge.curvature.base import Curvature
+from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.dense import Dense
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
+from gradmerge.curvature.kfac import KFAC, SolveInfo
 
-__all__ = ["Curvature", "Dense", "Diagonal", "ScaledIdentity"]
+__all__ = ["KFAC", "Blocks", "Curvature", "Dense", "Diagonal", "ScaledIdentity", "SolveInfo"]

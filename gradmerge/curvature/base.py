@@ -77,7 +77,11 @@ class Curvature(ABC):
         if not isinstance(other, Curvature):
             return NotImplemented
         high, low = (self, other) if self.rank >= other.rank else (other, self)
-        if low.layout is not None and high.layout is not None and low.layout != high.layout:
+        if (
+            low.layout is not None
+            and high.layout is not None
+            and dict(low.layout) != dict(high.layout)
+        ):
             raise StructureError(
                 "cannot add curvatures over different parameters: "
                 f"{_describe(high.layout)} vs {_describe(low.layout)}"

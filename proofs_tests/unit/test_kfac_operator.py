@@ -1,0 +1,175 @@
+"""The K-FAC operator against dense Kronecker products built independently with torch.kron."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gradmerge as gm
+from gradmerge import params as P
+from proofs_tests.reference import random_spd
+
+DT = torch.float64
+
+
+def _spd(rng, n, cond=10.0, rank=None):
+    m = random_spd(rng, n, cond)
+    if rank is not None:  # PSD of the given rank
+        w, q = np.linalg.eigh(m)
+        w[: n - rank] = 0.0
+        m = (q * w) @ q.T
+    return torch.as_tensor((m + m.T) / 2, dtype=DT)
+
+
+def _layers(rng):
+    """1–2 layers with random (out, in) and bias flags."""
+    layers = {}
+    for i in range(int(rng.integers(1, 3))):
+        layers[f"l{i}"] = (int(rng.integers(1, 4)), int(rng.integers(1, 4)), bool(rng.integers(0, 2)))
+    return layers
+
+
+def _kron_dense(layers, terms_per_layer):
+    """The dense matrix of Σ_k A_k ⊗ G_k in gradmerge's flattening order (weight, then bias)."""
+    blocks = []
+    for name, (out, n_in, bias) in layers.items():
+        cols = n_in + bias
+        mat = sum(torch.kron(g, a) for a, g in terms_per_layer[name])  # row-major vec of [V | b]
+        # permutation from row-major [V | b] to (V row-major, then b)
+        idx = [o * cols + i for o in range(out) for i in range(n_in)]
+        idx += [o * cols + n_in for o in range(out)] if bias else []
+        blocks.append(mat[idx][:, idx])
+    return torch.block_diag(*blocks)
+
+
+def _kfac(rng, layers, terms, singular=False):
+    factors, biases = {}, []
+    for name, (out, n_in, bias) in layers.items():
+        k = n_in + bias
+        factors[name] = [
+            (_spd(rng, k, rank=max(1, k - 1) if singular else None), _spd(rng, out)) for _ in range(terms)
+        ]
+        if bias:
+            biases.append(name)
+    return gm.KFAC(factors, bias=biases), factors
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 4), st.floats(0.0, 2.0))
+def test_mv_and_solve_match_dense_kronecker(seed, terms, delta):
+    rng = np.random.default_rng(seed)
+    layers = _layers(rng)
+    k, factors = _kfac(rng, layers, terms)
+    op = k + delta if delta > 0 else k
+    ref = _kron_dense(layers, factors) + delta * torch.eye(P.numel(k._like()), dtype=DT)
+    v = {n: torch.as_tensor(rng.standard_normal(s), dtype=DT) for n, s in k.layout}
+    flat = P.flatten(v, k.layout)
+    np.testing.assert_allclose(P.flatten(op.mv(v), k.layout), ref @ flat, rtol=1e-12, atol=1e-12)
+    x, info = op.solve_info(v)
+    expected = torch.linalg.solve(ref, flat)
+    assert float(torch.linalg.norm(P.flatten(x, k.layout) - expected)) <= 1e-8 * float(
+        torch.linalg.norm(expected)
+    )
+    assert info.max_residual <= 1e-9
+    n_terms = terms + (delta > 0)
+    assert all(m.startswith(f"{n_terms}-term") for m in info.method.values())
+
+
+def test_singular_factor_with_damping_is_solved_exactly():
+    """A rank-deficient A (e.g. fewer examples than inputs) plus δ·I: the two-term path."""
+    rng = np.random.default_rng(0)
+    layers = {"fc": (3, 4, True)}
+    k, factors = _kfac(rng, layers, 1, singular=True)
+    with pytest.raises(gm.NotPositiveDefiniteError, match="δ"):
+        k.solve({n: torch.ones(s, dtype=DT) for n, s in k.layout})
+    op = k + 1e-3
+    v = {n: torch.ones(s, dtype=DT) for n, s in k.layout}
+    ref = _kron_dense(layers, factors) + 1e-3 * torch.eye(15, dtype=DT)
+    got = P.flatten(op.solve(v), k.layout)
+    np.testing.assert_allclose(got, torch.linalg.solve(ref, P.flatten(v, k.layout)), rtol=1e-8)
+
+
+def test_scaling_sum_and_dense_helper():
+    rng = np.random.default_rng(1)
+    layers = {"a": (2, 3, False)}
+    k1, f1 = _kfac(rng, layers, 1)
+    k2, f2 = _kfac(rng, layers, 1)
+    combo = 0.5 * k1 + k2 * 2.0
+    ref = 0.5 * _kron_dense(layers, f1) + 2.0 * _kron_dense(layers, f2)
+    np.testing.assert_allclose(combo.dense(), ref, atol=1e-12)
+    assert combo.min_eigenvalue() > 0
+
+
+def test_merge_with_kfac_equals_dense_solve_of_eq6():
+    """gradient_matching with K-FAC curvatures equals Eq. 6 solved with the dense matrices."""
+    rng = np.random.default_rng(2)
+    layers = {"fc": (3, 2, True), "out": (2, 3, False)}
+    ks, dense = [], []
+    for _ in range(3):
+        k, f = _kfac(rng, layers, 1)
+        ks.append(k)
+        dense.append(_kron_dense(layers, f))
+    lay = ks[0].layout
+    n = sum(s.numel() for _, s in lay)
+    base = torch.as_tensor(rng.standard_normal(n), dtype=DT)
+    fts = [base + torch.as_tensor(rng.standard_normal(n), dtype=DT) for _ in ks]
+    alphas, delta = [0.5, 1.0, 1.5], 0.1
+    got = gm.gradient_matching(
+        P.unflatten(base, lay), [P.unflatten(f, lay) for f in fts], ks, prior=delta, alphas=alphas
+    )
+    hbar = delta * torch.eye(n, dtype=DT) + sum(a * h for a, h in zip(alphas, dense, strict=True))
+    rhs = sum(
+        a * (delta * torch.eye(n, dtype=DT) + h) @ (f - base)
+        for a, h, f in zip(alphas, dense, fts, strict=True)
+    )
+    expected = base + torch.linalg.solve(hbar, rhs)
+    assert float(torch.linalg.norm(P.flatten(got, lay) - expected)) <= 1e-8 * float(
+        torch.linalg.norm(expected)
+    )
+
+
+def test_bad_factors():
+    with pytest.raises(gm.StructureError, match="square"):
+        gm.KFAC({"fc": (torch.ones(2, 3), torch.eye(2))})
+    with pytest.raises(gm.StructureError, match="bias names modules without factors"):
+        gm.KFAC({"fc": (torch.eye(2), torch.eye(2))}, bias=["other"])
+    with pytest.raises(gm.NonFiniteError):
+        gm.KFAC({"fc": (torch.full((2, 2), float("nan")), torch.eye(2))})
+    k = gm.KFAC({"fc": (torch.eye(2), torch.eye(2))})
+    with pytest.raises(TypeError, match="gm.Blocks"):
+        _ = k + gm.Diagonal({"fc.weight": torch.ones(2, 2)})
+    with pytest.raises(gm.StructureError):
+        k.mv({"fc.weight": torch.ones(3, 2)})
+
+
+def test_blocks_match_block_diagonal_dense():
+    """K-FAC for one layer, Dense for a second, Diagonal for a third: a block-diagonal matrix."""
+    rng = np.random.default_rng(3)
+    layers = {"fc": (2, 3, True)}
+    k, f = _kfac(rng, layers, 1)
+    dense_like = {"emb": torch.zeros(2, 2, dtype=DT)}
+    m = _spd(rng, 4)
+    d = torch.as_tensor(rng.uniform(0.5, 2.0, 3), dtype=DT)
+    blocks = gm.Blocks([k, gm.Dense(m, dense_like), gm.Diagonal({"norm": d})])
+    ref = torch.block_diag(_kron_dense(layers, f), m, torch.diag(d))
+    lay = blocks.layout
+    v = {n: torch.as_tensor(rng.standard_normal(s), dtype=DT) for n, s in lay}
+    for op, mat in ((blocks, ref), (0.5 * blocks + 0.1, 0.5 * ref + 0.1 * torch.eye(len(ref), dtype=DT))):
+        np.testing.assert_allclose(P.flatten(op.mv(v), lay), mat @ P.flatten(v, lay), atol=1e-12)
+        np.testing.assert_allclose(
+            P.flatten(op.solve(v), lay), torch.linalg.solve(mat, P.flatten(v, lay)), rtol=1e-9
+        )
+    twice = blocks + blocks  # same partition: block by block, K-FAC keeps two exact terms
+    np.testing.assert_allclose(twice.dense(), 2 * ref, atol=1e-12)
+
+
+def test_blocks_reject_overlap_and_mismatched_partitions():
+    d = gm.Diagonal({"a": torch.ones(2)})
+    with pytest.raises(gm.StructureError, match="in blocks 0 and 1"):
+        gm.Blocks([d, d])
+    with pytest.raises(gm.StructureError, match="covers no particular parameters"):
+        gm.Blocks([gm.ScaledIdentity(1.0)])
+    b1 = gm.Blocks([gm.Diagonal({"a": torch.ones(2)}), gm.Diagonal({"b": torch.ones(2)})])
+    b2 = gm.Blocks([gm.Diagonal({"a": torch.ones(2), "b": torch.ones(2)})])
+    with pytest.raises(gm.StructureError, match="different parameter sets"):
+        _ = b1 + b2
