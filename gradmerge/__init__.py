@@ -5,7 +5,16 @@ Matching", ICLR 2024. See DESIGN.md for the map from the paper's notation to the
 """
 
 from gradmerge import params
-from gradmerge.curvature import KFAC, Blocks, Curvature, Dense, Diagonal, ScaledIdentity, SolveInfo
+from gradmerge.curvature import (
+    KFAC,
+    Blocks,
+    Curvature,
+    Dense,
+    Diagonal,
+    ScaledIdentity,
+    SolveInfo,
+    Sum,
+)
 from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
 from gradmerge.errors import (
     ArgumentError,
@@ -40,6 +49,7 @@ __all__ = [
     "Dense",
     "KFAC",
     "Blocks",
+    "Sum",
     "SolveInfo",
     # diagnostics (Eq. 2)
     "gradient_mismatch",

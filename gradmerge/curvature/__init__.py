@@ -6,5 +6,6 @@ from gradmerge.curvature.dense import Dense
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.curvature.kfac import KFAC, SolveInfo
+from gradmerge.curvature.lazy import Sum
 
-__all__ = ["KFAC", "Blocks", "Curvature", "Dense", "Diagonal", "ScaledIdentity", "SolveInfo"]
+__all__ = ["KFAC", "Blocks", "Curvature", "Dense", "Diagonal", "ScaledIdentity", "SolveInfo", "Sum"]

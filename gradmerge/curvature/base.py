@@ -22,6 +22,10 @@ from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureE
 from gradmerge.params import Layout, Params
 
 
+class IncompatibleStructures(TypeError):
+    """Raised by ``_promote`` when one structure cannot hold another exactly (internal)."""
+
+
 class Curvature(ABC):
     """A symmetric PSD linear operator over a parameter dict.
 
@@ -86,9 +90,16 @@ class Curvature(ABC):
                 "cannot add curvatures over different parameters: "
                 f"{_describe(high.layout)} vs {_describe(low.layout)}"
             )
-        if low.rank < high.rank:
-            low = high._promote(low)
-        return high._add_same(low)
+        try:
+            if low.rank < high.rank:
+                low = high._promote(low)
+            return high._add_same(low)
+        except (
+            IncompatibleStructures
+        ):  # no structure holds both exactly: keep them as a lazy exact sum
+            from gradmerge.curvature.lazy import Sum
+
+            return Sum([high, low])
 
     __radd__ = __add__
 

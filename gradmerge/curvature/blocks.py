@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradmerge.curvature.base import Curvature
+from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
@@ -126,7 +126,7 @@ def _restrict(other: Curvature, keys: dict, layout: dict) -> Curvature:
 
     if isinstance(other, Diagonal):
         return Diagonal({k: other.values[k] for k in keys})
-    raise TypeError(
+    raise IncompatibleStructures(
         f"cannot split a {type(other).__name__} curvature into blocks: it couples parameters of "
         "different blocks; add curvatures of the same block structure instead"
     )

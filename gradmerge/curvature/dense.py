@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature.base import Curvature, not_pd
+from gradmerge.curvature.base import Curvature, IncompatibleStructures, not_pd
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
@@ -112,5 +112,5 @@ class Dense(Curvature):
             P.check_compatible(self._like(), other.values, ref_name="Dense", name="Diagonal")
             diag = P.flatten(other.values, self._layout)
         else:
-            raise TypeError(f"cannot express {type(other).__name__} as a Dense matrix")
+            raise IncompatibleStructures(f"cannot express {type(other).__name__} as a Dense matrix")
         return Dense(torch.diag(diag), self._like())

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature.base import Curvature, not_pd
+from gradmerge.curvature.base import Curvature, IncompatibleStructures, not_pd
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.params import Layout, Params
 
@@ -86,5 +86,5 @@ class Diagonal(Curvature):
 
     def _promote(self, other: Curvature) -> Diagonal:
         if not isinstance(other, ScaledIdentity):
-            raise TypeError(f"cannot express {type(other).__name__} as a Diagonal")
+            raise IncompatibleStructures(f"cannot express {type(other).__name__} as a Diagonal")
         return Diagonal({k: torch.full_like(d, other.delta) for k, d in self.values.items()})

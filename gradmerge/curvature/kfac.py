@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature.base import Curvature, not_pd
+from gradmerge.curvature.base import Curvature, IncompatibleStructures, not_pd
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Layout, Params
+from gradmerge.solve import conjugate_gradient
 
 Term = tuple[Tensor, Tensor]
 
@@ -180,46 +181,33 @@ class KFAC(Curvature):
         return tg @ qg @ (y / denom) @ qa.T @ ta.T
 
     def _cg(self, name: str, terms: list[Term], b: Tensor) -> tuple[Tensor, int]:
-        count = len(terms)
-        mean_a = sum((a for a, _ in terms), torch.zeros_like(terms[0][0])) / count
+        """CG preconditioned with the exact solve of (Σ_k A_k / K) ⊗ (Σ_k G_k)."""
+        mean_a = sum((a for a, _ in terms), torch.zeros_like(terms[0][0])) / len(terms)
         sum_g = sum((g for _, g in terms), torch.zeros_like(terms[0][1]))
-        precond = _two_term_factorisation(name, [(mean_a, sum_g)])
-        qa, qg, denom, (ta, tg) = precond
+        qa, qg, denom, (ta, tg) = _two_term_factorisation(name, [(mean_a, sum_g)])
 
-        def apply(x: Tensor) -> Tensor:
-            return sum((g @ x @ a for a, g in terms), torch.zeros_like(x))
+        def apply(v: Params) -> dict[str, Tensor]:
+            return {"x": sum((g @ v["x"] @ a for a, g in terms), torch.zeros_like(v["x"]))}
 
-        def prec(r: Tensor) -> Tensor:
-            y = qg.T @ tg.T @ r @ ta @ qa
-            return tg @ qg @ (y / denom) @ qa.T @ ta.T
+        def precondition(v: Params) -> dict[str, Tensor]:
+            y = qg.T @ tg.T @ v["x"] @ ta @ qa
+            return {"x": tg @ qg @ (y / denom) @ qa.T @ ta.T}
 
-        x = prec(b)
-        r = b - apply(x)
-        z = prec(r)
-        p = z.clone()
-        rz = float(torch.sum(r * z))
-        bn = float(torch.linalg.norm(b)) or 1.0
-        for it in range(1, self.cg_maxiter + 1):
-            if float(torch.linalg.norm(r)) <= self.cg_tol * bn:
-                return x, it - 1
-            kp = apply(p)
-            pkp = float(torch.sum(p * kp))
-            if pkp <= 0:
-                raise not_pd(f"K-FAC system of {name!r}", f"pᵀKp = {pkp:.3e} ≤ 0 in CG")
-            step = rz / pkp
-            x = x + step * p
-            r = r - step * kp
-            z = prec(r)
-            rz_new = float(torch.sum(r * z))
-            p = z + (rz_new / rz) * p
-            rz = rz_new
-        if float(torch.linalg.norm(r)) <= self.cg_tol * bn:
-            return x, self.cg_maxiter
-        raise NotPositiveDefiniteError(
-            f"CG on the K-FAC system of {name!r} did not reach relative residual {self.cg_tol:.1e} "
-            f"in {self.cg_maxiter} iterations (reached {float(torch.linalg.norm(r)) / bn:.1e}); "
-            "add damping or raise cg_maxiter"
+        result = conjugate_gradient(
+            apply,
+            {"x": b},
+            precondition=precondition,
+            tol=self.cg_tol,
+            maxiter=self.cg_maxiter,
+            what=f"the K-FAC system of {name!r}",
         )
+        if not result.converged:
+            raise NotPositiveDefiniteError(
+                f"CG on the K-FAC system of {name!r} stopped at relative residual "
+                f"{result.residual:.1e} after {result.iterations} iterations (tol "
+                f"{self.cg_tol:.1e}); add damping or raise cg_maxiter"
+            )
+        return result.x["x"], result.iterations
 
     # ----- algebra -------------------------------------------------------------------------
     def _new(self, terms: dict[str, list[Term]]) -> KFAC:
@@ -248,7 +236,7 @@ class KFAC(Curvature):
 
     def _promote(self, other: Curvature) -> KFAC:
         if not isinstance(other, ScaledIdentity):
-            raise TypeError(
+            raise IncompatibleStructures(
                 f"cannot add {type(other).__name__} to a KFAC curvature exactly as K-FAC; "
                 "use gm.Blocks to combine structures over disjoint parameters"
             )

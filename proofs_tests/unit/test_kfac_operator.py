@@ -26,7 +26,11 @@ def _layers(rng):
     """1–2 layers with random (out, in) and bias flags."""
     layers = {}
     for i in range(int(rng.integers(1, 3))):
-        layers[f"l{i}"] = (int(rng.integers(1, 4)), int(rng.integers(1, 4)), bool(rng.integers(0, 2)))
+        layers[f"l{i}"] = (
+            int(rng.integers(1, 4)),
+            int(rng.integers(1, 4)),
+            bool(rng.integers(0, 2)),
+        )
     return layers
 
 
@@ -48,7 +52,8 @@ def _kfac(rng, layers, terms, singular=False):
     for name, (out, n_in, bias) in layers.items():
         k = n_in + bias
         factors[name] = [
-            (_spd(rng, k, rank=max(1, k - 1) if singular else None), _spd(rng, out)) for _ in range(terms)
+            (_spd(rng, k, rank=max(1, k - 1) if singular else None), _spd(rng, out))
+            for _ in range(terms)
         ]
         if bias:
             biases.append(name)
@@ -136,8 +141,6 @@ def test_bad_factors():
     with pytest.raises(gm.NonFiniteError):
         gm.KFAC({"fc": (torch.full((2, 2), float("nan")), torch.eye(2))})
     k = gm.KFAC({"fc": (torch.eye(2), torch.eye(2))})
-    with pytest.raises(TypeError, match="gm.Blocks"):
-        _ = k + gm.Diagonal({"fc.weight": torch.ones(2, 2)})
     with pytest.raises(gm.StructureError):
         k.mv({"fc.weight": torch.ones(3, 2)})
 
@@ -154,7 +157,10 @@ def test_blocks_match_block_diagonal_dense():
     ref = torch.block_diag(_kron_dense(layers, f), m, torch.diag(d))
     lay = blocks.layout
     v = {n: torch.as_tensor(rng.standard_normal(s), dtype=DT) for n, s in lay}
-    for op, mat in ((blocks, ref), (0.5 * blocks + 0.1, 0.5 * ref + 0.1 * torch.eye(len(ref), dtype=DT))):
+    for op, mat in (
+        (blocks, ref),
+        (0.5 * blocks + 0.1, 0.5 * ref + 0.1 * torch.eye(len(ref), dtype=DT)),
+    ):
         np.testing.assert_allclose(P.flatten(op.mv(v), lay), mat @ P.flatten(v, lay), atol=1e-12)
         np.testing.assert_allclose(
             P.flatten(op.solve(v), lay), torch.linalg.solve(mat, P.flatten(v, lay)), rtol=1e-9
@@ -173,3 +179,24 @@ def test_blocks_reject_overlap_and_mismatched_partitions():
     b2 = gm.Blocks([gm.Diagonal({"a": torch.ones(2), "b": torch.ones(2)})])
     with pytest.raises(gm.StructureError, match="different parameter sets"):
         _ = b1 + b2
+
+
+def test_sum_of_kfac_and_diagonal_is_lazy_and_solved_by_cg():
+    """No structure holds K-FAC + diagonal exactly: the sum stays lazy and CG solves it."""
+    rng = np.random.default_rng(4)
+    layers = {"fc": (3, 2, True)}
+    k, f = _kfac(rng, layers, 2)
+    d = {n: torch.as_tensor(rng.uniform(0.1, 1.0, s), dtype=DT) for n, s in k.layout}
+    s = k + gm.Diagonal(d) + 0.01
+    assert isinstance(s, gm.Sum)
+    lay = k.layout
+    ref = _kron_dense(layers, f) + torch.diag(P.flatten(d, lay)) + 0.01 * torch.eye(9, dtype=DT)
+    np.testing.assert_allclose(s.dense(), ref, atol=1e-12)
+    v = {n: torch.as_tensor(rng.standard_normal(sh), dtype=DT) for n, sh in lay}
+    np.testing.assert_allclose(
+        P.flatten(s.solve(v), lay), torch.linalg.solve(ref, P.flatten(v, lay)), rtol=1e-8
+    )
+    assert s.last_solve is not None and s.last_solve.converged and s.last_solve.residual <= 1e-10
+    bad = gm.Sum([k, gm.Diagonal({n: -10 * torch.ones(sh, dtype=DT) for n, sh in lay})])
+    with pytest.raises(gm.NotPositiveDefiniteError, match="pᵀKp"):
+        bad.solve(v)

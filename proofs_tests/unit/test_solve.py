@@ -1,0 +1,41 @@
+"""Conjugate gradients over parameter dicts against numpy's dense solve."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gradmerge as gm
+from gradmerge import params as P
+from gradmerge.solve import conjugate_gradient
+from proofs_tests.reference import like_params, random_layout, random_spd
+
+
+@given(st.integers(0, 2**31 - 1), st.floats(0, 4), st.booleans())
+def test_cg_matches_dense_solve(seed, log_cond, precondition):
+    rng = np.random.default_rng(seed)
+    like = random_layout(rng)
+    n = P.numel(like)
+    m = random_spd(rng, n, 10**log_cond)
+    op = gm.Dense(torch.as_tensor(m), like)
+    b = like_params(like, rng.standard_normal(n))
+    diag = gm.Diagonal(like_params(like, np.diag(m).copy()))
+    result = conjugate_gradient(op.mv, b, precondition=diag.solve if precondition else None)
+    assert result.converged and result.residual <= 1e-10
+    expected = np.linalg.solve(m, P.flatten(b).numpy())
+    np.testing.assert_allclose(P.flatten(result.x).numpy(), expected, rtol=1e-6, atol=1e-9)
+
+
+def test_cg_reports_non_convergence_and_negative_curvature():
+    like = {"w": torch.zeros(50, dtype=torch.float64)}
+    m = np.diag(np.logspace(0, 8, 50))
+    op = gm.Dense(torch.as_tensor(m), like)
+    b = {"w": torch.ones(50, dtype=torch.float64)}
+    result = conjugate_gradient(op.mv, b, maxiter=3)
+    assert not result.converged and result.iterations == 3 and result.residual > 1e-10
+    neg = gm.Dense(torch.as_tensor(-np.eye(50)), like)
+    with pytest.raises(gm.NotPositiveDefiniteError, match="pᵀKp"):
+        conjugate_gradient(neg.mv, b)
+    zero = conjugate_gradient(op.mv, {"w": torch.zeros(50, dtype=torch.float64)})
+    assert zero.converged and zero.iterations == 0
