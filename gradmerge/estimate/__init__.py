@@ -1,0 +1,1 @@
+"""Curvature estimators over (model, data, loss)."""
