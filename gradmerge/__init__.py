@@ -25,6 +25,7 @@ from gradmerge.errors import (
     NotPositiveDefiniteError,
     StructureError,
 )
+from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.merge import (
     fisher_average,
     gradient_matching,
@@ -50,6 +51,7 @@ __all__ = [
     "KFAC",
     "Blocks",
     "Sum",
+    "MatrixFree",
     "SolveInfo",
     # diagnostics (Eq. 2)
     "gradient_mismatch",

@@ -15,7 +15,7 @@ from gradmerge.estimate._data import Inputs, Loss, forward, per_example_loss
 
 def trainable(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, Tensor]:
     """The parameters curvature is estimated for: all trainable ones, or the named subset."""
-    all_params = dict(model.named_parameters())
+    all_params: dict[str, Tensor] = dict(model.named_parameters())
     if names is None:
         chosen = {k: v for k, v in all_params.items() if v.requires_grad}
     else:
