@@ -14,12 +14,14 @@ from gradmerge.curvature import (
     ScaledIdentity,
     SolveInfo,
     Sum,
+    load_curvature,
 )
 from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
 from gradmerge.errors import (
     ArgumentError,
     DeviceError,
     DTypeError,
+    FileFormatError,
     GradmergeError,
     NonFiniteError,
     NotPositiveDefiniteError,
@@ -53,6 +55,7 @@ __all__ = [
     "Sum",
     "MatrixFree",
     "SolveInfo",
+    "load_curvature",
     # diagnostics (Eq. 2)
     "gradient_mismatch",
     "GradientMismatch",
@@ -64,6 +67,7 @@ __all__ = [
     "StructureError",
     "DTypeError",
     "DeviceError",
+    "FileFormatError",
     "NonFiniteError",
     "NotPositiveDefiniteError",
     "ArgumentError",

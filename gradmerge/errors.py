@@ -29,3 +29,7 @@ class NotPositiveDefiniteError(GradmergeError, ValueError):
 
 class ArgumentError(GradmergeError, ValueError):
     """An argument of the right type but an unusable value (e.g. a wrong number of alphas)."""
+
+
+class FileFormatError(GradmergeError, ValueError):
+    """A file that is not what it should be: another format, corrupt or truncated."""

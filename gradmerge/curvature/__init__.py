@@ -5,7 +5,19 @@ from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.dense import Dense
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
+from gradmerge.curvature.io import load_curvature, save_curvature
 from gradmerge.curvature.kfac import KFAC, SolveInfo
 from gradmerge.curvature.lazy import Sum
 
-__all__ = ["KFAC", "Blocks", "Curvature", "Dense", "Diagonal", "ScaledIdentity", "SolveInfo", "Sum"]
+__all__ = [
+    "KFAC",
+    "Blocks",
+    "Curvature",
+    "Dense",
+    "Diagonal",
+    "ScaledIdentity",
+    "SolveInfo",
+    "Sum",
+    "load_curvature",
+    "save_curvature",
+]

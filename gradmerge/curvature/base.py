@@ -11,7 +11,9 @@ structures give the richer structure (``ScaledIdentity`` ⊂ ``Diagonal`` ⊂ ``
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,6 +113,19 @@ class Curvature(ABC):
     __rmul__ = __mul__
 
     # ----- conveniences shared by all structures ------------------------------------------
+    @property
+    def meta(self) -> dict[str, str]:
+        """What the estimator recorded (fisher type, loss, number of examples, ...); saved."""
+        if "_meta" not in self.__dict__:
+            self._meta: dict[str, str] = {}
+        return self._meta
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write this curvature to a safetensors file (see :mod:`gradmerge.curvature.io`)."""
+        from gradmerge.curvature.io import save_curvature
+
+        return save_curvature(self, path)
+
     def dense(self, layout: Layout | None = None) -> Tensor:
         """The operator as a dense matrix over the flattened parameters (small models only)."""
         layout = layout if layout is not None else self.layout
