@@ -159,6 +159,8 @@ def _encode(c: Curvature, prefix: str, tensors: dict[str, Tensor]) -> dict[str, 
             "type": "kfac",
             "terms": {n: len(t) for n, t in c.terms.items()},
             "bias": sorted(c.bias),
+            "transposed": sorted(c.transposed),
+            "weight_shapes": {k: list(v) for k, v in c.weight_shapes.items()},
         }
     if isinstance(c, (Blocks, Sum)):
         kind = "blocks" if isinstance(c, Blocks) else "sum"
@@ -189,7 +191,12 @@ def _decode(spec: dict[str, Any], tensors: dict[str, Tensor], prefix: str = "") 
                 ]
                 for n, count in spec["terms"].items()
             }
-            return KFAC(factors, bias=spec["bias"])
+            return KFAC(
+                factors,
+                bias=spec["bias"],
+                transposed=spec["transposed"],
+                weight_shapes={k: tuple(v) for k, v in spec["weight_shapes"].items()},
+            )
         if kind in ("blocks", "sum"):
             parts = [
                 _decode(p, tensors, f"{prefix}{kind}{i}/") for i, p in enumerate(spec["parts"])

@@ -51,6 +51,10 @@ class KFAC(Curvature):
     Args:
         factors: module name → (A, G), or → a list of (A, G) terms (a lazy exact sum).
         bias: names of the modules whose A includes the bias as its last row/column.
+        transposed: modules whose weight is stored as (in, out) — Hugging Face's GPT-2
+            ``Conv1D`` and ``nn.Embedding`` (y = onehot(x) W) — and is transposed to (out, in).
+        weight_shapes: the stored weight shape of modules whose weight is not a matrix, e.g. a
+            ``Conv2d`` weight (out, in, kh, kw), which is viewed as (out, in·kh·kw).
         cg_tol: relative residual at which CG stops (more than two terms per layer).
         cg_maxiter: CG iterations before :class:`NotPositiveDefiniteError`-style failure.
 
@@ -70,15 +74,19 @@ class KFAC(Curvature):
         factors: Mapping[str, Term | list[Term]],
         *,
         bias: Iterable[str] = (),
+        transposed: Iterable[str] = (),
+        weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
         cg_tol: float = 1e-10,
         cg_maxiter: int = 1000,
     ) -> None:
         if not factors:
             raise StructureError("KFAC needs factors for at least one module")
-        self.bias = frozenset(bias)
-        unknown = self.bias - set(factors)
-        if unknown:
-            raise StructureError(f"bias names modules without factors: {sorted(unknown)}")
+        self.bias, self.transposed = frozenset(bias), frozenset(transposed)
+        self.weight_shapes = {k: tuple(v) for k, v in (weight_shapes or {}).items()}
+        for what, names in (("bias", self.bias), ("transposed", self.transposed)):
+            unknown = set(names) - set(factors)
+            if unknown:
+                raise StructureError(f"{what} names modules without factors: {sorted(unknown)}")
         self.terms: dict[str, list[Term]] = {}
         for name, value in factors.items():
             terms = list(value) if isinstance(value, list) else [value]
@@ -113,11 +121,16 @@ class KFAC(Curvature):
         out = []
         for name, terms in self.terms.items():
             a, g = terms[0]
-            n_in = a.shape[0] - (name in self.bias)
-            out.append((f"{name}.weight", torch.Size((g.shape[0], n_in))))
+            out.append((f"{name}.weight", torch.Size(self._weight_shape(name, a, g))))
             if name in self.bias:
                 out.append((f"{name}.bias", torch.Size((g.shape[0],))))
         return tuple(out)
+
+    def _weight_shape(self, name: str, a: Tensor, g: Tensor) -> tuple[int, ...]:
+        if name in self.weight_shapes:
+            return self.weight_shapes[name]
+        n_out, n_in = g.shape[0], a.shape[0] - (name in self.bias)
+        return (n_in, n_out) if name in self.transposed else (n_out, n_in)
 
     def _like(self) -> dict[str, Tensor]:
         a, _ = next(iter(self.terms.values()))[0]
@@ -128,15 +141,18 @@ class KFAC(Curvature):
         return a.dtype, a.device
 
     def _matrix(self, name: str, v: Params) -> Tensor:
-        """[V | b] for layer ``name``."""
+        """[V | b] for layer ``name``, V the weight as an (out, in) matrix."""
         w = v[f"{name}.weight"]
+        w = w.T if name in self.transposed else w.reshape(w.shape[0], -1)
         return torch.cat([w, v[f"{name}.bias"][:, None]], dim=1) if name in self.bias else w
 
     def _split(self, name: str, m: Tensor, out: dict[str, Tensor]) -> None:
+        w = m[:, :-1] if name in self.bias else m
+        a, g = self.terms[name][0]
+        shape = self._weight_shape(name, a, g)
+        out[f"{name}.weight"] = w.T if name in self.transposed else w.reshape(shape)
         if name in self.bias:
-            out[f"{name}.weight"], out[f"{name}.bias"] = m[:, :-1], m[:, -1]
-        else:
-            out[f"{name}.weight"] = m
+            out[f"{name}.bias"] = m[:, -1]
 
     # ----- operator ------------------------------------------------------------------------
     def mv(self, v: Params) -> dict[str, Tensor]:
@@ -211,7 +227,14 @@ class KFAC(Curvature):
 
     # ----- algebra -------------------------------------------------------------------------
     def _new(self, terms: dict[str, list[Term]]) -> KFAC:
-        return KFAC(terms, bias=self.bias, cg_tol=self.cg_tol, cg_maxiter=self.cg_maxiter)
+        return KFAC(
+            terms,
+            bias=self.bias,
+            transposed=self.transposed,
+            weight_shapes=self.weight_shapes,
+            cg_tol=self.cg_tol,
+            cg_maxiter=self.cg_maxiter,
+        )
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -230,7 +253,10 @@ class KFAC(Curvature):
         return self._new({n: [(a, c * g) for a, g in t] for n, t in self.terms.items()})
 
     def _add_same(self, other: KFAC) -> KFAC:
-        if set(self.terms) != set(other.terms) or self.bias != other.bias:
+        if self.layout != other.layout or (self.bias, self.transposed) != (
+            other.bias,
+            other.transposed,
+        ):
             raise StructureError("cannot add K-FAC curvatures over different layers or biases")
         return self._new({n: self.terms[n] + other.terms[n] for n in self.terms})
 

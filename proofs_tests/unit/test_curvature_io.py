@@ -24,6 +24,12 @@ def _curvatures():
         "dense": dense,
         "kfac": kfac,
         "blocks": gm.Blocks([kfac, diag, dense]),
+        "kfac-transposed": gm.KFAC(
+            {"h.c_attn": (spd(3), spd(2)), "conv": (spd(4), spd(2))},
+            bias=["h.c_attn"],
+            transposed=["h.c_attn"],
+            weight_shapes={"conv": (2, 1, 2, 2)},
+        ),
         "sum": kfac
         + gm.Diagonal(
             {"fc.weight": torch.ones(2, 2, dtype=DT), "fc.bias": torch.ones(2, dtype=DT)}

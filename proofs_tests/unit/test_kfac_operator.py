@@ -200,3 +200,28 @@ def test_sum_of_kfac_and_diagonal_is_lazy_and_solved_by_cg():
     bad = gm.Sum([k, gm.Diagonal({n: -10 * torch.ones(sh, dtype=DT) for n, sh in lay})])
     with pytest.raises(gm.NotPositiveDefiniteError, match="pᵀKp"):
         bad.solve(v)
+
+
+def test_transposed_and_convolution_weights():
+    """Conv1D/Embedding weights stored (in, out) and Conv2d weights (out, in, kh, kw)."""
+    rng = np.random.default_rng(5)
+    a, g = _spd(rng, 4), _spd(rng, 3)  # (in + bias) = 4, out = 3
+    lin = gm.KFAC({"m": (a, g)}, bias=["m"])
+    conv1d = gm.KFAC({"m": (a, g)}, bias=["m"], transposed=["m"])
+    conv2d = gm.KFAC({"m": (a, g)}, bias=["m"], weight_shapes={"m": (3, 1, 1, 3)})
+    assert dict(conv1d.layout)["m.weight"] == (3, 3) and dict(conv2d.layout)["m.weight"] == (
+        3,
+        1,
+        1,
+        3,
+    )
+    w, b = torch.as_tensor(rng.standard_normal((3, 3)), dtype=DT), torch.ones(3, dtype=DT)
+    ref = lin.mv({"m.weight": w, "m.bias": b})
+    got_t = conv1d.mv({"m.weight": w.T, "m.bias": b})
+    got_c = conv2d.mv({"m.weight": w.reshape(3, 1, 1, 3), "m.bias": b})
+    torch.testing.assert_close(got_t["m.weight"], ref["m.weight"].T)
+    torch.testing.assert_close(got_c["m.weight"], ref["m.weight"].reshape(3, 1, 1, 3))
+    sol = conv1d.solve({"m.weight": w.T, "m.bias": b})
+    torch.testing.assert_close(
+        sol["m.weight"], lin.solve({"m.weight": w, "m.bias": b})["m.weight"].T
+    )
