@@ -105,8 +105,15 @@ class Layout:
     def dense(self, matrix: Tensor) -> gm.Dense:
         return gm.Dense(matrix, P.unflatten(matrix[0], self.layout))
 
-    def grad_fn(self, grad: Callable[[Tensor], Tensor]) -> gm.GradientFn:
-        return lambda p: self.params(grad(self.flat(p)))
+    def grad_fns(
+        self, gradient: Callable[[int, Tensor], Tensor], tasks: int
+    ) -> list[gm.GradientFn]:
+        """One θ ↦ ∇ℓ̄_t(θ) per task, over parameter dicts, from ``gradient(t, θ_flat)``."""
+
+        def for_task(t: int) -> gm.GradientFn:
+            return lambda p: self.params(gradient(t, self.flat(p)))
+
+        return [for_task(t) for t in range(tasks)]
 
 
 def vector_layout(p: int) -> Layout:

@@ -54,7 +54,7 @@ def eq2_linear(spec: LinearMergeSpec) -> float:
     lay = vector_layout(problem.num_params)
     inputs = _merge_inputs(problem)
     target = problem.target(alphas)
-    grads = [lay.grad_fn(lambda th, t=t: problem.gradient(t, th)) for t in range(problem.num_tasks)]
+    grads = lay.grad_fns(problem.gradient, problem.num_tasks)
     mismatch = gm.gradient_mismatch(
         lay.params(target), inputs["finetuned"], grads, alphas=alphas, prior=inputs["prior"]
     )
@@ -312,46 +312,70 @@ CHECKS: list[NumericCheck] = [
         "eq2", "Eq. 2 (line 8)", "θ_{1:T} = θ_TA − Σα_t H_0⁻¹[mismatch]", True, eq2_linear
     ),
     NumericCheck(
-        "eq6", "Eq. 6 (line 16)", "merge rule equals θ_{1:T} for quadratic losses", True, eq6_exact
+        "eq6-exact-quadratic",
+        "Eq. 6 (line 16)",
+        "merge rule equals θ_{1:T} for quadratic losses",
+        True,
+        eq6_exact,
     ),
     NumericCheck(
-        "eq13", "Eq. 13 (line 30)", "removal rule equals the refit θ_\\t (linear)", True, eq13_exact
+        "eq13-exact-quadratic",
+        "Eq. 13 (line 30)",
+        "removal rule equals the refit θ_\\t (linear)",
+        True,
+        eq13_exact,
     ),
     NumericCheck(
         "eq14", "Eq. 14 (line 39)", "Cook's formula equals the refit θ_\\t", True, eq14_cook
     ),
     NumericCheck(
-        "eq16",
+        "eq16-eq13-alpha1-is-eq14",
         "Eq. 16 (line 45)",
         "Eq. 13 with α_t=1 equals Cook's formula",
         True,
         eq16_reduces_to_cook,
     ),
     NumericCheck(
-        "koh-liang-corrected",
+        "koh-liang-exact-linear-alpha-corrected",
         "line 48",
         "θ_LLM + α_t H̄_\\t⁻¹ g_t equals the refit",
         True,
         koh_liang_exact,
     ),
     NumericCheck(
-        "koh-liang-printed",
+        "koh-liang-exact-linear-alpha-printed",
         "line 48",
         "θ_LLM + H̄_\\t⁻¹ g_t (no α_t) equals the refit",
         False,
         koh_liang_printed,
     ),
     NumericCheck(
-        "line37-printed", "line 37", "θ_\\t = H̄_\\t⁻¹ Xᵀy (full data)", False, line37_printed
+        "line37-removed-printed",
+        "line 37",
+        "θ_\\t = H̄_\\t⁻¹ Xᵀy (full data)",
+        False,
+        line37_printed,
     ),
     NumericCheck(
-        "line37-corrected", "line 37", "θ_\\t = H̄_\\t⁻¹ X_\\tᵀ y_\\t", True, line37_corrected
+        "line37-removed-corrected",
+        "line 37",
+        "θ_\\t = H̄_\\t⁻¹ X_\\tᵀ y_\\t",
+        True,
+        line37_corrected,
     ),
     NumericCheck(
-        "line38-printed", "line 38", "∇²[½‖y−Xθ‖² + ½‖θ‖²] = XᵀX + δI", False, line38_printed
+        "line38-hessian-printed",
+        "line 38",
+        "∇²[½‖y−Xθ‖² + ½‖θ‖²] = XᵀX + δI",
+        False,
+        line38_printed,
     ),
     NumericCheck(
-        "line38-corrected", "line 38", "∇²[½‖y−Xθ‖² + (δ/2)‖θ‖²] = XᵀX + δI", True, line38_corrected
+        "line38-hessian-corrected",
+        "line 38",
+        "∇²[½‖y−Xθ‖² + (δ/2)‖θ‖²] = XᵀX + δI",
+        True,
+        line38_corrected,
     ),
     NumericCheck(
         "line83-hessian-printed", "line 83", "H_t = X_t X_tᵀ", False, line83_hessian_printed
@@ -360,63 +384,63 @@ CHECKS: list[NumericCheck] = [
         "line83-hessian-corrected", "line 83", "H_t = X_tᵀ X_t", True, line83_hessian_corrected
     ),
     NumericCheck(
-        "line83-printed",
+        "line83-ratio-printed",
         "line 83",
         "H_t(θ_{1:T}−θ_t) = ∇log[p(θ|D_t)/p(θ)] at θ_{1:T}",
         False,
         line83_printed,
     ),
     NumericCheck(
-        "line83-corrected",
+        "line83-ratio-corrected",
         "line 83",
         "mismatch = ∇log r_t(θ_t) − ∇log r_t(θ_{1:T})",
         True,
         line83_corrected,
     ),
     NumericCheck(
-        "eq21",
+        "eq21-exact-linear",
         "Eq. 21 (line 84)",
         "Taylor expansion of ∇ℓ̄_t is exact for linear models",
         True,
         eq21_exact,
     ),
     NumericCheck(
-        "line84-printed",
+        "line84-p-eq-q-printed",
         "line 84 / Eq. 19",
         "p_α = q_α (q_α as printed) for linear models",
         False,
         line84_printed,
     ),
     NumericCheck(
-        "line84-corrected",
+        "line84-p-eq-q-corrected",
         "line 84 / Eq. 19",
         "p_α = q_α with the first-order term kept",
         True,
         line84_corrected,
     ),
     NumericCheck(
-        "line113",
+        "line114-stationarity",
         "lines 113–114",
         "θ_{1:T} is stationary for line 114's objective",
         True,
         line114_stationary,
     ),
     NumericCheck(
-        "line114-printed",
+        "line114-argmin-printed",
         "line 114",
         "θ_{1:T} = arg min of line 114's objective",
         False,
         line114_printed_argmin,
     ),
     NumericCheck(
-        "line114-corrected",
+        "line114-argmax-corrected",
         "line 114",
         "θ_{1:T} = arg max of line 114's objective",
         True,
         line114_corrected_argmax,
     ),
     NumericCheck(
-        "line117",
+        "line117-product",
         "line 117",
         "p(θ)Π[p(θ|D_t)/p(θ)]^α = p(θ)^{1−Σα}Π p(θ|D_t)^α",
         True,

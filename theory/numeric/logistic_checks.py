@@ -63,7 +63,9 @@ def eq1_any_loss(spec: LogisticMergeSpec) -> float:
     lhs = h0 @ (target - theta_llm) - sum(
         a * h0 @ (problem.finetuned(t) - theta_llm) for t, a in enumerate(alphas)
     )
-    rhs = -sum(a * d for a, d in zip(alphas, _mismatches(problem, target), strict=True))
+    rhs = -torch.stack(
+        [a * d for a, d in zip(alphas, _mismatches(problem, target), strict=True)]
+    ).sum(0)
     return residual(lhs, rhs, h0 @ (target - theta_llm))
 
 
@@ -73,7 +75,7 @@ def eq2_any_loss(spec: LogisticMergeSpec) -> float:
     lay = Layout(problem.model.layout)
     inputs = merge_inputs(problem)
     target = problem.target(alphas)
-    grads = [lay.grad_fn(lambda th, t=t: problem.gradient(t, th)) for t in range(problem.num_tasks)]
+    grads = lay.grad_fns(problem.gradient, problem.num_tasks)
     mismatch = gm.gradient_mismatch(
         lay.params(target), inputs["finetuned"], grads, alphas=alphas, prior=inputs["prior"]
     )
@@ -243,14 +245,14 @@ def line105_corrected(spec: LogisticMergeSpec) -> float:
 
 CHECKS: list[NumericCheck] = [
     NumericCheck(
-        "line5-printed",
+        "line5-first-printed",
         "line 5",
         "θ_LLM = −∇ℓ̄_LLM(θ_LLM) (δ ≠ 1)",
         False,
         line5_printed,
     ),
     NumericCheck(
-        "line5-corrected",
+        "line5-first-corrected",
         "line 5",
         "δθ_LLM = −∇ℓ̄_LLM(θ_LLM)",
         True,
@@ -292,21 +294,21 @@ CHECKS: list[NumericCheck] = [
         koh_liang_remainder,
     ),
     NumericCheck(
-        "thm1-left",
+        "eq20-left-stationarity",
         "Theorem 1, Eq. 20",
         "θ_{1:T} = arg max p(θ)Π[p(θ|D_t)/p(θ)]^α_t",
         True,
         thm1_left,
     ),
     NumericCheck(
-        "thm1-right-printed",
+        "eq20-right-printed",
         "Theorem 1, Eq. 19–20",
         "Eq. 18 = arg max q_α, q_α as printed",
         False,
         thm1_right_printed,
     ),
     NumericCheck(
-        "thm1-right-corrected",
+        "eq20-right-corrected",
         "Theorem 1, Eq. 19–20",
         "Eq. 18 = arg max q_α, first-order term kept",
         True,

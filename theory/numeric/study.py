@@ -49,7 +49,7 @@ def merge_errors(problem: logistic.LogisticMergeProblem, alphas: list[float]) ->
         name: float(torch.linalg.norm(lay.flat(fn()) - target)) / moved
         for name, fn in merged.items()
     }
-    grads = [lay.grad_fn(lambda th, t=t: problem.gradient(t, th)) for t in range(problem.num_tasks)]
+    grads = lay.grad_fns(problem.gradient, problem.num_tasks)
     ta = merged["task_arithmetic"]()
     out["ta_mismatch"] = gm.gradient_mismatch(ta, fts, grads, alphas=alphas).total
     return out
