@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch lies on disk on these machines; pin it so no multi-GB CUDA build is fetched.
 TORCH ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# test-time oracles, installed without their declared torchvision (see pyproject's test extra)
+ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1
 
 .PHONY: setup verify test lint format clean
 
@@ -14,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(FIND_LINKS) "$(TORCH)"
 	$(BIN)/pip install -q $(FIND_LINKS) -e ".[test]"
+	$(BIN)/pip install -q $(FIND_LINKS) --no-deps $(ORACLES)
 	touch $@
 
 verify: setup  ## the main job: check every derivation of the appendix

@@ -27,6 +27,7 @@ from gradmerge.errors import (
     NotPositiveDefiniteError,
     StructureError,
 )
+from gradmerge.estimate import estimate_curvature
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.merge import (
     fisher_average,
@@ -56,6 +57,8 @@ __all__ = [
     "MatrixFree",
     "SolveInfo",
     "load_curvature",
+    # curvature estimation (SUMS over examples)
+    "estimate_curvature",
     # diagnostics (Eq. 2)
     "gradient_mismatch",
     "GradientMismatch",

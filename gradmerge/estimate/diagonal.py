@@ -1,0 +1,410 @@
+"""Diagonal curvature estimates: the diagonal empirical Fisher, Monte-Carlo Fisher and exact GGN.
+
+All three are SUMS over the examples ``i`` (rows of the batches, see ``_data``) of squared
+per-example vectors, ``diag(Σ_i Σ_r (J_iᵀ v_ir)(J_iᵀ v_ir)ᵀ) = Σ_i Σ_r (J_iᵀ v_ir)²`` with
+``J_i = ∂f_i/∂θ`` the Jacobian of example ``i``'s model output and ``v_ir`` vectors in output space:
+
+- ``"empirical"``: ``v_i = ∇_f ℓ(f_i, y_i)``, giving ``Σ_i (∇_θ ℓ_i(θ; y_i))²``.
+- ``"mc"``: ``v_ij = ∇_f ℓ(f_i, ŷ_ij)`` with ``ŷ_ij`` drawn from the model's predictive
+  distribution, weighted ``1/k``: ``Σ_i (1/k) Σ_{j≤k} (∇_θ ℓ_i(θ; ŷ_ij))²``, an unbiased estimate
+  of the Fisher (= the GGN for cross-entropy on logits and for mse).
+- ``"ggn"``: the columns of a factor ``Λ_i = S_i S_iᵀ`` of the loss' output Hessian, giving the
+  exact ``diag(Σ_i J_iᵀ Λ_i J_i)``. For mse ``S = I``; for cross-entropy, per position,
+  ``Λ = diag(p) − ppᵀ = S Sᵀ`` with ``S = diag(√p) − p√pᵀ`` (column ``c`` is ``√p_c (e_c − p)``).
+
+One forward pass per batch; one backward pass of ``Σ_i v_irᵀ f_i`` per vector ``r`` (1 for
+``"empirical"``, ``k`` for ``"mc"``, ``C × positions`` for ``"ggn"``) yields every example's output
+gradient at once, from which module hooks form the squared per-example gradients (``_hooks``).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gradmerge.curvature.diagonal import Diagonal
+from gradmerge.errors import ArgumentError
+from gradmerge.estimate import _hooks
+from gradmerge.estimate._data import (
+    Inputs,
+    Loss,
+    LossName,
+    batches,
+    forward,
+    num_examples,
+    per_example_loss,
+    sample_targets,
+)
+
+FisherName = Literal["empirical", "mc", "ggn"]
+
+MAX_GGN_COLUMNS = 4096
+"""Most backward passes per batch that ``fisher="ggn"`` accepts (classes × positions)."""
+
+
+def estimate_diagonal(
+    model: nn.Module,
+    data: Iterable[Any],
+    *,
+    fisher: FisherName = "empirical",
+    loss: LossName = "cross_entropy",
+    mc_samples: int = 1,
+    seed: int = 0,
+    ignore_index: int = -100,
+    params: Sequence[str] | None = None,
+    progress: bool = False,
+) -> Diagonal:
+    """The diagonal of a Fisher/GGN of ``model`` on ``data``, a SUM over examples.
+
+    With ``ℓ_i`` the loss of example ``i`` (one row of a batch; a sequence's loss is the sum of its
+    token losses, positions whose target is ``ignore_index`` excluded):
+
+    - ``fisher="empirical"``: ``Σ_i (∇_θ ℓ_i(θ; y_i))²``, squared per example (never the square
+      of a batch gradient).
+    - ``fisher="mc"``: ``Σ_i (1/k) Σ_{j≤k} (∇_θ ℓ_i(θ; ŷ_ij))²``, ``ŷ_ij`` sampled from the model
+      (``k = mc_samples``). Draws come from one ``torch.Generator`` seeded with ``seed``, in the
+      order batch by batch, then ``j = 1..k``, each ``_data.sample_targets(outputs, targets,
+      loss, generator)`` on the whole batch's outputs.
+    - ``fisher="ggn"``: the exact ``diag(Σ_i J_iᵀ Λ_i J_i)``, ``Λ_i`` the Hessian of the loss in
+      the outputs (identity for mse, ``diag(p) − ppᵀ`` per position for cross-entropy). Costs one
+      backward pass per column of a factor of ``Λ``: ``classes × positions`` for cross-entropy
+      (positions ignored in every example skipped), the output size for mse. Refused above
+      ``MAX_GGN_COLUMNS``: use ``fisher="mc"`` there.
+
+    Cost: one forward pass and one backward pass per batch (``"empirical"``), plus the squared
+    per-example gradients of ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding),
+    ``nn.Embedding``, ``nn.LayerNorm`` and transformers' ``Conv1D`` from module hooks. Other
+    trainable parameters (custom ``nn.Parameter`` s, subclasses overriding ``forward``, weights
+    used outside their module, a batch-1 input that is not an embedding lookup) take an exact but
+    slow fallback: one backward pass per example, restricted to those parameters; a warning names
+    them. Tied weights (GPT-2's embedding and head) sum their per-example gradients before
+    squaring.
+
+    Assumptions: layers see batch-first inputs (dim 0 is the example) and examples do not
+    interact (BatchNorm in training mode couples them: call ``model.eval()``). The model is run
+    in the mode it is in: with dropout active the estimate is itself random. Gradient
+    checkpointing is refused.
+
+    Args:
+        model: the network; ``model(inputs)`` or ``model(**inputs)`` gives logits/predictions.
+        data: iterable of batches ``(inputs, targets)`` or dicts with ``"labels"`` (see
+            ``gradmerge.estimate._data``); moved to the parameters' device.
+        fisher: ``"empirical"``, ``"mc"`` or ``"ggn"``.
+        loss: ``"cross_entropy"`` (logits on the last dim) or ``"mse"`` (``½‖f − y‖²``).
+        mc_samples: samples per example for ``fisher="mc"``.
+        seed: seed of the Monte-Carlo draws.
+        ignore_index: cross-entropy target marking a position to leave out.
+        params: names of the trainable parameters to cover (default: all of them).
+        progress: print a batch counter to stderr.
+
+    Returns:
+        A :class:`~gradmerge.Diagonal` keyed by parameter name, on the parameters' device, in
+        their dtype (float32 for bf16/fp16 parameters, accumulated in float32).
+
+    Raises:
+        ArgumentError: unknown ``fisher``/``loss``/parameter names, ``mc_samples < 1``, no
+            trainable parameters, empty ``data``, too many GGN columns, gradient checkpointing.
+        StructureError: batches or targets that do not fit the loss.
+        NonFiniteError: a NaN/Inf loss (the batch index is named).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradmerge.estimate.diagonal import estimate_diagonal
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> data = [(torch.randn(8, 3), torch.randint(0, 2, (8,)))]
+        >>> F = estimate_diagonal(model, data, fisher="empirical")
+        >>> sorted(F.values), F.values["0.weight"].shape
+        (['0.bias', '0.weight', '2.bias', '2.weight'], torch.Size([4, 3]))
+    """
+    spec = Loss(loss, ignore_index)
+    _check_fisher(fisher, mc_samples)
+    selected = _select(model, params)
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ArgumentError(
+            "gradient checkpointing is on: the recomputed forward hides the layers from the "
+            "estimator; call model.gradient_checkpointing_disable() first"
+        )
+    state = _State(selected, fisher, mc_samples, spec, torch.Generator().manual_seed(seed))
+    modules = _covered_modules(model, selected)
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in state.names]
+    recorder = _hooks.Recorder(modules)
+    try:
+        for p in frozen:
+            p.requires_grad_(False)  # spare the graph of parameters nobody asked for
+        with torch.enable_grad():
+            for index, inputs, targets in batches(data):
+                _batch(model, recorder, state, index, inputs, targets)
+                if progress:
+                    print(f"\rdiagonal {fisher}: batch {index + 1}", end="", file=sys.stderr)
+    finally:
+        recorder.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+        if progress:
+            print(file=sys.stderr)
+    if fisher == "mc":
+        for value in state.acc.values():
+            value /= mc_samples
+    return Diagonal(state.acc)
+
+
+@dataclass
+class _State:
+    """What the batches share: the parameters, the accumulators and the sampler."""
+
+    params: dict[str, nn.Parameter]
+    fisher: FisherName
+    mc_samples: int
+    loss: Loss
+    generator: torch.Generator
+    acc: dict[str, Tensor] = field(init=False)
+    names: dict[int, str] = field(init=False)
+    warned: bool = False
+
+    def __post_init__(self) -> None:
+        self.acc = {n: torch.zeros_like(p, dtype=_acc_dtype(p)) for n, p in self.params.items()}
+        self.names = {id(p): n for n, p in self.params.items()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+
+def _acc_dtype(p: Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+def _check_fisher(fisher: str, mc_samples: int) -> None:
+    if fisher not in ("empirical", "mc", "ggn"):
+        raise ArgumentError(f"fisher must be 'empirical', 'mc' or 'ggn', got {fisher!r}")
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ArgumentError(f"mc_samples must be an integer ≥ 1, got {mc_samples!r}")
+
+
+def _select(model: nn.Module, params: Sequence[str] | None) -> dict[str, nn.Parameter]:
+    """The trainable parameters to cover, by name (all, or the subset ``params``)."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ArgumentError(
+            "the model has no trainable parameters (requires_grad=True): nothing to estimate"
+        )
+    if params is None:
+        return trainable
+    if isinstance(params, str):
+        raise ArgumentError(f"params must be a list of parameter names, got the string {params!r}")
+    unknown = [n for n in params if n not in trainable]
+    if unknown:
+        raise ArgumentError(
+            f"params names {unknown} are not trainable parameters of the model; "
+            f"choose from {sorted(trainable)}"
+        )
+    if not params:
+        raise ArgumentError("params is empty: name at least one parameter, or pass None for all")
+    return {n: trainable[n] for n in params}
+
+
+def _covered_modules(
+    model: nn.Module, selected: dict[str, nn.Parameter]
+) -> dict[nn.Module, _hooks.Rule]:
+    """Modules with a fast rule that own at least one selected parameter."""
+    ids = {id(p) for p in selected.values()}
+    out: dict[nn.Module, _hooks.Rule] = {}
+    for module in model.modules():
+        if any(id(p) in ids for p in module.parameters(recurse=False)):
+            rule = _hooks.rule_for(module)
+            if rule is not None:
+                out[module] = rule
+    return out
+
+
+def _to_device(x: Inputs, device: torch.device) -> Inputs:
+    if isinstance(x, Mapping):
+        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in x.items()}
+    return x.to(device)
+
+
+def _batch(
+    model: nn.Module,
+    recorder: _hooks.Recorder,
+    state: _State,
+    index: int,
+    inputs: Inputs,
+    targets: Tensor,
+) -> None:
+    """Add one batch's contribution to ``state.acc``."""
+    inputs, targets = _to_device(inputs, state.device), targets.to(state.device)
+    recorder.batch = num_examples(targets)
+    try:
+        outputs = forward(model, inputs)
+    finally:
+        recorder.batch = None
+    calls = recorder.take()
+    vectors = _output_vectors(outputs, targets, state, index)
+    first = next(vectors, None)  # validates targets and loss before any backward pass
+    if first is None or not outputs.requires_grad:
+        return  # every position ignored (ggn), or outputs free of the selected parameters
+    plan = _plan(outputs, calls, state, num_examples(targets))
+    if plan.fallback and not state.warned:
+        state.warned = True
+        warnings.warn(
+            f"no fast per-example rule covers {plan.fallback}: their diagonal is computed with "
+            "one backward pass per example (exact, slow)",
+            stacklevel=3,
+        )
+    for v in _chain(first, vectors):
+        _add_fast(outputs, v, plan, state)
+        _add_fallback(outputs, v, plan.fallback, state)
+
+
+def _chain(first: Tensor, rest: Iterator[Tensor]) -> Iterator[Tensor]:
+    yield first
+    yield from rest
+
+
+# ----- output-space vectors v_ir --------------------------------------------------------------
+def _output_vectors(
+    outputs: Tensor, targets: Tensor, state: _State, index: int
+) -> Iterator[Tensor]:
+    """The vectors ``v_ir`` of the chosen Fisher, each of the outputs' shape (row i: example i)."""
+    f = outputs.detach()
+    if state.fisher == "empirical":
+        yield _loss_gradient(f, targets, state.loss, index)
+        return
+    per_example_loss(f, targets, state.loss, batch=index)  # checks the observed targets
+    if state.fisher == "mc":
+        for _ in range(state.mc_samples):
+            drawn = sample_targets(f, targets, state.loss, state.generator)
+            yield _loss_gradient(f, drawn, state.loss, index)
+    else:
+        yield from _ggn_columns(f, targets, state.loss)
+
+
+def _loss_gradient(f: Tensor, targets: Tensor, loss: Loss, index: int) -> Tensor:
+    """``∂(Σ_i ℓ_i)/∂f``: row ``i`` is ``∇_f ℓ(f_i, y_i)`` (zero at ignored positions)."""
+    f = f.detach().requires_grad_(True)
+    total = per_example_loss(f, targets, loss, batch=index).sum()
+    return torch.autograd.grad(total, f)[0]
+
+
+def _ggn_columns(f: Tensor, targets: Tensor, loss: Loss) -> Iterator[Tensor]:
+    """Columns of ``S`` with ``S Sᵀ = Λ`` (block-diagonal over positions), one batch at a time."""
+    batch = f.shape[0]
+    if loss.name == "mse":
+        flat = f.reshape(batch, -1)
+        _check_columns(flat.shape[1], "the output size")
+        for d in range(flat.shape[1]):
+            v = torch.zeros_like(flat)
+            v[:, d] = 1.0
+            yield v.reshape(f.shape)
+        return
+    classes = f.shape[-1]
+    work = f.float() if f.dtype in (torch.float16, torch.bfloat16) else f
+    p = torch.softmax(work.reshape(batch, -1, classes), dim=-1)
+    keep = (targets != loss.ignore_index).reshape(batch, -1, 1).to(p.dtype)
+    positions = torch.nonzero(keep[:, :, 0].any(0)).flatten().tolist()
+    _check_columns(len(positions) * classes, f"{len(positions)} positions × {classes} classes")
+    sqrt_p = p.sqrt()
+    for s in positions:
+        for c in range(classes):
+            v = torch.zeros_like(p)
+            v[:, s, :] = -p[:, s, :]
+            v[:, s, c] += 1.0
+            v[:, s, :] *= sqrt_p[:, s, c : c + 1] * keep[:, s]  # √p_c (e_c − p)
+            yield v.reshape(f.shape).to(f.dtype)
+
+
+def _check_columns(columns: int, what: str) -> None:
+    if columns > MAX_GGN_COLUMNS:
+        raise ArgumentError(
+            f"fisher='ggn' needs one backward pass per column of the loss Hessian's factor: "
+            f"{what} = {columns} > {MAX_GGN_COLUMNS} per batch; use fisher='mc' (unbiased, "
+            "mc_samples backward passes) instead"
+        )
+
+
+# ----- squared per-example gradients ----------------------------------------------------------
+@dataclass
+class _Plan:
+    """Per parameter: the calls whose hooks give its per-example gradients, or the fallback."""
+
+    fast: dict[str, list[tuple[_hooks.Call, str]]]
+    fallback: list[str]
+
+
+def _plan(outputs: Tensor, calls: list[_hooks.Call], state: _State, batch: int) -> _Plan:
+    """Fast path for a parameter iff every use of it in the graph is a usable recorded call."""
+    edges = _hooks.param_edge_counts(outputs, state.names)
+    uses: dict[str, list[tuple[_hooks.Call, str]]] = {}
+    unusable: set[str] = set()
+    for call in calls:
+        for role, p in call.module.named_parameters(recurse=False):
+            name = state.names.get(id(p))
+            if name is None:
+                continue
+            uses.setdefault(name, []).append((call, role))
+            if not call.usable(batch):
+                unusable.add(name)
+    fast = {n: u for n, u in uses.items() if n not in unusable and len(u) == edges[n]}
+    fallback = [n for n in state.params if n not in fast and edges[n] > 0]
+    return _Plan(fast, fallback)
+
+
+def _add_fast(outputs: Tensor, v: Tensor, plan: _Plan, state: _State) -> None:
+    """One backward pass to every recorded output, then the rules' squared gradients."""
+    if not plan.fast:
+        return
+    calls = list({id(c): c for uses in plan.fast.values() for c, _ in uses}.values())
+    grads = torch.autograd.grad(
+        outputs, [c.output for c in calls], grad_outputs=v, retain_graph=True, allow_unused=True
+    )
+    g_of = {id(c): g for c, g in zip(calls, grads, strict=True)}
+    for name, uses in plan.fast.items():
+        acc = state.acc[name]
+        if len(uses) == 1:
+            call, role = uses[0]
+            g = g_of[id(call)]
+            if g is not None:
+                acc += call.rule.sq_sum(call, g, role, acc.dtype)
+        else:
+            _add_shared(acc, uses, g_of)
+
+
+def _add_shared(
+    acc: Tensor, uses: list[tuple[_hooks.Call, str]], g_of: Mapping[int, Tensor | None]
+) -> None:
+    """A parameter used by several calls (tied weights, a module called twice): sum, then square."""
+    live = [(c, r, g) for c, r in uses if (g := g_of[id(c)]) is not None]
+    if not live:
+        return
+    for lo, hi in _hooks.chunks(live[0][2].shape[0], acc.numel()):
+        per_example = torch.zeros((hi - lo, *acc.shape), dtype=acc.dtype, device=acc.device)
+        for call, role, g in live:
+            per_example += call.rule.per_example(call, g, role, lo, hi, acc.dtype)
+        acc += per_example.square_().sum(0)
+
+
+def _add_fallback(outputs: Tensor, v: Tensor, names: list[str], state: _State) -> None:
+    """Exact per-example gradients of ``names``: one backward pass of ``v_iᵀ f_i`` per example."""
+    if not names:
+        return
+    params = [state.params[n] for n in names]
+    for i in range(v.shape[0]):
+        if not bool(v[i].any()):
+            continue
+        v_i = torch.zeros_like(v)
+        v_i[i] = v[i]
+        grads = torch.autograd.grad(
+            outputs, params, grad_outputs=v_i, retain_graph=True, allow_unused=True
+        )
+        for name, g in zip(names, grads, strict=True):
+            if g is not None:
+                g = g.to(state.acc[name].dtype)
+                state.acc[name].addcmul_(g, g)

@@ -1,0 +1,568 @@
+r"""K-FAC Kronecker factors of the Fisher/GGN, per layer, as a SUM over examples.
+
+For a layer with weight W (viewed as ``(out, in)``, see *Layout*) K-FAC approximates the curvature
+block of its parameters by ``A ⊗ G``, the operator ``V ↦ G V A`` on ``V = [W | b]`` (the bias, if
+any, is the LAST input column, and the inputs are augmented with a 1). The factors are normalised
+so that ``A ⊗ G`` approximates the SUM over examples Σ_i of the per-example curvature (DESIGN.md):
+
+    A = (1/M) Σ_{(i,s) kept} a_is a_isᵀ            (a mean over the M kept positions)
+    G = Σ_{(i,s) kept} g_is g_isᵀ                   (a sum)
+
+where a_is is the layer input of example i at position s (with a trailing 1 for the bias) and
+g_is = ∂ℓ_i/∂z_is the gradient of the example's loss (``gradmerge.estimate._data``: ℓ_i sums its
+positions) with respect to the layer's output there. For one example and one position this is
+exactly the per-example block ``g gᵀ ⊗ a aᵀ``; for a network without weight sharing M = N.
+
+Weight sharing (Eschenhagen et al., 2023). A layer applied at S positions (tokens; conv patches)
+has ∇_W ℓ_i = Σ_s g_is a_isᵀ. Two approximations:
+
+- ``"expand"`` (every position is an example for the factors): the formulas above, M = number of
+  kept (example, position) pairs. Exact for deep linear networks whose layers act position-wise
+  (type-2, MSE): the GGN block is BᵀB ⊗ Σ a aᵀ with B the Jacobian of the output in z.
+- ``"reduce"`` (positions are aggregated first): ā_i = mean_{s kept} a_is, ḡ_i = Σ_{s kept} g_is,
+  A = (1/N') Σ_i ā_i ā_iᵀ, G = Σ_i ḡ_i ḡ_iᵀ, N' = number of examples with a kept position. Exact
+  for deep linear networks that mean-pool over positions after the layer (type-2, MSE).
+  With one position per example the two coincide.
+
+Kept positions. A position takes part in NEITHER factor when its cross-entropy target is
+``ignore_index`` or, for dict inputs with an ``attention_mask``, when the mask is 0 there. The
+target mask applies to layers whose positions have the targets' shape (otherwise: to whole
+examples, all of whose targets are ignored); the attention mask to layers whose positions have its
+shape. Caveat: in a causal language model a prompt token whose target is ignored still influences
+later tokens, so at inner layers its (nonzero) g_is is dropped too; the estimate is then the
+K-FAC of the curvature restricted to the kept positions.
+
+Fisher types (what g is):
+
+- ``"empirical"``: g from the observed targets; one forward and one backward pass per batch.
+- ``"mc"``: targets drawn from the model (``_data.sample_targets``), ``mc_samples`` per example,
+  G averaged over the samples (G = (1/k) Σ_samples Σ g gᵀ); one forward, k backward passes.
+- ``"ggn"`` (type-2): the output Hessian Λ = S Sᵀ (CE: S = diag(√p) − p√pᵀ; MSE: S = I) and the
+  columns of S are backpropagated, G = Σ_c Σ g^(c) g^(c)ᵀ; as many backward passes as classes.
+  As in curvlinops, column c is backpropagated from all output positions at once, so with
+  weight sharing the cross-position terms (s ≠ s') of outputs that mix positions are included.
+
+Layout. ``KFACFactors.dense(m)`` is ``kron(G, A)``: the block over ``vec([W | b])`` flattened
+row-major, i.e. (W[0, :], b[0], W[1, :], b[1], ...). W is the weight viewed as (out, in):
+
+- ``nn.Linear``: ``weight`` (out, in); ``nn.Conv2d``: ``weight.reshape(out, in·kh·kw)``, the
+  inputs being the unfolded patches (``F.unfold``; groups=1 and zero padding only);
+- transformers' GPT-2 ``Conv1D`` (y = x W + b, ``weight`` of shape (in, out)) and ``nn.Embedding``
+  (``weight`` of shape (vocab, dim), i.e. (in, out) with one-hot inputs): W = ``weight.T``;
+  ``KFACFactors.transposed[m]`` is True and the operator on the stored weight is V ↦ A V G.
+- ``nn.Embedding``: A = (1/M) diag(token counts) is stored as a 1-D vector (``A.ndim == 1``
+  means diag(A)); the ``padding_idx`` row gets count 0 (its gradient is always 0). Embeddings
+  always use ``"expand"`` (a reduced A would be a dense vocab × vocab matrix).
+
+Not covered (listed in ``KFACFactors.uncovered``, by ``named_parameters`` name, for a diagonal or
+other block): parameters of other module types (LayerNorm, ...), a weight shared by several
+modules (tied embeddings and output layer), layers with a factor side above ``max_factor_size``
+(e.g. a 50k-vocabulary output layer), layers called with a batch dimension other than the
+batch's (e.g. position embeddings broadcast over the batch; with one example per batch they are
+covered, and exact), modules whose forward is never called (nn.MultiheadAttention.out_proj,
+whose weight is used functionally) and modules with a frozen weight. Left-out modules that were
+found only while running are named in a warning.
+
+Factors are accumulated in float32 (float64 for float64 models) on the parameters' device. The
+model is used as given: call ``model.eval()`` first to switch off dropout.
+
+References:
+    Martens & Grosse (2015), "Optimizing neural networks with Kronecker-factored approximate
+    curvature". Eschenhagen, Immer, Turner, Schneider & Hennig (2023), "Kronecker-Factored
+    Approximate Curvature for Modern Neural Network Architectures".
+
+Example:
+    >>> import torch
+    >>> from gradmerge.estimate.kfac import estimate_kfac_factors
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    >>> data = [(torch.randn(8, 3), torch.randint(0, 2, (8,)))]
+    >>> kf = estimate_kfac_factors(model, data, fisher="empirical")
+    >>> A, G = kf.factors["0"]
+    >>> tuple(A.shape), tuple(G.shape), kf.has_bias["0"], kf.num_examples
+    ((4, 4), (4, 4), True, 8)
+    >>> tuple(kf.dense("2").shape)  # over vec([W | b]) of the (2, 4) layer: 2 · (4 + 1)
+    (10, 10)
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
+from gradmerge.estimate._data import (
+    Inputs,
+    Loss,
+    batches,
+    forward,
+    num_examples,
+    per_example_loss,
+    sample_targets,
+)
+
+FisherName = Literal["empirical", "mc", "ggn"]
+KFACApprox = Literal["expand", "reduce"]
+LayerKind = Literal["linear", "conv2d", "conv1d", "embedding"]
+
+SUPPORTED_LAYERS = (
+    "nn.Linear, nn.Conv2d (groups=1, zero padding), nn.Embedding, transformers Conv1D"
+)
+
+
+@dataclass(frozen=True)
+class KFACFactors:
+    """K-FAC factors per module; ``A ⊗ G`` approximates a SUM over examples (module docstring).
+
+    Attributes:
+        factors: module name → (A, G); A is (in+1, in+1) with a bias, (in, in) without, 1-D for
+            embeddings (its diagonal); G is (out, out).
+        has_bias: module name → whether the last input column of A is the bias.
+        transposed: module name → whether the stored weight is (in, out) (Conv1D, Embedding).
+        counts: module name → M, the number of kept positions (expand) or examples (reduce)
+            that A was divided by; needed to combine two estimates.
+        num_examples: N, examples (batch rows) seen.
+        fisher, kfac_approx, loss: the options used.
+        uncovered: trainable parameters (``named_parameters`` names) covered by no factor.
+    """
+
+    factors: dict[str, tuple[Tensor, Tensor]]
+    has_bias: dict[str, bool]
+    transposed: dict[str, bool]
+    counts: dict[str, int]
+    num_examples: int
+    fisher: str
+    kfac_approx: str
+    loss: str
+    uncovered: list[str] = field(default_factory=list)
+
+    def dense(self, name: str) -> Tensor:
+        """``kron(G, A)``: the dense block of module ``name`` over row-major ``vec([W | b])``."""
+        a, g = self.factors[name]
+        return torch.kron(g, torch.diag(a) if a.ndim == 1 else a)
+
+
+@dataclass
+class _Layer:
+    """One covered module and the running sums of its factors."""
+
+    module: nn.Module
+    weight: Tensor
+    kind: LayerKind
+    bias: bool
+    a_sum: Tensor
+    g_sum: Tensor
+    count: int = 0
+    calls: int = 0
+
+
+def _kind(module: nn.Module) -> LayerKind | None:
+    """The K-FAC layer kind of ``module``, or None when it is not supported."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Conv2d):
+        ok = module.groups == 1 and module.padding_mode == "zeros"
+        ok = ok and not isinstance(module.padding, str)
+        return "conv2d" if ok else None
+    cls = type(module)
+    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+        return "conv1d"
+    return None
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight = module.weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
+def _sides(weight: Tensor, kind: LayerKind) -> tuple[int, int]:
+    """(in, out) of the (out, in) view of the weight."""
+    if kind in ("conv1d", "embedding"):
+        return int(weight.shape[0]), int(weight.shape[1])
+    return int(weight[0].numel()), int(weight.shape[0])
+
+
+def _acc_dtype(weight: Tensor) -> torch.dtype:
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def _select_layers(
+    model: nn.Module, modules: Sequence[str] | None, max_factor_size: int
+) -> dict[str, _Layer]:
+    """The covered modules: supported, trainable, not sharing their weight, small enough."""
+    named = dict(model.named_modules())
+    if modules is not None:
+        missing = [m for m in modules if m not in named]
+        if missing:
+            raise ArgumentError(
+                f"modules {missing} are not in the model; pass names from model.named_modules()"
+            )
+        unsupported = [f"{m} ({type(named[m]).__name__})" for m in modules if not _kind(named[m])]
+        if unsupported:
+            raise ArgumentError(
+                f"modules {unsupported} are not K-FAC layers; supported: {SUPPORTED_LAYERS}"
+            )
+    candidates = {n: m for n, m in named.items() if _kind(m) and (modules is None or n in modules)}
+    if not candidates:
+        raise StructureError(f"the model has no K-FAC layer: looked for {SUPPORTED_LAYERS}")
+    weight_users: dict[int, int] = {}
+    for m in named.values():
+        if isinstance(getattr(m, "weight", None), Tensor):
+            weight_users[id(m.weight)] = weight_users.get(id(m.weight), 0) + 1
+    layers = {}
+    for name, module in candidates.items():
+        weight = _weight(module)
+        if not weight.requires_grad or weight_users[id(weight)] > 1:
+            continue
+        kind = _kind(module)
+        assert kind is not None
+        n_in, n_out = _sides(weight, kind)
+        bias = getattr(module, "bias", None)
+        has_bias = isinstance(bias, Tensor) and bias.requires_grad
+        a_side = n_in + has_bias
+        if n_out > max_factor_size or (kind != "embedding" and a_side > max_factor_size):
+            warnings.warn(
+                f"K-FAC leaves {name!r} uncovered: a factor side of "
+                f"{max(n_out, a_side)} exceeds max_factor_size={max_factor_size}",
+                stacklevel=3,
+            )
+            continue
+        device, dtype = weight.device, _acc_dtype(weight)
+        a_shape = (n_in,) if kind == "embedding" else (a_side, a_side)
+        layers[name] = _Layer(
+            module,
+            weight,
+            kind,
+            has_bias,
+            torch.zeros(a_shape, device=device, dtype=dtype),
+            torch.zeros(n_out, n_out, device=device, dtype=dtype),
+        )
+    return layers
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """Which positions of a batch are kept (module docstring), by the shape of a layer's positions."""
+
+    targets: Tensor  # (B, *T) bool, or (B,) for losses without positions
+    attention: Tensor | None  # (B, S) bool
+
+    @classmethod
+    def of_batch(cls, inputs: Inputs, targets: Tensor, loss: Loss) -> _Masks:
+        if loss.name == "cross_entropy" and not targets.is_floating_point():
+            keep = targets != loss.ignore_index
+        else:
+            keep = torch.ones(num_examples(targets), dtype=torch.bool, device=targets.device)
+        attention = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+        return cls(keep, None if attention is None else attention.bool())
+
+    def keep(self, positions: torch.Size, device: torch.device) -> Tensor:
+        """(B, P) bool for a layer applied at positions of shape ``positions`` (P = their numel)."""
+        batch = self.targets.shape[0]
+        if self.targets.shape[1:] == positions:
+            keep = self.targets.reshape(batch, -1)
+        else:
+            keep = self.targets.reshape(batch, -1).any(dim=1, keepdim=True)
+            keep = keep.expand(batch, positions.numel())
+        if self.attention is not None and self.attention.shape[1:] == positions:
+            keep = keep & self.attention.reshape(batch, -1)
+        return keep.to(device)
+
+
+def _layer_inputs(layer: _Layer, x: Tensor, out: Tensor) -> tuple[torch.Size, Tensor]:
+    """(positions shape, inputs as (B, P, in)); token ids (B, P) for embeddings."""
+    module = layer.module
+    if layer.kind == "embedding":
+        return x.shape[1:], x.reshape(x.shape[0], -1)
+    if isinstance(module, nn.Conv2d):
+        assert not isinstance(module.padding, str)  # excluded by _kind
+        patches = nn.functional.unfold(
+            x, module.kernel_size, module.dilation, module.padding, module.stride
+        )
+        return out.shape[2:], patches.transpose(1, 2)
+    return x.shape[1:-1], x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _layer_grads(layer: _Layer, g: Tensor) -> Tensor:
+    """Output gradients as (B, P, out)."""
+    if layer.kind == "conv2d":
+        return g.flatten(2).transpose(1, 2)
+    return g.reshape(g.shape[0], -1, g.shape[-1])
+
+
+def _add_inputs(layer: _Layer, a: Tensor, keep: Tensor, approx: KFACApprox) -> None:
+    """Add one call's inputs (B, P, in) to ``a_sum`` and the kept count to ``count``."""
+    if layer.kind == "embedding":
+        counts = torch.bincount(a[keep], minlength=layer.a_sum.shape[0])
+        layer.a_sum += counts.to(layer.a_sum.dtype)
+        layer.count += int(keep.sum())
+        return
+    a = a.to(layer.a_sum.dtype)
+    ones = keep.to(a.dtype).unsqueeze(-1)
+    if approx == "expand":
+        rows = a[keep]
+        layer.count += rows.shape[0]
+        one = torch.ones(rows.shape[0], 1, dtype=a.dtype, device=a.device)
+    else:
+        n = ones.sum(dim=1)
+        rows = (a * ones).sum(dim=1) / n.clamp(min=1)
+        layer.count += int((n > 0).sum())
+        one = (n > 0).to(a.dtype)
+    if layer.bias:
+        rows = torch.cat([rows, one], dim=1)
+    layer.a_sum.addmm_(rows.T, rows)
+
+
+def _add_grads(layer: _Layer, g: Tensor, keep: Tensor, approx: KFACApprox, weight: float) -> None:
+    """Add ``weight`` · Σ g gᵀ of one call's output gradients to ``g_sum``."""
+    g = _layer_grads(layer, g).to(layer.g_sum.dtype)
+    if approx == "expand" or layer.kind == "embedding":
+        rows = g[keep]
+    else:
+        rows = (g * keep.to(g.dtype).unsqueeze(-1)).sum(dim=1)
+    layer.g_sum.addmm_(rows.T, rows, alpha=weight)
+
+
+class _Recorder:
+    """Forward hooks on the covered modules that add to their factors during one batch."""
+
+    def __init__(self, layers: dict[str, _Layer], approx: KFACApprox) -> None:
+        self.layers = layers
+        self.approx = approx
+        self.masks: _Masks | None = None
+        self.batch_size = 0
+        self.grad_weight = 1.0
+        self.skipped: dict[str, str] = {}
+        self.called: set[str] = set()
+
+    def left_out(self) -> dict[str, str]:
+        """Covered modules whose factors cannot be trusted, with the reason."""
+        never = "never called by the forward pass (is its weight used functionally, as in "
+        never += "nn.MultiheadAttention.out_proj?)"
+        unseen = {name: never for name in self.layers if name not in self.called}
+        return {**unseen, **self.skipped}
+
+    def start_batch(self, masks: _Masks, batch_size: int) -> None:
+        self.masks, self.batch_size = masks, batch_size
+        for layer in self.layers.values():
+            layer.calls = 0
+
+    def hook(self, name: str, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> None:
+        layer = self.layers[name]
+        if self.masks is None or name in self.skipped or not isinstance(out, Tensor):
+            return
+        x = args[0]
+        if x.shape[0] != self.batch_size:
+            self.skipped[name] = (
+                f"called with batch dimension {x.shape[0]}, not the batch's {self.batch_size}"
+            )
+            return
+        layer.calls += 1
+        self.called.add(name)
+        approx = "expand" if layer.kind == "embedding" else self.approx
+        if approx == "reduce" and layer.calls > 1:
+            raise StructureError(
+                f"module {name!r} is called more than once per forward pass; "
+                "use kfac_approx='expand' for weight sharing across calls"
+            )
+        positions, a = _layer_inputs(layer, x.detach(), out)
+        keep = self.masks.keep(positions, a.device)
+        _add_inputs(layer, a, keep, approx)
+        if out.requires_grad:
+            out.register_hook(lambda g: _add_grads(layer, g, keep, approx, self.grad_weight))
+
+
+def _ggn_columns(outputs: Tensor, targets: Tensor, loss: Loss) -> Iterable[Tensor]:
+    """The columns of S (Λ = S Sᵀ, the Hessian of ℓ in the outputs) at every position at once."""
+    if loss.name == "mse":
+        if outputs.ndim == 1:
+            yield torch.ones_like(outputs)
+            return
+        for c in range(outputs.shape[-1]):
+            column = torch.zeros_like(outputs)
+            column[..., c] = 1
+            yield column
+        return
+    p = torch.softmax(outputs.detach().to(_acc_dtype(outputs)), dim=-1)
+    keep = (targets != loss.ignore_index).unsqueeze(-1).to(p.dtype)
+    for c in range(outputs.shape[-1]):
+        root = p[..., c : c + 1].sqrt()
+        column = -root * p
+        column[..., c] += root[..., 0]
+        yield (column * keep).to(outputs.dtype)
+
+
+def _backward(
+    outputs: Tensor,
+    targets: Tensor,
+    losses: Tensor,
+    wrt: list[Tensor],
+    recorder: _Recorder,
+    options: dict[str, Any],
+) -> None:
+    """The backward passes of one batch; the recorder's tensor hooks collect the gradients."""
+    loss: Loss = options["loss"]
+    grad = partial(torch.autograd.grad, inputs=wrt, allow_unused=True)
+    if options["fisher"] == "empirical":
+        recorder.grad_weight = 1.0
+        grad(losses.sum())
+    elif options["fisher"] == "mc":
+        k = options["mc_samples"]
+        recorder.grad_weight = 1.0 / k
+        for sample in range(k):
+            drawn = sample_targets(outputs, targets, loss, options["generator"])
+            sampled = per_example_loss(outputs, drawn, loss, batch=options["batch"])
+            grad(sampled.sum(), retain_graph=sample < k - 1)
+    else:
+        recorder.grad_weight = 1.0
+        columns = 1 if outputs.ndim == 1 and loss.name == "mse" else outputs.shape[-1]
+        for c, column in enumerate(_ggn_columns(outputs, targets, loss)):
+            grad(outputs, grad_outputs=column, retain_graph=c < columns - 1)
+
+
+def _check_options(fisher: str, loss: str, kfac_approx: str, mc_samples: int) -> None:
+    if fisher not in ("empirical", "mc", "ggn"):
+        raise ArgumentError(f"fisher must be 'empirical', 'mc' or 'ggn', got {fisher!r}")
+    if kfac_approx not in ("expand", "reduce"):
+        raise ArgumentError(f"kfac_approx must be 'expand' or 'reduce', got {kfac_approx!r}")
+    if not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ArgumentError(f"mc_samples must be a positive int, got {mc_samples!r}")
+    if fisher != "mc" and mc_samples != 1:
+        raise ArgumentError(f"mc_samples={mc_samples} only applies to fisher='mc'")
+    Loss(loss)  # type: ignore[arg-type]  # validates the name
+
+
+def _check_ggn_size(outputs: Tensor, max_ggn_columns: int) -> None:
+    columns = 1 if outputs.ndim == 1 else outputs.shape[-1]
+    if columns > max_ggn_columns:
+        raise ArgumentError(
+            f"fisher='ggn' needs one backward pass per output column, here {columns} (> "
+            f"max_ggn_columns={max_ggn_columns}); use fisher='mc' (one pass per sample) or "
+            "raise max_ggn_columns"
+        )
+
+
+def _uncovered(model: nn.Module, layers: dict[str, _Layer]) -> list[str]:
+    covered = set()
+    for layer in layers.values():
+        covered.add(id(layer.weight))
+        if layer.bias:
+            covered.add(id(layer.module.bias))
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+
+
+def _finish(layers: dict[str, _Layer]) -> dict[str, tuple[Tensor, Tensor]]:
+    factors = {}
+    for name, layer in layers.items():
+        a = layer.a_sum / max(layer.count, 1)
+        padding_idx = getattr(layer.module, "padding_idx", None)
+        if layer.kind == "embedding" and padding_idx is not None:
+            a[padding_idx] = 0
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(layer.g_sum).all())):
+            raise NonFiniteError(
+                f"the K-FAC factors of {name!r} are NaN/Inf although every loss "
+                "was finite: check the model for overflow (e.g. fp16)"
+            )
+        factors[name] = (a, layer.g_sum)
+    return factors
+
+
+def estimate_kfac_factors(
+    model: nn.Module,
+    data: Iterable[Any],
+    *,
+    fisher: FisherName = "empirical",
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy",
+    kfac_approx: KFACApprox = "expand",
+    mc_samples: int = 1,
+    seed: int = 0,
+    ignore_index: int = -100,
+    modules: Sequence[str] | None = None,
+    progress: bool = False,
+    max_ggn_columns: int = 256,
+    max_factor_size: int = 16384,
+) -> KFACFactors:
+    """K-FAC factors (A, G) of every supported layer, normalised so A ⊗ G ≈ Σ_i curvature_i.
+
+    See the module docstring for the formulas, the layout and what is left uncovered.
+
+    Args:
+        model: the network (used as given; call ``model.eval()`` to switch off dropout).
+        data: batches ``(inputs, targets)`` or dicts with ``"labels"`` (``_data`` conventions).
+        fisher: ``"empirical"``, ``"mc"`` (``mc_samples`` targets per example, seeded by
+            ``seed``) or ``"ggn"`` (type-2: exact output Hessian, one backward pass per class).
+        loss: ``"cross_entropy"`` or ``"mse"`` (ℓ_i = ½‖f_i − y_i‖²).
+        kfac_approx: ``"expand"`` or ``"reduce"`` for layers with weight sharing.
+        ignore_index: cross-entropy target value of positions to leave out.
+        modules: restrict to these module names (default: every supported layer).
+        progress: print one line per batch to stderr.
+        max_ggn_columns: refuse ``fisher="ggn"`` with more output columns than this.
+        max_factor_size: leave layers with a larger factor side uncovered (with a warning).
+
+    Returns:
+        The factors, with ``num_examples`` = N and the uncovered parameter names.
+
+    Raises:
+        ArgumentError: unknown options, unknown ``modules``, empty data, too many GGN columns.
+        StructureError: no supported layer; targets that do not fit the outputs or the loss.
+        NonFiniteError: a NaN/Inf loss (naming the batch) or factor.
+    """
+    _check_options(fisher, loss, kfac_approx, mc_samples)
+    loss_spec = Loss(loss, ignore_index)
+    layers = _select_layers(model, modules, max_factor_size)
+    recorder = _Recorder(layers, kfac_approx)
+    wrt = [layer.weight for layer in layers.values()]
+    options = {
+        "loss": loss_spec,
+        "fisher": fisher,
+        "mc_samples": mc_samples,
+        "generator": torch.Generator().manual_seed(seed),
+    }
+    handles = [
+        layer.module.register_forward_hook(partial(recorder.hook, name))
+        for name, layer in layers.items()
+    ]
+    total = 0
+    try:
+        for index, inputs, targets in batches(data):
+            recorder.start_batch(_Masks.of_batch(inputs, targets, loss_spec), num_examples(targets))
+            with torch.enable_grad():
+                outputs = forward(model, inputs)
+                losses = per_example_loss(outputs, targets, loss_spec, batch=index)
+                if fisher == "ggn":
+                    _check_ggn_size(outputs, max_ggn_columns)
+                _backward(outputs, targets, losses, wrt, recorder, {**options, "batch": index})
+            total += num_examples(targets)
+            if progress:
+                print(f"kfac: batch {index}, {total} examples", file=sys.stderr)
+    finally:
+        for handle in handles:
+            handle.remove()
+        recorder.masks = None
+    for name, reason in recorder.left_out().items():
+        warnings.warn(f"K-FAC leaves {name!r} uncovered: {reason}", stacklevel=2)
+        del layers[name]
+    return KFACFactors(
+        factors=_finish(layers),
+        has_bias={n: layer.bias for n, layer in layers.items()},
+        transposed={n: layer.kind in ("conv1d", "embedding") for n, layer in layers.items()},
+        counts={n: layer.count for n, layer in layers.items()},
+        num_examples=total,
+        fisher=fisher,
+        kfac_approx=kfac_approx,
+        loss=loss,
+        uncovered=_uncovered(model, layers),
+    )
+
+
+__all__ = ["KFACFactors", "estimate_kfac_factors"]
