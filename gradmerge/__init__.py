@@ -24,6 +24,7 @@ from gradmerge.errors import (
     FileFormatError,
     GradmergeError,
     NonFiniteError,
+    NotConvergedError,
     NotPositiveDefiniteError,
     StructureError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "DeviceError",
     "FileFormatError",
     "NonFiniteError",
+    "NotConvergedError",
     "NotPositiveDefiniteError",
     "ArgumentError",
 ]

@@ -33,3 +33,7 @@ class ArgumentError(GradmergeError, ValueError):
 
 class FileFormatError(GradmergeError, ValueError):
     """A file that is not what it should be: another format, corrupt or truncated."""
+
+
+class NotConvergedError(GradmergeError, RuntimeError):
+    """An iterative solve (conjugate gradients) did not reach its tolerance."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.errors import NotPositiveDefiniteError
+from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
 from gradmerge.params import Params
 
 Operator = Callable[[Params], dict[str, Tensor]]
@@ -34,6 +35,39 @@ class CGResult:
     converged: bool
     iterations: int
     residual: float
+
+
+def default_tol(dtype: torch.dtype) -> float:
+    """The relative residual CG aims for by default: 1e-10 in float64, 1e-5 in float32, 1e-2 in
+    16-bit types (a true residual cannot fall much below κ·eps of the working precision)."""
+    return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
+
+
+def solve_or_raise(
+    apply: Operator,
+    b: Params,
+    *,
+    tol: float | None,
+    maxiter: int,
+    what: str,
+    precondition: Operator | None = None,
+) -> CGResult:
+    """:func:`conjugate_gradient`, raising :class:`NotConvergedError` if it does not converge.
+
+    ``tol=None`` takes :func:`default_tol` of ``b``'s dtype.
+    """
+    dtype = next(iter(b.values())).dtype
+    tol = default_tol(dtype) if tol is None else tol
+    result = conjugate_gradient(
+        apply, b, precondition=precondition, tol=tol, maxiter=maxiter, what=what
+    )
+    if not result.converged:
+        raise NotConvergedError(
+            f"CG on {what} stopped at relative residual {result.residual:.2e} after "
+            f"{result.iterations} iterations (tol {tol:.0e}, {dtype}); the system is "
+            "ill-conditioned for this precision: add damping δ, work in float64, or raise maxiter"
+        )
+    return result
 
 
 def conjugate_gradient(

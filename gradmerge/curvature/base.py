@@ -76,12 +76,16 @@ class Curvature(ABC):
 
     # ----- algebra ---------------------------------------------------------------------------
     def __add__(self, other: object) -> Curvature:
-        if isinstance(other, (int, float)):
-            from gradmerge.curvature.identity import ScaledIdentity
+        from gradmerge.curvature.identity import ScaledIdentity
 
+        if isinstance(other, (int, float)):
             other = ScaledIdentity(float(other))
         if not isinstance(other, Curvature):
             return NotImplemented
+        if isinstance(other, ScaledIdentity) and other.delta == 0.0:
+            return self  # adding the zero operator must not add a term (e.g. to K-FAC)
+        if isinstance(self, ScaledIdentity) and self.delta == 0.0:
+            return other
         high, low = (self, other) if self.rank >= other.rank else (other, self)
         if (
             low.layout is not None

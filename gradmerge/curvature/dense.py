@@ -102,7 +102,17 @@ class Dense(Curvature):
 
     def _add_same(self, other: Dense) -> Dense:
         P.check_compatible(self._like(), other._like(), ref_name="Dense", name="Dense")
-        return Dense(self.matrix + other.matrix, self._like())
+        return Dense(self.matrix + other._in_order(self._layout), self._like())
+
+    def _in_order(self, layout: Layout) -> Tensor:
+        """The matrix with rows and columns in the flattening order of ``layout`` (same keys)."""
+        if layout == self._layout:
+            return self.matrix
+        index = P.unflatten(
+            torch.arange(self.matrix.shape[0], device=self.matrix.device), self._layout
+        )
+        perm = P.flatten(index, layout)
+        return self.matrix[perm][:, perm]
 
     def _promote(self, other: Curvature) -> Dense:
         n = self.matrix.shape[0]

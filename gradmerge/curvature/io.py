@@ -47,6 +47,15 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         raise ArgumentError("δ·I covers no particular parameters; there is nothing to save")
     tensors: dict[str, Tensor] = {}
     spec = _encode(curvature, "", tensors)
+    seen: set[tuple[int, int]] = set()
+    for key, value in tensors.items():  # safetensors refuses tensors that share memory
+        ident = (value.untyped_storage().data_ptr(), int(value.storage_offset()))
+        if (
+            ident in seen
+            or value.untyped_storage().nbytes() != value.numel() * value.element_size()
+        ):
+            tensors[key] = value.clone()
+        seen.add(ident)
     dtype, _ = curvature._dtype_device()
     meta = {
         "format": FORMAT,
@@ -109,8 +118,12 @@ def load_curvature(
         )
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
-    curvature = _decode(json.loads(meta["spec"]), tensors)
-    if fingerprint(curvature.layout or ()) != meta["fingerprint"]:
+    try:
+        curvature = _decode(json.loads(meta["spec"]), tensors)
+        stored = meta["fingerprint"]
+    except (KeyError, ValueError) as err:
+        raise FileFormatError(f"{source}: damaged curvature metadata ({err})") from err
+    if fingerprint(curvature.layout or ()) != stored:
         raise FileFormatError(f"{source}: the stored fingerprint does not match its tensors")
     curvature.meta.update({k[5:]: v for k, v in meta.items() if k.startswith("info.")})
     if like is not None:

@@ -6,14 +6,14 @@ Every estimate is a SUM over examples (an example is one row of a batch; see
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, cast
 
 from torch import Tensor, nn
 
 from gradmerge.curvature import KFAC, Blocks, Curvature
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate._data import batches, num_examples
+from gradmerge.estimate._data import num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
 from gradmerge.estimate.diagonal import FisherName, estimate_diagonal
 from gradmerge.estimate.kfac import KFACFactors, estimate_kfac_factors
@@ -77,6 +77,7 @@ def estimate_curvature(
             "fisher='hessian' is available for structure='full' (and gm.MatrixFree) only: "
             "diagonal and K-FAC estimates are of a Fisher or GGN"
         )
+    data = _Counted(data)
     curvature: Curvature
     if structure == "full":
         curvature = estimate_dense(
@@ -107,7 +108,7 @@ def estimate_curvature(
             raise ArgumentError(
                 "params= restricts 'diag' and 'full' estimates; K-FAC covers the model"
             )
-        if iter(data) is data:
+        if iter(data.data) is data.data:
             raise ArgumentError(
                 "structure='kfac' passes over the data more than once: pass a list or a "
                 "DataLoader, not a one-shot iterator"
@@ -139,7 +140,7 @@ def estimate_curvature(
             "structure": structure,
             "fisher": fisher,
             "loss": loss,
-            "num_examples": str(sum(num_examples(t) for _, _, t in batches(data))),
+            "num_examples": str(data.examples),
             "normalisation": "sum over examples",
         }
     )
@@ -203,6 +204,22 @@ def kfac_curvature(
     if not parts:
         raise ArgumentError("K-FAC found nothing to cover in this model")
     return parts[0] if len(parts) == 1 else Blocks(parts)
+
+
+class _Counted:
+    """``data``, counting the examples of the first complete pass (no extra pass over the data)."""
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        self.data, self.examples = data, 0
+        self._counted = False
+
+    def __iter__(self) -> Iterator[Any]:
+        seen = 0
+        for index, batch in enumerate(self.data):
+            seen += num_examples(split_batch(batch, index)[1])
+            yield batch
+        if not self._counted:
+            self.examples, self._counted = seen, True
 
 
 def _fisher(fisher: str) -> FisherName:

@@ -43,11 +43,24 @@ class Loss:
             raise ArgumentError(f"loss must be 'cross_entropy' or 'mse', got {self.name!r}")
 
 
-def batches(data: Iterable[Any]) -> Iterator[tuple[int, Inputs, Tensor]]:
-    """Yield ``(index, inputs, targets)``, checking each batch's form; raise on empty data."""
+def batches(
+    data: Iterable[Any], *, device: torch.device | None = None
+) -> Iterator[tuple[int, Inputs, Tensor]]:
+    """Yield ``(index, inputs, targets)``, checking each batch's form; raise on empty data.
+
+    With ``device``, the batch's tensors are moved there (the model's device).
+    """
     count = 0
     for index, batch in enumerate(data):
         inputs, targets = split_batch(batch, index)
+        if device is not None:
+            targets = targets.to(device)
+            if isinstance(inputs, Mapping):
+                inputs = {
+                    k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()
+                }
+            elif isinstance(inputs, Tensor):
+                inputs = inputs.to(device)
         count += 1
         yield index, inputs, targets
     if count == 0:
@@ -151,7 +164,9 @@ def sample_targets(
     Cross-entropy: y ~ Categorical(softmax(logits)) at every position whose observed target is
     not ``ignore_index`` (ignored positions stay ignored). MSE: y ~ N(f, I).
     """
-    outputs = outputs.detach().float()
+    outputs = outputs.detach()
+    if outputs.dtype in (torch.float16, torch.bfloat16):
+        outputs = outputs.float()
     if loss.name == "cross_entropy":
         probs = torch.softmax(outputs.reshape(-1, outputs.shape[-1]), dim=-1)
         draws = torch.multinomial(probs.cpu(), 1, generator=generator).reshape(outputs.shape[:-1])

@@ -72,7 +72,7 @@ def estimate_dense(
         flat.theta.float() if flat.theta.dtype in (torch.float16, torch.bfloat16) else flat.theta
     )
     total = torch.zeros(flat.numel, flat.numel, dtype=theta.dtype, device=theta.device)
-    for index, inputs, targets in batches(data):
+    for index, inputs, targets in batches(data, device=theta.device):
         if fisher == "hessian":
             total += _hessian(flat, theta, inputs, targets, index)
         elif fisher == "ggn":

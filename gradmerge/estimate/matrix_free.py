@@ -15,15 +15,15 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jvp, vjp
+from torch.func import grad, jvp, vjp
 
 from gradmerge import params as P
 from gradmerge.curvature.base import Curvature
-from gradmerge.errors import ArgumentError, NotPositiveDefiniteError
+from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import Inputs, Loss, batches, forward, per_example_loss
-from gradmerge.estimate._functional import trainable
+from gradmerge.estimate._functional import _Bound, trainable
 from gradmerge.params import Layout, Params
-from gradmerge.solve import CGResult, conjugate_gradient
+from gradmerge.solve import CGResult, solve_or_raise
 
 
 class MatrixFree(Curvature):
@@ -35,7 +35,7 @@ class MatrixFree(Curvature):
         kind: ``"ggn"`` (PSD by construction) or ``"hessian"``.
         loss: ``"cross_entropy"`` or ``"mse"``.
         params: names of the parameters covered (default: all trainable ones).
-        tol, maxiter: CG settings of ``solve``.
+        tol, maxiter: CG settings of ``solve`` (``tol=None``: 1e-10 in float64, 1e-5 in float32).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -57,14 +57,15 @@ class MatrixFree(Curvature):
         loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         ignore_index: int = -100,
         params: Sequence[str] | None = None,
-        tol: float = 1e-8,
+        tol: float | None = None,
         maxiter: int = 500,
     ) -> None:
         if kind not in ("ggn", "hessian"):
             raise ArgumentError(f"kind must be 'ggn' or 'hessian', got {kind!r}")
         self.model, self.kind, self.loss = model, kind, Loss(loss, ignore_index)
-        self.data = [(i, x, y) for i, x, y in batches(data)]  # validated once, kept
         self.params = {k: v.detach() for k, v in trainable(model, params).items()}
+        device = next(iter(self.params.values())).device
+        self.data = list(batches(data, device=device))  # validated once, on the model's device
         self.tol, self.maxiter = tol, maxiter
         self.coefficient = 1.0  # c in c·H (scalar multiples stay matrix-free)
         self.last_solve: CGResult | None = None
@@ -86,7 +87,7 @@ class MatrixFree(Curvature):
         return first.dtype, first.device
 
     def _outputs(self, p: Params, inputs: Inputs) -> Tensor:
-        return forward(_Call(self.model, p), inputs)
+        return forward(_Bound(self.model, dict(p)), inputs)
 
     def mv(self, v: Params) -> dict[str, Tensor]:
         self.check_covers(v, name="the vector", ref_name="the curvature's parameters")
@@ -113,20 +114,14 @@ class MatrixFree(Curvature):
         return pullback(_output_hessian_mv(out, targets, jv, self.loss))[0]  # Jᵀ Λ J v
 
     def solve_info(self, v: Params) -> CGResult:
-        """CG on this operator; the report of the solve."""
-        self.last_solve = conjugate_gradient(
+        """CG on this operator; raises :class:`NotConvergedError` if it does not converge."""
+        self.last_solve = solve_or_raise(
             self.mv, v, tol=self.tol, maxiter=self.maxiter, what=f"the {self.kind}"
         )
         return self.last_solve
 
     def solve(self, v: Params) -> dict[str, Tensor]:
-        result = self.solve_info(v)
-        if not result.converged:
-            raise NotPositiveDefiniteError(
-                f"CG on the {self.kind} stopped at relative residual {result.residual:.2e} after "
-                f"{result.iterations} iterations; add damping (MatrixFree + δ) or raise maxiter"
-            )
-        return result.x
+        return self.solve_info(v).x
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Any:
         raise ArgumentError(
@@ -154,15 +149,6 @@ class MatrixFree(Curvature):
 
     def _promote(self, other: Curvature) -> Curvature:
         return other
-
-
-class _Call(nn.Module):
-    def __init__(self, model: nn.Module, params: Params) -> None:
-        super().__init__()
-        self._model, self._params = model, dict(params)
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        return functional_call(self._model, self._params, args, kwargs)
 
 
 def _output_hessian_mv(out: Tensor, targets: Tensor, u: Tensor, loss: Loss) -> Tensor:
