@@ -1,0 +1,378 @@
+"""Curvature estimators: time and peak memory as ratios to one plain forward+backward pass.
+
+Each workload (an MLP 784-512-512-10 with batch 256, and a GPT-2-style transformer built from a
+config with random weights) runs every estimator on the same data, side by side with BackPACK,
+curvlinops and torch.func's vmap where they apply, each interleaved with a fresh measurement of
+the plain forward+backward pass over the same batches. Ratios are method / that pass (median
+over repeats). Peak memory: CUDA's max_memory_allocated above the model's, or on CPU the peak
+of the process's anonymous resident memory (RssAnon, sampled every millisecond) above the level
+before the run. Unsupported method/model pairs are recorded with the reason.
+
+    python benchmarks/curvature.py                      # CPU workloads, writes JSON
+    python benchmarks/curvature.py --device cuda --gpt2-size 124m
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradmerge.estimate import estimate_diagonal, estimate_kfac_factors
+
+Batch = tuple[Any, torch.Tensor]
+
+
+# ----- measurement ----------------------------------------------------------------------------
+class PeakMemory:
+    """Peak memory above the starting level while the block runs (bytes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak = device, 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            self.start, self.stop = _rss_anon(), threading.Event()
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, _rss_anon() - self.start)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.stop.set()
+            self.thread.join()
+            self.peak = max(self.peak, _rss_anon() - self.start)
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+# ----- workloads ------------------------------------------------------------------------------
+def mlp_workload(device: torch.device) -> tuple[nn.Module, list[Batch], str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    ).to(device)
+    data = [
+        (torch.randn(256, 784, device=device), torch.randint(0, 10, (256,), device=device))
+        for _ in range(16)
+    ]
+    return model, data, "MLP 784-512-512-10, batch 256, 4096 examples"
+
+
+def gpt2_workload(device: torch.device, size: str) -> tuple[nn.Module, list[Batch], str]:
+    import transformers
+
+    torch.manual_seed(0)
+    if size == "124m":
+        config = transformers.GPT2Config(n_positions=512)  # GPT-2 small: 124M parameters
+        batch, seq, batches = 4, 512, 4
+    else:
+        config = transformers.GPT2Config(
+            n_layer=4, n_head=4, n_embd=256, vocab_size=2000, n_positions=128
+        )
+        batch, seq, batches = 8, 128, 4
+    config.tie_word_embeddings = False
+    model = transformers.GPT2LMHeadModel(config).to(device).eval()
+    data = []
+    for _ in range(batches):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100, device=device)], dim=1)
+        data.append(({"input_ids": ids}, labels))
+    params = sum(p.numel() for p in model.parameters())
+    return model, data, f"GPT-2 ({params / 1e6:.1f}M parameters), batch {batch}, sequence {seq}"
+
+
+# ----- methods --------------------------------------------------------------------------------
+def _loss(model: nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
+
+
+def forward_backward(model: nn.Module, data: list[Batch]) -> None:
+    for inputs, targets in data:
+        model.zero_grad(set_to_none=True)
+        _loss(model, inputs, targets).backward()
+
+
+def vmap_empirical_diag(model: nn.Module, data: list[Batch]) -> None:
+    """torch.func: per-example gradients by vmap(grad), squared and summed."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict, x: Any, y: torch.Tensor) -> torch.Tensor:
+        batch_x = {k: v[None] for k, v in x.items()} if isinstance(x, dict) else x[None]
+        out = (
+            torch.func.functional_call(model, p, (), batch_x)
+            if isinstance(x, dict)
+            else (torch.func.functional_call(model, p, (batch_x,)))
+        )
+        logits = out.logits if hasattr(out, "logits") else out
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y[None].reshape(-1), reduction="sum"
+        )
+
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for inputs, targets in data:
+        grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))(params, inputs, targets)
+        for k, g in grads.items():
+            total[k] += (g**2).sum(0)
+
+
+def backpack_method(extension: str) -> Callable[[nn.Module, list[Batch]], None]:
+    def run(model: nn.Module, data: list[Batch]) -> None:
+        import backpack
+        from backpack import extensions
+
+        ext = getattr(extensions, extension)()
+        net = backpack.extend(model)
+        loss_fn = backpack.extend(nn.CrossEntropyLoss(reduction="sum"))
+        for inputs, targets in data:
+            net.zero_grad(set_to_none=True)
+            with backpack.backpack(ext):
+                loss_fn(net(inputs), targets).backward()
+
+    return run
+
+
+def curvlinops_kfac(fisher_type: str) -> Callable[[nn.Module, list[Batch]], None]:
+    def run(model: nn.Module, data: list[Batch]) -> None:
+        from curvlinops import KFACLinearOperator
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        op = KFACLinearOperator(
+            model,
+            nn.CrossEntropyLoss(reduction="sum"),
+            params,
+            data,
+            fisher_type=fisher_type,
+            mc_samples=1,
+            check_deterministic=False,
+        )
+        op.compute_kronecker_factors()  # curvlinops computes lazily
+
+    return run
+
+
+def methods(workload: str) -> dict[str, Callable[[nn.Module, list[Batch]], object]]:
+    out: dict[str, Callable[[nn.Module, list[Batch]], object]] = {
+        "gradmerge diag empirical": lambda m, d: estimate_diagonal(m, d, fisher="empirical"),
+        "gradmerge diag mc(1)": lambda m, d: estimate_diagonal(m, d, fisher="mc"),
+        "gradmerge kfac empirical": lambda m, d: estimate_kfac_factors(m, d, fisher="empirical"),
+        "gradmerge kfac mc(1)": lambda m, d: estimate_kfac_factors(m, d, fisher="mc"),
+        "torch.func vmap empirical diag": vmap_empirical_diag,
+    }
+    if workload == "mlp":  # exact GGNs cost one backward per class: fine for 10 classes
+        out["gradmerge diag ggn"] = lambda m, d: estimate_diagonal(m, d, fisher="ggn")
+        out["gradmerge kfac ggn"] = lambda m, d: estimate_kfac_factors(m, d, fisher="ggn")
+        out["backpack SumGradSquared"] = backpack_method("SumGradSquared")
+        out["backpack DiagGGNExact"] = backpack_method("DiagGGNExact")
+        out["backpack DiagGGNMC(1)"] = backpack_method("DiagGGNMC")
+        out["curvlinops kfac empirical"] = curvlinops_kfac("empirical")
+        out["curvlinops kfac mc(1)"] = curvlinops_kfac("mc")
+        out["curvlinops kfac type-2"] = curvlinops_kfac("type-2")
+    return out
+
+
+def run_workload(
+    name: str, model: nn.Module, data: list[Batch], device: torch.device, args: argparse.Namespace
+) -> dict:
+    forward_backward(model, data)  # warm-up
+    base_memory = probe_memory(name, "forward+backward", args)
+    results: dict[str, Any] = {"forward+backward": {"peak_memory_bytes": base_memory}}
+    for label, method in methods(name).items():
+        try:
+            method(model, data)  # warm-up (and a first check that it runs)
+        except Exception as err:  # a peer that does not support the model
+            results[label] = {"status": f"unsupported: {type(err).__name__}: {str(err)[:160]}"}
+            print(f"  {label:34s} {results[label]['status'][:90]}", flush=True)
+            continue
+        ratios, seconds = [], []
+        for _ in range(args.repeats):  # interleaved with the baseline, against drift
+            base_s = _timed(lambda: forward_backward(model, data), device)
+            s = _timed(lambda method=method: method(model, data), device)
+            ratios.append(s / base_s)
+            seconds.append(s)
+        memory = probe_memory(name, label, args)
+        results[label] = {
+            "status": "ok",
+            "seconds": statistics.median(seconds),
+            "time_ratio": statistics.median(ratios),
+            "time_ratio_min": min(ratios),
+            "peak_memory_bytes": memory,
+            "peak_memory_ratio": memory / base_memory if base_memory > 0 else None,
+        }
+        r = results[label]
+        mem = f"{r['peak_memory_ratio']:6.2f}× memory" if r["peak_memory_ratio"] else ""
+        print(f"  {label:34s} {r['time_ratio']:6.2f}× time  {mem}", flush=True)
+    return results
+
+
+def probe_memory(workload: str, method: str, args: argparse.Namespace) -> int:
+    """Peak memory of one run of ``method`` in a fresh process (no allocator reuse)."""
+    cmd = [sys.executable, __file__, "--probe", workload, method, "--device", args.device]
+    cmd += ["--gpt2-size", args.gpt2_size]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_memory_bytes"])
+
+
+def _probe(workload: str, method: str, args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    model, data, _ = build(workload, device, args.gpt2_size)
+    run = (
+        (lambda: forward_backward(model, data))
+        if method == "forward+backward"
+        else (lambda: methods(workload)[method](model, data))
+    )
+    gc.collect()
+    with PeakMemory(device) as mem:
+        run()
+    print(json.dumps({"peak_memory_bytes": mem.peak}))
+
+
+def build(name: str, device: torch.device, gpt2_size: str) -> tuple[nn.Module, list[Batch], str]:
+    return mlp_workload(device) if name == "mlp" else gpt2_workload(device, gpt2_size)
+
+
+# (estimator, its target ratio, the peers doing the same work) per workload — from the issue
+TARGETS = {
+    "mlp": [
+        (
+            "gradmerge diag empirical",
+            1.5,
+            ["backpack SumGradSquared", "torch.func vmap empirical diag"],
+        ),
+        ("gradmerge kfac empirical", 1.5, ["curvlinops kfac empirical"]),
+    ],
+    "gpt2": [
+        ("gradmerge diag empirical", 2.0, ["torch.func vmap empirical diag"]),
+        ("gradmerge kfac empirical", 2.0, []),
+    ],
+}
+
+
+def evaluate_targets(workloads: dict) -> list[dict]:
+    """Each target: the ratio, whether it is met, and the fastest peer on the same work."""
+    out = []
+    for name, targets in TARGETS.items():
+        results = workloads[name]["methods"]
+        for method, limit, peers in targets:
+            ours = results.get(method, {}).get("time_ratio")
+            peer_ratios = {
+                p: results[p]["time_ratio"]
+                for p in peers
+                if results.get(p, {}).get("status") == "ok"
+            }
+            fastest = min(peer_ratios.items(), key=lambda kv: kv[1]) if peer_ratios else None
+            out.append(
+                {
+                    "workload": name,
+                    "method": method,
+                    "time_ratio": ours,
+                    "target": limit,
+                    "meets_target": ours is not None and ours <= limit,
+                    "fastest_peer": fastest[0] if fastest else None,
+                    "fastest_peer_ratio": fastest[1] if fastest else None,
+                    "not_slower_than_peers": ours is not None
+                    and (not fastest or ours <= fastest[1]),
+                }
+            )
+    return out
+
+
+def machine(device: torch.device) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--gpt2-size", choices=["small-config", "124m"], default="small-config")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    parser.add_argument("--probe", nargs=2, metavar=("WORKLOAD", "METHOD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.probe:
+        _probe(*args.probe, args)
+        return
+    device = torch.device(args.device)
+    report: dict[str, Any] = {"benchmark": "curvature", "machine": machine(device), "workloads": {}}
+    for name in ("mlp", "gpt2"):
+        model, data, desc = build(name, device, args.gpt2_size)
+        print(f"{desc} on {device}", flush=True)
+        report["workloads"][name] = {
+            "description": desc,
+            "methods": run_workload(name, model, data, device, args),
+        }
+    report["targets"] = evaluate_targets(report["workloads"])
+    for t in report["targets"]:
+        peer = (
+            f", fastest peer {t['fastest_peer']} {t['fastest_peer_ratio']:.2f}×"
+            if t["fastest_peer"]
+            else ""
+        )
+        print(
+            f"target {t['workload']}/{t['method']}: {t['time_ratio']:.2f}× (≤ {t['target']}×: "
+            f"{'met' if t['meets_target'] else 'NOT met'}{peer})"
+        )
+    out = Path(args.out or f"benchmarks/results/curvature-{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
