@@ -71,3 +71,25 @@ def test_bad_arguments():
         gm.MatrixFree(model, [])
     with pytest.raises(gm.StructureError):
         gm.MatrixFree(model, data).mv({"0.weight": torch.ones(4, 3, dtype=DT)})
+
+
+def test_ggn_products_match_hand_written_jacobians():
+    """An independent reference: Σ_i J_iᵀ Λ_i J_i v from a hand-written tanh MLP of flat θ."""
+    from proofs_tests.estimate.test_dense import _mlp_fn
+
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)
+    ).double()
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    X, y = torch.randn(5, 3, dtype=DT), torch.randint(0, 3, (5,))
+    sizes = ((3, 4), (4, 3))
+    ggn = torch.zeros(len(theta), len(theta), dtype=DT)
+    for i in range(5):
+        jac = torch.autograd.functional.jacobian(lambda th, i=i: _mlp_fn(th, X[i], sizes), theta)
+        p = torch.softmax(_mlp_fn(theta, X[i], sizes), dim=-1)
+        ggn += jac.T @ (torch.diag(p) - torch.outer(p, p)) @ jac
+    op = gm.MatrixFree(model, [(X, y)], kind="ggn")
+    v = torch.randn(len(theta), dtype=DT)
+    got = P.flatten(op.mv(P.unflatten(v, op.layout)), op.layout)
+    torch.testing.assert_close(got, ggn @ v)
