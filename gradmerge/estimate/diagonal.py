@@ -140,7 +140,7 @@ def estimate_diagonal(
         for p in frozen:
             p.requires_grad_(False)  # spare the graph of parameters nobody asked for
         with torch.enable_grad():
-            for index, inputs, targets in batches(data):
+            for index, inputs, targets in batches(data, device=state.device):
                 _batch(model, recorder, state, index, inputs, targets)
                 if progress:
                     print(f"\rdiagonal {fisher}: batch {index + 1}", end="", file=sys.stderr)
@@ -225,12 +225,6 @@ def _covered_modules(
     return out
 
 
-def _to_device(x: Inputs, device: torch.device) -> Inputs:
-    if isinstance(x, Mapping):
-        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in x.items()}
-    return x.to(device)
-
-
 def _batch(
     model: nn.Module,
     recorder: _hooks.Recorder,
@@ -240,7 +234,6 @@ def _batch(
     targets: Tensor,
 ) -> None:
     """Add one batch's contribution to ``state.acc``."""
-    inputs, targets = _to_device(inputs, state.device), targets.to(state.device)
     recorder.batch = num_examples(targets)
     try:
         outputs = forward(model, inputs)

@@ -618,7 +618,7 @@ def estimate_kfac_factors(
     ]
     total = 0
     try:
-        for index, inputs, targets in batches(data):
+        for index, inputs, targets in batches(data, device=wrt[0].device):
             recorder.start_batch(_Masks.of_batch(inputs, targets, loss_spec), num_examples(targets))
             with torch.enable_grad():
                 outputs = forward(model, inputs)
