@@ -29,6 +29,7 @@ from theory.problems import (
     as_float64,
     cholesky_solve,
     feature_scales,
+    merged_precision,
     normalise_alphas,
     perturbed_rotation,
     precision_matrix,
@@ -229,11 +230,9 @@ class LinearMergeProblem:
 
     def merged_precision(self, alphas: float | Sequence[float] | Tensor = 1.0) -> Tensor:
         """H̄ = H_0 + Σ_t α_t H_t."""
+        hessians = [self.hessian(t) for t in range(self.num_tasks)]
         a = normalise_alphas(alphas, self.num_tasks)
-        H = self.prior_precision.clone()
-        for t in range(self.num_tasks):
-            H = H + a[t] * self.hessian(t)
-        return H
+        return merged_precision(self.prior_precision, hessians, a)
 
 
 # --------------------------------------------------------------------------------------------

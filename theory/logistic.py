@@ -47,6 +47,7 @@ from theory.problems import (
     as_float64,
     cholesky_solve,
     feature_scales,
+    merged_precision,
     normalise_alphas,
     precision_matrix,
     prior_mean_vector,
@@ -608,11 +609,9 @@ class LogisticMergeProblem:
 
     def merged_precision(self, alphas: float | Sequence[float] | Tensor = 1.0) -> Tensor:
         """H̄ = H_0 + Σ_t α_t H_t with H_t at θ_t."""
+        hessians = [self.hessian(t) for t in range(self.num_tasks)]
         a = normalise_alphas(alphas, self.num_tasks)
-        H = self.prior_precision.clone()
-        for t in range(self.num_tasks):
-            H = H + a[t] * self.hessian(t)
-        return H
+        return merged_precision(self.prior_precision, hessians, a)
 
 
 @dataclass(frozen=True, eq=False)

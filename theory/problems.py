@@ -154,3 +154,11 @@ def relative_residual(residual: Tensor, *scales: Tensor) -> float:
     """‖residual‖ / (Σ ‖scale_k‖), the measure the tests compare with 1e-10."""
     denominator = sum(float(torch.linalg.norm(s)) for s in scales)
     return float(torch.linalg.norm(residual)) / max(denominator, torch.finfo(DTYPE).tiny)
+
+
+def merged_precision(prior: Tensor, hessians: Sequence[Tensor], alphas: Tensor) -> Tensor:
+    """H̄ = H_0 + Σ_t α_t H_t (Eq. 6)."""
+    out = prior.clone()
+    for a, h in zip(alphas, hessians, strict=True):
+        out = out + a * h
+    return out

@@ -188,3 +188,19 @@ def all_hold(results: Iterable[bool]) -> bool:
 
 
 __all__ += ["all_hold", "at", "decide_equal", "lsq_loss", "msum", "sqnorm"]
+
+
+D = 2  # parameters in the generic symbolic setting
+T = 2  # tasks
+
+
+class MergeSymbols:
+    """Generic symbols of the merge setting (d = 2, T = 2): symmetric H_0 and H_t, free θ_LLM
+    and θ_t, and weights α_t. Modules subclass it to add what their result needs."""
+
+    def __init__(self) -> None:
+        self.h0 = sym("H0", D)
+        self.h = [sym(f"H{t + 1}", D) for t in range(T)]
+        self.thl = vec("thL", D)
+        self.th = [vec(f"th{t + 1}", D) for t in range(T)]
+        self.al = [sp.Symbol(f"alpha{t + 1}", real=True) for t in range(T)]

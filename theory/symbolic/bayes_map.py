@@ -22,6 +22,9 @@ import sympy as sp
 
 from theory.symbolic._check import SymbolicCheck
 from theory.symbolic._util import (
+    D,
+    MergeSymbols,
+    T,
     all_hold,
     at,
     decide,
@@ -32,22 +35,15 @@ from theory.symbolic._util import (
     mat,
     msum,
     sqnorm,
-    sym,
     vec,
 )
 
-D = 2
-T = 2
 COL = (D, 1)
 
 
-class _S:
+class _S(MergeSymbols):
     def __init__(self) -> None:
-        self.h0 = sym("H0", D)
-        self.h = [sym(f"H{t + 1}", D) for t in range(T)]
-        self.thl = vec("thL", D)
-        self.th = [vec(f"th{t + 1}", D) for t in range(T)]
-        self.al = [sp.Symbol(f"alpha{t + 1}", real=True) for t in range(T)]
+        super().__init__()
         self.theta = vec("theta", D)
 
     @property

@@ -34,6 +34,9 @@ import sympy as sp
 
 from theory.symbolic._check import SymbolicCheck
 from theory.symbolic._util import (
+    D,
+    MergeSymbols,
+    T,
     all_hold,
     at,
     decide,
@@ -50,20 +53,14 @@ from theory.symbolic._util import (
     vec,
 )
 
-D = 2
-T = 2
 COL = (D, 1)
 
 
-class _S:
+class _S(MergeSymbols):
     """Generic symbols: any loss, curvatures H_t symmetric, θ_t and θ free."""
 
     def __init__(self) -> None:
-        self.h0 = sym("H0", D)
-        self.h = [sym(f"H{t + 1}", D) for t in range(T)]
-        self.thl = vec("thL", D)
-        self.th = [vec(f"th{t + 1}", D) for t in range(T)]
-        self.al = [sp.Symbol(f"alpha{t + 1}", real=True) for t in range(T)]
+        super().__init__()
         self.theta = vec("theta", D)
         self.hbar = self.h0 + msum((self.al[t] * self.h[t] for t in range(T)), (D, D))
 
