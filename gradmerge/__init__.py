@@ -34,6 +34,7 @@ from gradmerge.merge import (
     fisher_average,
     gradient_matching,
     influence_remove,
+    refine,
     remove,
     task_arithmetic,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "gradient_matching",
     "remove",
     "influence_remove",
+    "refine",
     # curvature operators
     "Curvature",
     "ScaledIdentity",
