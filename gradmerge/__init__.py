@@ -35,6 +35,7 @@ from gradmerge.merge import (
     gradient_matching,
     influence_remove,
     refine,
+    regmean,
     remove,
     task_arithmetic,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "remove",
     "influence_remove",
     "refine",
+    "regmean",
     # curvature operators
     "Curvature",
     "ScaledIdentity",

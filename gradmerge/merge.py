@@ -25,13 +25,14 @@ errors are typed (:mod:`gradmerge.errors`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature import Curvature, ScaledIdentity
-from gradmerge.errors import ArgumentError
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
+from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 
 CurvatureLike = Curvature | float
@@ -77,6 +78,70 @@ def fisher_average(
         raise ArgumentError("fisher_average needs at least one fine-tuned model, got none")
     origin = P.zeros_like(finetuned[0])
     return gradient_matching(origin, finetuned, curvatures, prior=0.0, alphas=alphas)
+
+
+def regmean(
+    finetuned: Sequence[Params],
+    grams: Sequence[Mapping[str, Tensor]],
+    *,
+    alphas: float | Sequence[float] = 1.0,
+    bias: Sequence[str] = (),
+    transposed: Sequence[str] = (),
+) -> dict[str, Tensor]:
+    r"""RegMean (Jin et al., 2023): the K-FAC special case of the merge rule with G = I, H_0 = 0.
+
+    For every linear layer m with input Gram matrices G_t = X_tᵀX_t (one per task; with the bias
+    as the last input column for the layers in ``bias``)
+
+    .. math::
+
+        [W \mid b]^\star = \Big(\sum_t \alpha_t [W_t \mid b_t]\, G_t\Big)
+            \Big(\sum_t \alpha_t G_t\Big)^{-1},
+
+    and every other parameter is the α-weighted average. Implemented as
+    :func:`fisher_average` with curvatures ``KFAC({m: (G_t, I)})`` (plus an identity block for the
+    rest), so the sum Σ_t α_t G_t ⊗ I is formed exactly and solved in one eigendecomposition.
+
+    Args:
+        finetuned: θ_1, …, θ_T.
+        grams: per task, module name → Gram matrix of that layer's inputs.
+        alphas: α_t.
+        bias: modules whose weight has a bias (their Grams include the constant input column).
+        transposed: modules whose weight is stored (in, out) (GPT-2 ``Conv1D``).
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> fts = [{"fc.weight": torch.tensor([[1.0, 0.0]])}, {"fc.weight": torch.tensor([[0.0, 1.0]])}]
+        >>> grams = [{"fc": torch.diag(torch.tensor([3.0, 1.0]))}, {"fc": torch.diag(torch.tensor([1.0, 3.0]))}]
+        >>> gm.regmean(fts, grams)["fc.weight"]
+        tensor([[0.7500, 0.7500]])
+    """
+    if len(grams) != len(finetuned):
+        raise ArgumentError(f"got {len(finetuned)} fine-tuned models but {len(grams)} Gram sets")
+    curvatures: list[Curvature] = []
+    for t, (ft, gram) in enumerate(zip(finetuned, grams, strict=True)):
+        P.check_params(ft, name=f"finetuned[{t}]")
+        factors = {}
+        for name, g in gram.items():
+            weight = ft.get(f"{name}.weight")
+            if weight is None:
+                raise StructureError(
+                    f"grams[{t}] names {name!r}, but finetuned[{t}] has no {name}.weight"
+                )
+            out = weight.shape[1] if name in transposed else weight.shape[0]
+            factors[name] = (
+                g.to(weight.dtype),
+                torch.eye(out, dtype=weight.dtype, device=weight.device),
+            )
+        kfac = KFAC(
+            factors,
+            bias=[m for m in bias if m in factors],
+            transposed=[m for m in transposed if m in factors],
+        )
+        covered = {k for k, _ in kfac.layout}
+        rest = {k: torch.ones_like(v) for k, v in ft.items() if k not in covered}
+        curvatures.append(Blocks([kfac, Diagonal(rest)]) if rest else kfac)
+    return fisher_average(finetuned, curvatures, alphas=alphas)
 
 
 def gradient_matching(

@@ -253,7 +253,7 @@ class KFAC(Curvature):
             other.transposed,
         ):
             raise StructureError("cannot add K-FAC curvatures over different layers or biases")
-        return self._new({n: self.terms[n] + other.terms[n] for n in self.terms})
+        return self._new({n: _combine(self.terms[n], other.terms[n]) for n in self.terms})
 
     def _promote(self, other: Curvature) -> KFAC:
         if not isinstance(other, ScaledIdentity):
@@ -297,6 +297,29 @@ class KFAC(Curvature):
             for t in self.terms.values()
             for a, g in t
         )
+
+
+def _combine(terms: list[Term], extra: list[Term]) -> list[Term]:
+    """``terms + extra``, merging exactly the terms whose G factors are multiples of one another's
+    identity: A₁ ⊗ c₁I + A₂ ⊗ c₂I = (c₁A₁ + c₂A₂) ⊗ I (RegMean's case, and δ·I with such terms).
+    Any other pair stays a separate Kronecker term (summing factors would be approximate)."""
+    out = list(terms)
+    for a, g in extra:
+        c = _identity_multiple(g)
+        for i, (a_i, g_i) in enumerate(out):
+            c_i = _identity_multiple(g_i)
+            if c is not None and c_i is not None:
+                out[i] = (c_i * a_i + c * a, torch.eye(g.shape[0], dtype=g.dtype, device=g.device))
+                break
+        else:
+            out.append((a, g))
+    return out
+
+
+def _identity_multiple(g: Tensor) -> float | None:
+    """c if G = c·I exactly, else None."""
+    c = float(g[0, 0])
+    return c if torch.equal(g, c * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)) else None
 
 
 def _sym_eig(m: Tensor) -> tuple[Tensor, Tensor]:
