@@ -108,7 +108,7 @@ def estimate_curvature(
             raise ArgumentError(
                 "params= restricts 'diag' and 'full' estimates; K-FAC covers the model"
             )
-        if iter(data.data) is data.data:
+        if isinstance(data.data, Iterator):
             raise ArgumentError(
                 "structure='kfac' passes over the data more than once: pass a list or a "
                 "DataLoader, not a one-shot iterator"
