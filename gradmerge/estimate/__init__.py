@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from gradmerge.curvature import KFAC, Blocks, Curvature
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate._data import num_examples, split_batch
+from gradmerge.estimate._data import FisherName, num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
-from gradmerge.estimate.diagonal import FisherName, estimate_diagonal
+from gradmerge.estimate.diagonal import estimate_diagonal
 from gradmerge.estimate.kfac import KFACFactors, estimate_kfac_factors
 from gradmerge.estimate.matrix_free import MatrixFree
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
 
 LossName = Literal["cross_entropy", "mse"]
+FisherName = Literal["empirical", "mc", "ggn"]
 Inputs = Tensor | Mapping[str, Tensor]
 
 
@@ -41,6 +42,11 @@ class Loss:
     def __post_init__(self) -> None:
         if self.name not in ("cross_entropy", "mse"):
             raise ArgumentError(f"loss must be 'cross_entropy' or 'mse', got {self.name!r}")
+
+
+def accumulation_dtype(t: Tensor) -> torch.dtype:
+    """The dtype curvature sums accumulate in: float32 for 16-bit tensors, else their own."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 def batches(

@@ -23,7 +23,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,17 +32,17 @@ from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate import _hooks
 from gradmerge.estimate._data import (
+    FisherName,
     Inputs,
     Loss,
     LossName,
+    accumulation_dtype,
     batches,
     forward,
     num_examples,
     per_example_loss,
     sample_targets,
 )
-
-FisherName = Literal["empirical", "mc", "ggn"]
 
 MAX_GGN_COLUMNS = 4096
 """Most backward passes per batch that ``fisher="ggn"`` accepts (classes × positions)."""
@@ -170,16 +170,14 @@ class _State:
     warned: bool = False
 
     def __post_init__(self) -> None:
-        self.acc = {n: torch.zeros_like(p, dtype=_acc_dtype(p)) for n, p in self.params.items()}
+        self.acc = {
+            n: torch.zeros_like(p, dtype=accumulation_dtype(p)) for n, p in self.params.items()
+        }
         self.names = {id(p): n for n, p in self.params.items()}
 
     @property
     def device(self) -> torch.device:
         return next(iter(self.params.values())).device
-
-
-def _acc_dtype(p: Tensor) -> torch.dtype:
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def _check_fisher(fisher: str, mc_samples: int) -> None:

@@ -102,8 +102,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
 from gradmerge.estimate._data import (
+    FisherName,
     Inputs,
     Loss,
+    accumulation_dtype,
     batches,
     forward,
     num_examples,
@@ -111,7 +113,6 @@ from gradmerge.estimate._data import (
     sample_targets,
 )
 
-FisherName = Literal["empirical", "mc", "ggn"]
 KFACApprox = Literal["expand", "reduce"]
 LayerKind = Literal["linear", "conv2d", "conv1d", "embedding"]
 
@@ -199,10 +200,6 @@ def _sides(weight: Tensor, kind: LayerKind) -> tuple[int, int]:
     return int(weight[0].numel()), int(weight.shape[0])
 
 
-def _acc_dtype(weight: Tensor) -> torch.dtype:
-    return torch.float64 if weight.dtype == torch.float64 else torch.float32
-
-
 def _select_layers(
     model: nn.Module, modules: Sequence[str] | None, max_factor_size: int
 ) -> dict[str, _Layer]:
@@ -244,7 +241,7 @@ def _select_layers(
                 stacklevel=3,
             )
             continue
-        device, dtype = weight.device, _acc_dtype(weight)
+        device, dtype = weight.device, accumulation_dtype(weight)
         a_shape = (n_in,) if kind == "embedding" else (a_side, a_side)
         layers[name] = _Layer(
             module,
@@ -478,7 +475,7 @@ def _ggn_columns(outputs: Tensor, targets: Tensor, loss: Loss) -> Iterable[Tenso
             column[..., c] = 1
             yield column
         return
-    p = torch.softmax(outputs.detach().to(_acc_dtype(outputs)), dim=-1)
+    p = torch.softmax(outputs.detach().to(accumulation_dtype(outputs)), dim=-1)
     keep = (targets != loss.ignore_index).unsqueeze(-1).to(p.dtype)
     for c in range(outputs.shape[-1]):
         root = p[..., c : c + 1].sqrt()

@@ -63,12 +63,7 @@ def error_study(seeds: range) -> dict:
     best = np.argmin(np.stack([errors[m] for m in METHODS]), axis=0)
     return {
         "problems": len(rows),
-        "quantiles": {
-            m: dict(
-                zip(("q10", "median", "q90"), np.quantile(e, [0.1, 0.5, 0.9]).tolist(), strict=True)
-            )
-            for m, e in errors.items()
-        },
+        "quantiles": {m: _quantiles(e) for m, e in errors.items()},
         "closest": {m: int((best == i).sum()) for i, m in enumerate(METHODS)},
         "gm_full_beats_ta": int((errors["gm_full"] < errors["task_arithmetic"]).sum()),
         "gm_diag_beats_ta": int((errors["gm_diag"] < errors["task_arithmetic"]).sum()),
@@ -132,12 +127,12 @@ def removal_study(seeds: range) -> dict:
     errors = {m: np.array([r[m] for r in rows]) for m in ("eq13", "koh_liang")}
     return {
         "problems": len(rows),
-        "quantiles": {
-            m: dict(
-                zip(("q10", "median", "q90"), np.quantile(e, [0.1, 0.5, 0.9]).tolist(), strict=True)
-            )
-            for m, e in errors.items()
-        },
+        "quantiles": {m: _quantiles(e) for m, e in errors.items()},
         "eq13_closer": int((errors["eq13"] < errors["koh_liang"]).sum()),
         "rows": rows,
     }
+
+
+def _quantiles(errors: np.ndarray) -> dict[str, float]:
+    q10, median, q90 = np.quantile(errors, [0.1, 0.5, 0.9]).tolist()
+    return {"q10": q10, "median": median, "q90": q90}
