@@ -1,81 +1,17 @@
-"""The ``gradmerge`` command line.
+"""The ``gradmerge`` command line: one module per subcommand in :mod:`gradmerge.commands`.
 
 gradmerge verify              check every derivation of the appendix; exit 1 if one fails
-gradmerge verify --seeds 50   more random cases per numeric check
-gradmerge verify --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-import numpy as np
+from gradmerge.commands import verify
 
-
-def _verify(args: argparse.Namespace) -> int:
-    from theory import verify  # the theory testbed ships with the package
-    from theory.numeric import study as studies
-
-    start = time.perf_counter()
-    print("gradmerge verify: the appendix of Daheim et al. (ICLR 2024), statement by statement")
-    print(f"numeric checks on {args.seeds} random exact problems each (float64)\n", flush=True)
-    rows = verify.collect(seeds=args.seeds)
-    print(verify.format_table(rows))
-    print("\n" + verify.summary(rows))
-    report: dict = {"rows": verify.as_json(rows)}
-    if args.study:
-        report["studies"] = _studies(studies, args.study)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=float))
-        print(f"\nwrote {args.json}")
-    print(f"\ndone in {time.perf_counter() - start:.1f} s")
-    return 1 if any(r.verdict == "FAILED" for r in rows) else 0
-
-
-def _studies(studies: Any, problems: int) -> dict:
-    """Measurements on random logistic problems (no pass/fail: the appendix claims no ranking)."""
-    merge = studies.error_study(range(problems))
-    removal = studies.removal_study(range(problems))
-    orders = [studies.prior_scaling_orders(s) for s in range(min(problems, 8))]
-    print(
-        f"\nMerge on logistic regression, {merge['problems']} random problems: "
-        "error ‖θ − θ_1:T‖ / ‖θ_1:T − θ_LLM‖"
-    )
-    for method, q in merge["quantiles"].items():
-        print(
-            f"  {method:16s} median {q['median']:.3f}  (10%: {q['q10']:.3f}, 90%: {q['q90']:.3f})"
-            f"  closest on {merge['closest'][method]}"
-        )
-    print(
-        f"  gradient matching beats task arithmetic on {merge['gm_full_beats_ta']} (full H_t) "
-        f"and {merge['gm_diag_beats_ta']} (diagonal H_t) of {merge['problems']}"
-    )
-    print(
-        f"\nRemoval on logistic regression, {removal['problems']} random problems: "
-        "error ‖θ − θ_\\t‖ / ‖θ_\\t − θ_LLM‖ (1.0 = not removing at all)"
-    )
-    for method, q in removal["quantiles"].items():
-        print(
-            f"  {method:16s} median {q['median']:.3f}  (10%: {q['q10']:.3f}, 90%: {q['q90']:.3f})"
-        )
-    print(
-        f"  Eq. 13 is closer than Koh & Liang on {removal['eq13_closer']} of {removal['problems']}"
-    )
-    med = {m: float(np.median([o[m] for o in orders])) for m in orders[0]}
-    print(
-        "\nOrder of the error in the task-vector size (H_0 → λH_0, fitted over λ = 30c..300c, "
-        f"median of {len(orders)}): task arithmetic {med['task_arithmetic']:.2f} (theory: 1), "
-        f"gradient matching {med['gm_full']:.2f} (theory: 2)"
-    )
-    merge.pop("rows")
-    removal.pop("rows")
-    return {"merge": merge, "removal": removal, "error_orders": orders}
+COMMANDS = [verify]  # each has add_parser(subparsers); the parser's defaults carry run/check
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,33 +19,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="gradmerge",
         description="Merge and un-merge fine-tuned models by uncertainty-based gradient matching.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  gradmerge verify\n  gradmerge verify --seeds 50 --json verify.json",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "verify",
-        help="check every derivation of the paper's appendix (symbolic and numeric)",
-        description="Check every derivation of the appendix: sympy identities and float64 checks "
-        "on exact linear and logistic models. Exits 1 if a statement that should hold fails or an "
-        "erratum's printed form unexpectedly holds.",
-    )
-    p.add_argument("--seeds", type=int, default=10, help="random cases per numeric check (10)")
-    p.add_argument(
-        "--study",
-        type=int,
-        default=30,
-        help="logistic problems in the merge-error study (30; 0: skip)",
-    )
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    for command in COMMANDS:
+        command.add_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "verify":
-        if args.seeds < 1:
-            parser.error(f"--seeds must be at least 1, got {args.seeds}")
-        if args.study < 0:
-            parser.error(f"--study must be 0 or more, got {args.study}")
-        return _verify(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(parser, args)
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

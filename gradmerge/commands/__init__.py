@@ -1,0 +1,1 @@
+"""The ``gradmerge`` subcommands, one module each (``add_parser(sub)`` and ``run(args)``)."""
