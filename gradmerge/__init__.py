@@ -4,7 +4,18 @@ Daheim, Möllenhoff, Ponti, Gurevych & Khan, "Model Merging by Uncertainty-Based
 Matching", ICLR 2024. See DESIGN.md for the map from the paper's notation to these names.
 """
 
-from gradmerge import params
+from gradmerge import distributed, params
+from gradmerge.checkpoints import (
+    ConfigError,
+    MergeConfig,
+    MergeReport,
+    MissingInputError,
+    OutputExistsError,
+    RemoveConfig,
+    open_checkpoint,
+    run_merge,
+    run_remove,
+)
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -70,6 +81,8 @@ __all__ = [
     "GradientFn",
     # parameter-dict algebra
     "params",
+    # data-parallel estimation on torch.distributed (gm.distributed.estimate_curvature, ...)
+    "distributed",
     # errors
     "GradmergeError",
     "StructureError",
@@ -80,4 +93,14 @@ __all__ = [
     "NotConvergedError",
     "NotPositiveDefiniteError",
     "ArgumentError",
+    # checkpoint files: lazy reading, streaming merges and removals
+    "open_checkpoint",
+    "MergeConfig",
+    "RemoveConfig",
+    "run_merge",
+    "run_remove",
+    "MergeReport",
+    "ConfigError",
+    "MissingInputError",
+    "OutputExistsError",
 ]

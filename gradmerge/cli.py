@@ -1,6 +1,9 @@
 """The ``gradmerge`` command line: one module per subcommand in :mod:`gradmerge.commands`.
 
 gradmerge verify              check every derivation of the appendix; exit 1 if one fails
+gradmerge curvature MODEL DATA OUT  estimate a curvature (a SUM over examples) and save it
+gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
+gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gradmerge.commands import verify
+from gradmerge.commands import curvature, merge, remove, verify
 
-COMMANDS = [verify]  # each has add_parser(subparsers); the parser's defaults carry run/check
+# each has add_parser(subparsers); the parser's defaults carry run/check
+COMMANDS = [verify, curvature, merge, remove]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

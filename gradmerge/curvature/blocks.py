@@ -125,7 +125,7 @@ def _restrict(other: Curvature, keys: dict, layout: dict) -> Curvature:
     from gradmerge.curvature.diagonal import Diagonal
 
     if isinstance(other, Diagonal):
-        return Diagonal({k: other.values[k] for k in keys})
+        return Diagonal._checked_already({k: other.values[k] for k in keys})
     raise IncompatibleStructures(
         f"cannot split a {type(other).__name__} curvature into blocks: it couples parameters of "
         "different blocks; add curvatures of the same block structure instead"

@@ -34,6 +34,15 @@ class Diagonal(Curvature):
         self.values: dict[str, Tensor] = dict(values)
         self._layout = P.layout_of(self.values)
 
+    @classmethod
+    def _checked_already(cls, values: dict[str, Tensor]) -> Diagonal:
+        """A Diagonal from values derived from checked ones (sums, scalings, subsets): the
+        algebra builds many intermediates, and re-checking each would re-read every value."""
+        out = cls.__new__(cls)
+        out.values = values
+        out._layout = P.layout_of(values)
+        return out
+
     def __repr__(self) -> str:
         return f"Diagonal({len(self.values)} tensors, {P.numel(self.values)} values)"
 
@@ -65,7 +74,7 @@ class Diagonal(Curvature):
         return Diagonal({k: d.to(device=device, dtype=dtype) for k, d in self.values.items()})
 
     def scaled(self, c: float) -> Diagonal:
-        return Diagonal({k: c * d for k, d in self.values.items()})
+        return Diagonal._checked_already({k: c * d for k, d in self.values.items()})
 
     def min_eigenvalue(self) -> float:
         return min(float(d.min()) for d in self.values.values())
@@ -82,9 +91,11 @@ class Diagonal(Curvature):
 
     def _add_same(self, other: Diagonal) -> Diagonal:
         P.check_compatible(self.values, other.values, ref_name="Diagonal", name="Diagonal")
-        return Diagonal(P.add(self.values, other.values))
+        return Diagonal._checked_already(P.add(self.values, other.values))
 
     def _promote(self, other: Curvature) -> Diagonal:
         if not isinstance(other, ScaledIdentity):
             raise IncompatibleStructures(f"cannot express {type(other).__name__} as a Diagonal")
-        return Diagonal({k: torch.full_like(d, other.delta) for k, d in self.values.items()})
+        return Diagonal._checked_already(
+            {k: torch.full_like(d, other.delta) for k, d in self.values.items()}
+        )

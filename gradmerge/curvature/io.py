@@ -6,6 +6,10 @@ estimator recorded (fisher type, loss, number of examples, ...), the dtype, the 
 fingerprint (SHA-256 of the covered parameter names and shapes). ``load_curvature(path, like=m)``
 refuses a file whose fingerprint does not match the model or parameter dict ``m``. Writes are
 atomic: a temporary file in the same folder, renamed when complete.
+
+``open_curvature(path)`` opens a file lazily (:class:`CurvatureFile`): its structure at once, its
+tensors only for the parameters asked for (``restrict``), so a streaming merge reads one K-FAC
+layer's factors or one tensor's diagonal at a time instead of the whole file.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +190,7 @@ def _encode(c: Curvature, prefix: str, tensors: dict[str, Tensor]) -> dict[str, 
     raise ArgumentError(f"cannot save a {type(c).__name__} curvature (it is not stored as tensors)")
 
 
-def _decode(spec: dict[str, Any], tensors: dict[str, Tensor], prefix: str = "") -> Curvature:
+def _decode(spec: dict[str, Any], tensors: Mapping[str, Tensor], prefix: str = "") -> Curvature:
     try:
         kind = spec["type"]
         if kind == "identity":
@@ -211,10 +216,315 @@ def _decode(spec: dict[str, Any], tensors: dict[str, Tensor], prefix: str = "") 
                 weight_shapes={k: tuple(v) for k, v in spec["weight_shapes"].items()},
             )
         if kind in ("blocks", "sum"):
-            parts = [
-                _decode(p, tensors, f"{prefix}{kind}{i}/") for i, p in enumerate(spec["parts"])
+            parts = [  # "index": a part's place in the saved file (restricted specs skip parts)
+                _decode(p, tensors, f"{prefix}{kind}{p.get('index', i)}/")
+                for i, p in enumerate(spec["parts"])
             ]
             return Blocks(parts) if kind == "blocks" else Sum(parts)
     except KeyError as err:
         raise FileFormatError(f"curvature file is missing tensor or field {err}") from err
     raise FileFormatError(f"unknown curvature structure {kind!r} in file")
+
+
+# ----- lazy, partial reading ----------------------------------------------------------------------
+class CurvatureFile:
+    """A curvature file opened lazily: its structure at once, its tensors only when asked for.
+
+    ``couplings()`` lists the smallest groups of parameters the curvature couples (one tensor of a
+    diagonal, a K-FAC layer's weight and bias, all parameters of a dense block; a lazy sum joins
+    the groups of its terms). ``restrict(keys)`` builds the curvature over a union of such groups,
+    reading only the tensors it needs (a diagonal's entries for ``keys``, the factors of the K-FAC
+    layers in ``keys``); its ``mv``/``solve`` equal those of the whole curvature restricted to
+    ``keys`` exactly, because a structure never couples parameters of different groups.
+
+    Args:
+        path: a file written by :func:`save_curvature` (``C.save``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        FileFormatError: not a gradmerge curvature file, damaged metadata, a corrupt or truncated
+            file, or a tensor the structure needs that the file does not hold.
+
+    Example:
+        >>> import tempfile, torch, gradmerge as gm
+        >>> from gradmerge.curvature.io import open_curvature
+        >>> C = gm.Blocks([gm.KFAC({"fc": (torch.eye(3), torch.eye(2))}, bias=["fc"]),
+        ...                gm.Diagonal({"norm.weight": torch.ones(2)})])
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     with open_curvature(C.save(f"{d}/c.safetensors")) as f:
+        ...         print(f.couplings())
+        ...         print(f.restrict(["norm.weight"]), f.bytes_read)
+        [('fc.weight', 'fc.bias'), ('norm.weight',)]
+        Diagonal(1 tensors, 2 values) 8
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no curvature file at {self.path}")
+        try:
+            self._file = safe_open(str(self.path), framework="pt", device="cpu")
+            meta = self._file.metadata() or {}
+            self._names = set(self._file.keys())
+        except Exception as err:  # safetensors raises its own errors for damaged files
+            raise FileFormatError(
+                f"{self.path} is not a readable safetensors file ({err}); it may be truncated or "
+                "corrupt: write it again with C.save(path) or `gradmerge curvature`"
+            ) from err
+        if meta.get("format") != FORMAT:
+            raise FileFormatError(
+                f"{self.path} is not a gradmerge curvature file (format {meta.get('format')!r}, "
+                f"expected {FORMAT!r}); write curvatures with C.save(path)"
+            )
+        try:
+            self.spec: dict[str, Any] = json.loads(meta["spec"])
+            self.layout: Layout = tuple(
+                (str(k), torch.Size(s)) for k, s in json.loads(meta["layout"])
+            )
+            self.fingerprint = meta["fingerprint"]
+            self.structure = meta["structure"]
+            groups = _couplings(self.spec)
+        except (KeyError, ValueError, TypeError) as err:
+            raise FileFormatError(f"{self.path}: damaged curvature metadata ({err!r})") from err
+        if fingerprint(self.layout) != self.fingerprint:
+            raise FileFormatError(f"{self.path}: the stored fingerprint does not match its layout")
+        covered = [k for group in groups for k in group]
+        if sorted(covered) != sorted(k for k, _ in self.layout):
+            raise FileFormatError(f"{self.path}: the structure does not cover its stated layout")
+        missing = sorted(set(_tensor_names(self.spec)) - self._names)
+        if missing:
+            raise FileFormatError(
+                f"{self.path} lacks {len(missing)} tensor(s) its structure needs, e.g. "
+                f"{missing[:3]}; the file is damaged: write it again with C.save(path)"
+            )
+        self._groups = groups
+        self.metadata: dict[str, str] = dict(meta)
+        self.info: dict[str, str] = {k[5:]: v for k, v in meta.items() if k.startswith("info.")}
+        self.bytes_read = 0
+
+    def __repr__(self) -> str:
+        return f"CurvatureFile({str(self.path)!r}, {self.structure}, {len(self.layout)} tensors)"
+
+    def __enter__(self) -> CurvatureFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the file (the curvatures already built stay valid: they hold copies)."""
+        self._file.__exit__(None, None, None)
+
+    def couplings(self) -> list[tuple[str, ...]]:
+        """The smallest groups of parameters this curvature couples, in file order."""
+        return list(self._groups)
+
+    def kfac_layers(self) -> dict[str, tuple[str, ...]]:
+        """K-FAC layers stored as such (not inside a lazy sum): module name → its parameters."""
+        return _kfac_layers(self.spec)
+
+    def restrict(
+        self,
+        keys: Iterable[str],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Curvature | None:
+        """The curvature over the covered parameters among ``keys``; ``None`` if it covers none.
+
+        ``keys`` must hold whole coupling groups (see :meth:`couplings`): a K-FAC layer's weight
+        with its bias, every parameter of a dense block. Only the needed tensors are read; they
+        are moved to ``device`` and cast to ``dtype`` when given.
+
+        Raises:
+            ArgumentError: ``keys`` splits a coupling group.
+            FileFormatError: a tensor cannot be read.
+        """
+        wanted = set(keys)
+        spec = _restrict_spec(self.spec, wanted)
+        if spec is None:
+            return None
+        tensors = _LazyTensors(self)
+        try:
+            curvature = _simplify(_decode(spec, tensors))
+        except Exception as err:
+            if isinstance(err, (FileFormatError, StructureError)) or not _is_safetensors(err):
+                raise
+            raise FileFormatError(f"{self.path}: cannot read a tensor ({err})") from err
+        curvature.meta.update(self.info)
+        now_dtype, now_device = curvature._dtype_device()
+        if (dtype is not None and dtype != now_dtype) or (
+            device is not None and torch.device(device) != now_device
+        ):
+            moved = curvature.to(device=device, dtype=dtype)
+            moved.meta.update(self.info)
+            curvature = moved
+        return curvature
+
+    def load(
+        self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Curvature:
+        """The whole curvature (as :func:`load_curvature`, without the ``like`` check)."""
+        curvature = self.restrict([k for k, _ in self.layout], device=device, dtype=dtype)
+        if curvature is None:
+            raise FileFormatError(f"{self.path} covers no parameters")
+        return curvature
+
+
+def open_curvature(path: str | os.PathLike[str]) -> CurvatureFile:
+    """Open a curvature file lazily (see :class:`CurvatureFile`)."""
+    return CurvatureFile(path)
+
+
+class _LazyTensors(Mapping[str, Tensor]):
+    """The file's tensors as a mapping that reads each one when it is looked up."""
+
+    def __init__(self, file: CurvatureFile) -> None:
+        self._file = file
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._file._names:
+            raise KeyError(name)
+        tensor = self._file._file.get_tensor(name)
+        self._file.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file._names)
+
+    def __len__(self) -> int:
+        return len(self._file._names)
+
+
+def _is_safetensors(err: BaseException) -> bool:
+    return type(err).__module__.startswith("safetensors")
+
+
+def _layer_keys(name: str, spec: dict[str, Any]) -> tuple[str, ...]:
+    return (f"{name}.weight", f"{name}.bias") if name in spec["bias"] else (f"{name}.weight",)
+
+
+def _couplings(spec: dict[str, Any]) -> list[tuple[str, ...]]:
+    kind = spec["type"]
+    if kind == "identity":
+        return []
+    if kind == "diag":
+        return [(str(k),) for k in spec["keys"]]
+    if kind == "dense":
+        return [tuple(str(k) for k, _ in spec["layout"])]
+    if kind == "kfac":
+        return [_layer_keys(n, spec) for n in spec["terms"]]
+    if kind == "blocks":
+        return [g for p in spec["parts"] for g in _couplings(p)]
+    if kind == "sum":  # the terms cover the same parameters; join groups that share a parameter
+        return join_groups([g for p in spec["parts"] for g in _couplings(p)])
+    raise ValueError(f"unknown curvature structure {kind!r}")
+
+
+def join_groups(groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Connected components of overlapping groups, each in first-appearance order (union-find)."""
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    order: list[str] = []
+    for group in groups:
+        for k in group:
+            if k not in parent:
+                parent[k] = k
+                order.append(k)
+        for k in group[1:]:
+            parent[find(k)] = find(group[0])
+    members: dict[str, list[str]] = {}
+    for k in order:
+        members.setdefault(find(k), []).append(k)
+    return [tuple(m) for m in members.values()]
+
+
+def _kfac_layers(spec: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    if spec["type"] == "kfac":
+        return {n: _layer_keys(n, spec) for n in spec["terms"]}
+    if spec["type"] == "blocks":
+        return {n: keys for p in spec["parts"] for n, keys in _kfac_layers(p).items()}
+    return {}
+
+
+def _tensor_names(spec: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    kind = spec["type"]
+    if kind == "diag":
+        yield from (f"{prefix}diag/{k}" for k in spec["keys"])
+    elif kind == "dense":
+        yield f"{prefix}dense"
+    elif kind == "kfac":
+        for n, count in spec["terms"].items():
+            for i in range(count):
+                yield from (f"{prefix}kfac/{n}/{i}/A", f"{prefix}kfac/{n}/{i}/G")
+    elif kind in ("blocks", "sum"):
+        for i, p in enumerate(spec["parts"]):
+            yield from _tensor_names(p, f"{prefix}{kind}{i}/")
+
+
+def _restrict_spec(spec: dict[str, Any], keys: set[str]) -> dict[str, Any] | None:
+    """``spec`` cut down to the parameters in ``keys`` (``None``: it covers none of them)."""
+    kind = spec["type"]
+    if kind == "identity":
+        return spec
+    if kind == "diag":
+        kept = [k for k in spec["keys"] if k in keys]
+        return {"type": "diag", "keys": kept} if kept else None
+    if kind == "dense":
+        inside = [k in keys for k, _ in spec["layout"]]
+        if all(inside):
+            return spec
+        if any(inside):
+            raise _split_error(tuple(k for k, _ in spec["layout"]), keys)
+        return None
+    if kind == "kfac":
+        layers = []
+        for n in spec["terms"]:
+            group = _layer_keys(n, spec)
+            inside = [k in keys for k in group]
+            if all(inside):
+                layers.append(n)
+            elif any(inside):
+                raise _split_error(group, keys)
+        if not layers:
+            return None
+        return {
+            "type": "kfac",
+            "terms": {n: spec["terms"][n] for n in layers},
+            "bias": [n for n in spec["bias"] if n in layers],
+            "transposed": [n for n in spec["transposed"] if n in layers],
+            "weight_shapes": {n: s for n, s in spec["weight_shapes"].items() if n in layers},
+        }
+    parts = []
+    for i, part in enumerate(spec["parts"]):
+        cut = _restrict_spec(part, keys)
+        if cut is not None:
+            parts.append({**cut, "index": i})
+    if all(p["type"] == "identity" for p in parts):
+        return None
+    return {"type": kind, "parts": parts}
+
+
+def _split_error(group: tuple[str, ...], keys: set[str]) -> ArgumentError:
+    inside = [k for k in group if k in keys]
+    outside = [k for k in group if k not in keys]
+    return ArgumentError(
+        f"the curvature couples {list(group)[:4]}{' ...' if len(group) > 4 else ''}, but only "
+        f"{inside[:3]} were asked for (not {outside[:3]}): restrict to whole coupling groups "
+        "(CurvatureFile.couplings())"
+    )
+
+
+def _simplify(curvature: Curvature) -> Curvature:
+    """A ``Blocks`` of one block is that block."""
+    if isinstance(curvature, Blocks) and len(curvature.blocks) == 1:
+        return _simplify(curvature.blocks[0])
+    return curvature

@@ -201,7 +201,9 @@ class KFAC(Curvature):
         """CG preconditioned with the exact solve of (Σ_k A_k / K) ⊗ (Σ_k G_k)."""
         mean_a = sum((a for a, _ in terms), torch.zeros_like(terms[0][0])) / len(terms)
         sum_g = sum((g for _, g in terms), torch.zeros_like(terms[0][1]))
-        qa, qg, denom, (ta, tg) = _two_term_factorisation(name, [(mean_a, sum_g)])
+        qa, qg, denom, (ta, tg) = _two_term_factorisation(
+            name, [(mean_a, sum_g)], preconditioner=True
+        )
 
         def apply(v: Params) -> dict[str, Tensor]:
             return {"x": sum((g @ v["x"] @ a for a, g in terms), torch.zeros_like(v["x"]))}
@@ -327,7 +329,7 @@ def _sym_eig(m: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _two_term_factorisation(
-    name: str, terms: list[Term]
+    name: str, terms: list[Term], *, preconditioner: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor]]:
     """Diagonalise A₁ ⊗ G₁ (+ A₂ ⊗ G₂) as (T_A Q_A ⊗ T_G Q_G)⁻ᵀ diag(denom) (...)⁻¹.
 
@@ -335,6 +337,11 @@ def _two_term_factorisation(
     the eigendecomposition, pseudo-inverse-free: A₁ must be PD), T_A = L_A⁻ᵀ, and Q_A the
     eigenvectors of T_Aᵀ A₂ T_A (likewise G): denom = 1 + μ_G μ_Aᵀ. The solve is
     x = T_G Q_G [(Q_Gᵀ T_Gᵀ b T_A Q_A) / denom] Q_Aᵀ T_Aᵀ.
+
+    A system is numerically singular when its smallest eigenvalue is below max(n_A, n_G, 10)·ε
+    times its largest (the size of round-off in eigenvalues of an n × n matrix). As a CG
+    preconditioner (``preconditioner=True``) the operator only needs to be positive: small
+    eigenvalues are clamped to that floor instead of refused (CG checks the real system).
     """
     if len(terms) == 1:
         (a, g) = terms[0]
@@ -355,7 +362,11 @@ def _two_term_factorisation(
     else:  # pragma: no cover - callers dispatch
         raise ArgumentError("direct K-FAC solves take one or two terms")
     scale = float(denom.abs().max())
-    if float(denom.min()) <= 1e3 * torch.finfo(denom.dtype).eps * max(scale, 1e-300):
+    size = max(denom.shape[0], denom.shape[1], 10)
+    floor = size * torch.finfo(denom.dtype).eps * max(scale, 1e-300)
+    if preconditioner:
+        return qa, qg, denom.clamp(min=floor), trans
+    if float(denom.min()) <= floor:
         raise not_pd(f"K-FAC system of {name!r}", f"smallest eigenvalue {float(denom.min()):.3e}")
     return qa, qg, denom, trans
 

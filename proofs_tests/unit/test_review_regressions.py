@@ -84,3 +84,32 @@ def test_diag_estimate_accepts_a_one_shot_iterator():
     ref = gm.estimate_curvature(model, batches)
     for key in ref.values:
         torch.testing.assert_close(c.values[key], ref.values[key])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kfac_cg_preconditioner_accepts_ill_conditioned_but_positive_definite_systems(dtype):
+    """Two Kronecker terms with a singular G each, damped by 1e-2 (three terms: CG): positive
+    definite (smallest eigenvalue 1e-2) with condition ~1e4. The CG preconditioner must not refuse
+    it as singular; the answer matches a dense solve to the accuracy the conditioning allows."""
+    a = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=dtype))
+    g = 9.5 * torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=dtype)
+    h = gm.KFAC({"fc": [(a, g), (a, g)]}, bias=["fc"]) + 1e-2
+    b = {"fc.weight": torch.ones(2, 2, dtype=dtype), "fc.bias": torch.ones(2, dtype=dtype)}
+    x = h.solve(b)
+    assert h.last_solve.method["fc"] == "3-term preconditioned CG"
+
+    def flat(p):
+        return torch.cat([p["fc.weight"], p["fc.bias"][:, None]], 1).flatten().double()
+
+    ref = torch.linalg.solve(h.dense().double(), flat(b))
+    cond = 4e4  # λ_max/λ_min of the system, bounding the relative error of any solve
+    tol = cond * torch.finfo(dtype).eps * 10
+    torch.testing.assert_close(flat(x), ref, rtol=tol, atol=0)
+
+
+def test_finite_check_fast_path_still_names_nan_and_inf_and_accepts_overflowing_sums():
+    big = torch.full((4,), torch.finfo(torch.float16).max, dtype=torch.float16)  # sum overflows
+    gm.params.check_params({"w": big}, name="x")  # finite values: accepted
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(gm.NonFiniteError, match=r"x\['w'\] holds 1 NaN/Inf"):
+            gm.params.check_params({"w": torch.tensor([1.0, bad, 2.0])}, name="x")

@@ -1,0 +1,499 @@
+"""Merge and removal configurations: strict YAML files in the style of mergekit's.
+
+Merge (``gradmerge merge CONFIG OUT_DIR``), Eq. 6 and its special cases::
+
+    method: gradient_matching          # task_arithmetic | fisher_average | gradient_matching | regmean
+    base_model: path/to/base           # θ_LLM: a .safetensors file, a shard folder or a HF folder
+    models:
+      - model: path/to/finetuned_a     # θ_t
+        curvature: a.curvature.safetensors   # H_t (written by `gradmerge curvature` / C.save)
+        alpha: 1.0                     # α_t
+    prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
+    scale: 1.0                         # every α_t is multiplied by this
+    dtype: bfloat16                    # output dtype of float tensors (default: the base's)
+    device: auto                       # auto | cpu | cuda | cuda:N
+
+Removal (``gradmerge remove CONFIG OUT_DIR``), Eq. 13 or Koh & Liang::
+
+    method: remove                     # remove (Eq. 13) | influence_remove (Koh & Liang)
+    base_model: path/to/base           # θ_LLM, trained on all data including D_t
+    model: path/to/finetuned_on_Dt     # θ_t (remove only)
+    curvature: t.curvature.safetensors # H_t (remove only)
+    prior: {delta: 1.0e-6}             # H_0 used when fine-tuning θ_t (remove only)
+    gradient: grad.safetensors         # ∇ℓ̄_t(θ_LLM) as a parameter dict (influence_remove only)
+    remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}   # H̄_\\t = δI + s·C
+    alpha: 1.0                         # α_t
+
+Both also take ``compute_dtype`` (float32 | float64: the precision of the arithmetic),
+``passthrough`` (globs of float tensors copied from the base unmerged), ``max_shard_size``
+(bytes, or "5GB", "500MB", "2GiB") and ``allow_mixed_dtypes`` (let float tensors of one name
+differ in dtype between inputs). Relative paths are relative to the YAML file's folder. Unknown
+keys, missing keys, keys a method does not use and missing files raise :class:`ConfigError` /
+:class:`MissingInputError`, naming the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradmerge.checkpoints.errors import ConfigError, MissingInputError
+
+MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
+REMOVE_METHODS = ("remove", "influence_remove")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+COMPUTE_DTYPES = ("float32", "float64")
+_ALIASES = {  # keys other tools use for the same thing
+    "merge_method": "method",
+    "weight": "alpha",
+    "parameters": "alpha",
+    "lambda": "scale",
+    "out_dtype": "dtype",
+    "out_shard_size": "max_shard_size",
+}
+_REQUIRED: Any = object()
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t."""
+
+    model: Path
+    curvature: Path | None = None
+    alpha: float = 1.0
+
+
+@dataclass(frozen=True)
+class CurvatureTerm:
+    """A precision δ·I + scale·C: a prior H_0, or the remaining curvature H̄_\\t of a removal."""
+
+    delta: float = 0.0
+    curvature: Path | None = None
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """Settings shared by merges and removals (see the module docstring)."""
+
+    dtype: str | None = None
+    compute_dtype: str = "float32"
+    device: str = "auto"
+    passthrough: tuple[str, ...] = ()
+    max_shard_size: int = 5 * 10**9
+    allow_mixed_dtypes: bool = False
+    source: Path | None = field(default=None, compare=False)
+
+    @property
+    def out_dtype(self) -> torch.dtype | None:
+        """The output dtype of float tensors (``None``: each tensor's dtype in the base)."""
+        return None if self.dtype is None else DTYPES[self.dtype]
+
+    @property
+    def math_dtype(self) -> torch.dtype:
+        """The dtype the merge arithmetic runs in."""
+        return DTYPES[self.compute_dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain JSON values (paths absolute), for the run's record."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeConfig(Options):
+    """A merge: θ = θ_LLM + Σ_t α_t H̄⁻¹ (H_0 + H_t)(θ_t − θ_LLM) (Eq. 6) or a special case.
+
+    ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
+    (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
+    ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
+    ``damping`` added to each). Every α_t is multiplied by ``scale``.
+
+    Example:
+        >>> cfg = MergeConfig.from_dict(
+        ...     {"method": "task_arithmetic", "base_model": ".", "models": [{"model": "."}],
+        ...      "scale": 0.5}, check_files=False)
+        >>> cfg.alphas, cfg.max_shard_size
+        ([0.5], 5000000000)
+    """
+
+    method: str
+    base_model: Path
+    models: tuple[ModelInput, ...]
+    prior: CurvatureTerm | None = None
+    scale: float = 1.0
+    damping: float = 0.0
+
+    @property
+    def alphas(self) -> list[float]:
+        """The effective weights scale·α_t."""
+        return [self.scale * m.alpha for m in self.models]
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> MergeConfig:
+        """Read a merge configuration; relative paths are relative to the file's folder."""
+        data, root = _load_yaml(path)
+        return cls.from_dict(data, root=root, source=Path(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        *,
+        root: str | os.PathLike[str] | None = None,
+        source: Path | None = None,
+        check_files: bool = True,
+    ) -> MergeConfig:
+        """Validate a merge configuration given as a dict (``root``: base of relative paths)."""
+        r = _Reader(data, "the merge config", Path(root or "."), check_files)
+        method = r.choice("method", MERGE_METHODS)
+        r.allow(
+            "method",
+            "base_model",
+            "models",
+            "prior",
+            "scale",
+            "damping",
+            *_OPTION_KEYS,
+        )
+        models = tuple(_model(r, i, m, method) for i, m in enumerate(r.entries("models")))
+        needs_base = method in ("task_arithmetic", "gradient_matching")
+        base = r.path("base_model", default=_REQUIRED if needs_base else None)
+        prior = None
+        if method == "gradient_matching":
+            prior = _term(r, "prior", required=True)
+        else:
+            r.forbid("prior", method, "only gradient_matching has a prior H_0")
+        if method in ("fisher_average", "regmean"):
+            damping = r.number("damping", default=0.0, minimum=0.0)
+        else:
+            damping = 0.0
+            r.forbid("damping", method, "use prior: {delta: ...} to damp gradient_matching")
+        return cls(
+            method=method,
+            base_model=base if base is not None else models[0].model,
+            models=models,
+            prior=prior,
+            scale=r.number("scale", default=1.0),
+            damping=damping,
+            source=source,
+            **_options(r),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoveConfig(Options):
+    """A removal of data D_t from θ_LLM: Eq. 13 (``remove``) or Koh & Liang (``influence_remove``).
+
+    - ``remove``: θ_\\t = θ_LLM − α H̄_\\t⁻¹ (H_0 + H_t)(θ_t − θ_LLM), with ``model`` θ_t,
+      ``curvature`` H_t, ``prior`` H_0 and ``remaining`` H̄_\\t.
+    - ``influence_remove``: θ_\\t = θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM), with ``gradient`` a
+      safetensors file holding ∇ℓ̄_t(θ_LLM) under the parameters' names.
+
+    ``remaining`` must include the base model's own regulariser δ·I (``delta``) and be positive
+    definite.
+    """
+
+    method: str
+    base_model: Path
+    remaining: CurvatureTerm
+    alpha: float = 1.0
+    model: Path | None = None
+    curvature: Path | None = None
+    prior: CurvatureTerm | None = None
+    gradient: Path | None = None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> RemoveConfig:
+        """Read a removal configuration; relative paths are relative to the file's folder."""
+        data, root = _load_yaml(path)
+        return cls.from_dict(data, root=root, source=Path(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        *,
+        root: str | os.PathLike[str] | None = None,
+        source: Path | None = None,
+        check_files: bool = True,
+    ) -> RemoveConfig:
+        """Validate a removal configuration given as a dict (``root``: base of relative paths)."""
+        r = _Reader(data, "the remove config", Path(root or "."), check_files)
+        method = r.choice("method", REMOVE_METHODS)
+        r.allow(
+            "method",
+            "base_model",
+            "model",
+            "curvature",
+            "prior",
+            "gradient",
+            "remaining",
+            "alpha",
+            *_OPTION_KEYS,
+        )
+        model = curvature = gradient = None
+        prior = None
+        if method == "remove":
+            model = r.path("model")
+            curvature = r.path("curvature", kind="file")
+            prior = _term(r, "prior", required=True)
+            r.forbid("gradient", method, "the gradient is for influence_remove")
+        else:
+            gradient = r.path("gradient")
+            for key in ("model", "curvature", "prior"):
+                r.forbid(key, method, "influence_remove needs the gradient and `remaining` only")
+        remaining = _term(r, "remaining", required=True)
+        assert remaining is not None  # required=True
+        return cls(
+            method=method,
+            base_model=r.path("base_model"),
+            model=model,
+            curvature=curvature,
+            gradient=gradient,
+            prior=prior,
+            remaining=remaining,
+            alpha=r.number("alpha", default=1.0),
+            source=source,
+            **_options(r),
+        )
+
+
+_OPTION_KEYS = (
+    "dtype",
+    "compute_dtype",
+    "device",
+    "passthrough",
+    "max_shard_size",
+    "allow_mixed_dtypes",
+)
+
+
+def _options(r: _Reader) -> dict[str, Any]:
+    dtype = r.data.get("dtype")
+    return {
+        "dtype": None if dtype is None else r.choice("dtype", tuple(DTYPES)),
+        "compute_dtype": r.choice("compute_dtype", COMPUTE_DTYPES, default="float32"),
+        "device": r.device("device"),
+        "passthrough": r.strings("passthrough"),
+        "max_shard_size": r.size("max_shard_size", default=5 * 10**9),
+        "allow_mixed_dtypes": r.flag("allow_mixed_dtypes", default=False),
+    }
+
+
+def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
+    where = f"models[{i}]"
+    m = r.sub(data, where)
+    m.allow("model", "curvature", "alpha")
+    if method == "task_arithmetic":
+        m.forbid("curvature", method, "task arithmetic uses no curvature")
+        curvature = None
+    else:
+        curvature = m.path("curvature", kind="file")
+    return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
+
+
+def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
+    if key not in r.data:
+        if required:
+            raise ConfigError(
+                f"{r.where} needs `{key}`, e.g. `{key}: {{delta: 1.0e-6}}` (δ·I) or "
+                f"`{key}: {{delta: 1.0e-6, curvature: path/to/file.curvature.safetensors}}`"
+            )
+        return None
+    t = r.sub(r.data[key], key)
+    t.allow("delta", "curvature", "scale")
+    term = CurvatureTerm(
+        delta=t.number("delta", 0.0, minimum=0.0),
+        curvature=t.path("curvature", kind="file", default=None),
+        scale=t.number("scale", 1.0, minimum=0.0),
+    )
+    if term.delta == 0.0 and (term.curvature is None or term.scale == 0.0):
+        raise ConfigError(
+            f"{t.where} is zero: give `delta` > 0 (δ·I) and/or a `curvature` with scale > 0"
+        )
+    return term
+
+
+class _Reader:
+    """Typed, strict access to one mapping of a configuration; every message names the key."""
+
+    def __init__(self, data: Any, where: str, root: Path, check_files: bool) -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"{where} must be a mapping of keys to values, got {type(data).__name__}"
+            )
+        self.data, self.where, self.root, self.check_files = dict(data), where, root, check_files
+
+    def sub(self, data: Any, where: str) -> _Reader:
+        prefix = "" if self.where.startswith("the ") else f"{self.where}."
+        return _Reader(data, f"{prefix}{where}", self.root, self.check_files)
+
+    def _name(self, key: str) -> str:
+        return key if self.where.startswith("the ") else f"{self.where}.{key}"
+
+    def allow(self, *keys: str) -> None:
+        unknown = [k for k in self.data if k not in keys]
+        if unknown:
+            key = str(unknown[0])
+            hint = _ALIASES.get(key) if _ALIASES.get(key) in keys else None
+            close = difflib.get_close_matches(key, keys, n=1)
+            guess = hint or (close[0] if close else None)
+            raise ConfigError(
+                f"unknown key {key!r} in {self.where}"
+                + (f" (did you mean {guess!r}?)" if guess else "")
+                + f"; allowed keys: {', '.join(keys)}"
+            )
+
+    def forbid(self, key: str, method: str, why: str) -> None:
+        if key in self.data:
+            raise ConfigError(
+                f"`{self._name(key)}` is not used by method {method}: {why}; remove it"
+            )
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.data and self.data[key] is not None:
+            return self.data[key]
+        if default is _REQUIRED:
+            raise ConfigError(f"{self.where} needs `{key}`")
+        return default
+
+    def choice(self, key: str, options: tuple[str, ...], default: Any = _REQUIRED) -> str:
+        value = self._get(key, default)
+        if value not in options:
+            raise ConfigError(
+                f"`{self._name(key)}` must be one of {', '.join(options)}; got {value!r}"
+            )
+        return str(value)
+
+    def number(self, key: str, default: Any = _REQUIRED, *, minimum: float | None = None) -> float:
+        value = self._get(key, default)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ConfigError(f"`{self._name(key)}` must be a finite number, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"`{self._name(key)}` must be ≥ {minimum:g}, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"`{self._name(key)}` must be true or false, got {value!r}")
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self._get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(
+                f"`{self._name(key)}` must be a list of names or globs, e.g. "
+                f"[lm_head.weight, '*.rotary_emb.*'], got {value!r}"
+            )
+        return tuple(value)
+
+    def entries(self, key: str) -> list[Any]:
+        value = self._get(key, _REQUIRED)
+        if not isinstance(value, list) or not value:
+            raise ConfigError(
+                f"`{self._name(key)}` must be a non-empty list, e.g. "
+                "[{model: path/to/finetuned, curvature: path/to/curvature.safetensors}]"
+            )
+        return value
+
+    def path(self, key: str, *, kind: str = "any", default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)) or str(value) == "":
+            raise ConfigError(f"`{self._name(key)}` must be a path, got {value!r}")
+        path = (self.root / Path(value).expanduser()).absolute()
+        if self.check_files:
+            exists = path.is_file() if kind == "file" else path.exists()
+            if not exists:
+                what = "file" if kind == "file" else "file or folder"
+                raise MissingInputError(f"`{self._name(key)}`: no {what} at {path}")
+        return path
+
+    def device(self, key: str) -> str:
+        value = self._get(key, "auto")
+        if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ConfigError(
+                f"`{self._name(key)}` must be auto, cpu, cuda or cuda:N; got {value!r}"
+            )
+        return value
+
+    def size(self, key: str, default: int) -> int:
+        value = self._get(key, default)
+        try:
+            size = parse_size(value)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"`{self._name(key)}`: {err}") from None
+        return size
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"`` (decimal/binary).
+
+    Example:
+        >>> parse_size("1.5GB"), parse_size("2KiB"), parse_size(100)
+        (1500000000, 2048, 100)
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).upper() not in _UNITS:
+            raise ValueError(f"expected a size such as '5GB', '500MB' or '2GiB', got {value!r}")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    else:
+        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {value!r}")
+    if size <= 0:
+        raise ValueError(f"a size must be positive, got {value!r}")
+    return size
+
+
+def _load_yaml(path: str | os.PathLike[str]) -> tuple[Any, Path]:
+    import yaml
+
+    source = Path(path)
+    if not source.is_file():
+        raise MissingInputError(f"no configuration file at {source}")
+    try:
+        data = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source} is not valid YAML: {err}") from err
+    return data, source.absolute().parent
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (ModelInput, CurvatureTerm)):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value

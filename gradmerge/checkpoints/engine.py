@@ -1,0 +1,493 @@
+"""The streaming engine: ``run_merge`` and ``run_remove`` over checkpoint files.
+
+For every unit of the plan (:mod:`gradmerge.checkpoints.plan`: the smallest group of tensors some
+curvature couples) the engine reads that unit's tensors from every input — base, fine-tuned
+models, the unit's part of each curvature file, the gradient — on the chosen device in the
+compute dtype, calls the pure rule of :mod:`gradmerge.merge` on these sub-dicts
+(:mod:`gradmerge.checkpoints.rules`), casts the result to the output dtype and appends it to the
+output shards. Peak memory is a few units' tensors: the inputs are memory-mapped and read one
+unit at a time, the output is written as it comes. A dense curvature couples every parameter it
+covers, so with one the whole model is a single unit (and must fit in memory).
+
+The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
+shards, the base's config and tokenizer files (``dtype`` in config.json updated) and a record,
+``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
+and torch versions, each input's fingerprint (SHA-256 of its safetensors headers) and each
+curvature file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradmerge.checkpoints import rules
+from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
+from gradmerge.checkpoints.errors import ConfigError
+from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
+from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
+from gradmerge.checkpoints.writer import ShardedWriter, staged_output
+from gradmerge.curvature.io import CurvatureFile, open_curvature
+from gradmerge.errors import (
+    ArgumentError,
+    GradmergeError,
+    NonFiniteError,
+    NotPositiveDefiniteError,
+)
+
+UnitFn = Callable[[Unit], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class MergeReport:
+    """What a ``run_merge`` / ``run_remove`` did.
+
+    Attributes:
+        out_dir: the output folder.
+        files: the files written there (shards, index, copied config files, record).
+        tensors: tensors written; ``merged`` of them merged, ``copied`` copied from the base.
+        units: units processed (see :mod:`gradmerge.checkpoints.plan`).
+        bytes_read: tensor bytes read from all inputs (checkpoints and curvature files).
+        bytes_written: bytes of the safetensors shards.
+        seconds: wall time of the run.
+        device: where the arithmetic ran.
+    """
+
+    out_dir: Path
+    files: tuple[Path, ...]
+    tensors: int
+    merged: int
+    copied: int
+    units: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    device: str
+
+
+def run_merge(
+    config: MergeConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> MergeReport:
+    """Merge the checkpoints of ``config`` into ``out_dir``, streaming unit by unit.
+
+    Args:
+        config: what to merge and how (:class:`MergeConfig`, e.g. from ``MergeConfig.from_yaml``).
+        out_dir: the output folder; it must not exist unless ``overwrite``.
+        overwrite: replace an existing ``out_dir`` (only once the new output is complete).
+        progress: show a progress bar on stderr (only when stderr is a terminal).
+
+    Raises:
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
+        StructureError, DTypeError: inputs that do not fit together (the tensor is named).
+        NotPositiveDefiniteError: a singular system (the message says which prior/damping to raise).
+        FileFormatError: a corrupt or truncated input.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from safetensors.torch import save_file, load_file
+        >>> from gradmerge.checkpoints import MergeConfig, run_merge
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     d = Path(tmp)
+        ...     save_file({"w": torch.zeros(2), "step": torch.tensor(3)}, d / "base.safetensors")
+        ...     save_file({"w": torch.ones(2), "step": torch.tensor(9)}, d / "ft.safetensors")
+        ...     cfg = MergeConfig.from_dict(
+        ...         {"method": "task_arithmetic", "base_model": "base.safetensors",
+        ...          "models": [{"model": "ft.safetensors", "alpha": 0.5}]}, root=d)
+        ...     report = run_merge(cfg, d / "out", progress=False)
+        ...     print(load_file(d / "out" / "model.safetensors"), report.merged, report.copied)
+        {'step': tensor(3), 'w': tensor([0.5000, 0.5000])} 1 1
+    """
+    with ExitStack() as stack:
+        start = time.perf_counter()
+        job = _open_merge(config, stack)
+        return _execute(job, config, out_dir, overwrite, progress, start)
+
+
+def run_remove(
+    config: RemoveConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> MergeReport:
+    """Remove data from the base model of ``config`` into ``out_dir`` (Eq. 13 or Koh & Liang).
+
+    Streams unit by unit like :func:`run_merge`; same arguments and errors. A removal whose
+    remaining curvature H̄_\\t is not positive definite raises
+    :class:`NotPositiveDefiniteError`, suggesting ``remaining: {delta: ...}``.
+    """
+    with ExitStack() as stack:
+        start = time.perf_counter()
+        job = _open_remove(config, stack)
+        return _execute(job, config, out_dir, overwrite, progress, start)
+
+
+def plan_merge(config: MergeConfig) -> Plan:
+    """Check the inputs of a merge and return its plan, reading no tensor (``--dry-run``)."""
+    with ExitStack() as stack:
+        return _open_merge(config, stack).plan
+
+
+def plan_remove(config: RemoveConfig) -> Plan:
+    """Check the inputs of a removal and return its plan, reading no tensor (``--dry-run``)."""
+    with ExitStack() as stack:
+        return _open_remove(config, stack).plan
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU; ``cuda``/``cuda:N`` checked to exist."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgumentError(
+                f"device {spec!r} asked for, but CUDA is not available: use cpu or auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ArgumentError(
+                f"device {spec!r} asked for, but there are {torch.cuda.device_count()} CUDA devices"
+            )
+    return device
+
+
+# ----- jobs: opened inputs, a plan, and how to compute one unit ----------------------------------
+@dataclass
+class _Job:
+    command: str
+    plan: Plan
+    base: Checkpoint
+    compute: UnitFn
+    device: torch.device
+    checkpoints: dict[str, Checkpoint]
+    curvatures: dict[str, CurvatureFile]
+    hint: str
+
+
+def _open_merge(config: MergeConfig, stack: ExitStack) -> _Job:
+    base = stack.enter_context(open_checkpoint(config.base_model))
+    models = [stack.enter_context(open_checkpoint(m.model)) for m in config.models]
+    curvs = [
+        stack.enter_context(open_curvature(m.curvature)) if m.curvature is not None else None
+        for m in config.models
+    ]
+    prior_file = _open_term(config.prior, stack)
+    files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
+    if prior_file is not None:
+        files["prior.curvature"] = prior_file
+    coverage: Coverage = (
+        "none"
+        if config.method == "task_arithmetic"
+        else "kfac"
+        if config.method == "regmean"
+        else "all"
+    )
+    plan = build_plan(
+        base,
+        [(f"models[{i}].model", m) for i, m in enumerate(models)],
+        list(files.items()),
+        coverage=coverage,
+        passthrough=config.passthrough,
+        out_dtype=config.out_dtype,
+        allow_mixed_dtypes=config.allow_mixed_dtypes,
+    )
+    device, dtype = resolve_device(config.device), config.math_dtype
+    alphas = config.alphas
+
+    def compute(unit: Unit) -> dict[str, Tensor]:
+        keys = unit.keys
+        theta = _read(base, keys, device, dtype)
+        fts = [_read(m, keys, device, dtype) for m in models]
+        hs = [
+            c.restrict(keys, device=device, dtype=dtype) if c is not None else None for c in curvs
+        ]
+        prior = None
+        if config.prior is not None:
+            part = prior_file.restrict(keys, device=device, dtype=dtype) if prior_file else None
+            prior = rules.precision(config.prior.delta, config.prior.scale, part)
+        return rules.merge_unit(
+            config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
+        )
+
+    hint = {
+        "gradient_matching": "raise `prior: {delta: ...}` (e.g. 1.0e-6) so that H̄ is positive definite",
+        "fisher_average": "set `damping:` (e.g. 1.0e-8) so that Σ α_t H_t is positive definite",
+        "regmean": "set `damping:` (e.g. 1.0e-6) so that the summed Gram matrices are invertible",
+    }.get(config.method, "")
+    return _Job(
+        "merge",
+        plan,
+        base,
+        compute,
+        device,
+        {"base_model": base, **{f"models[{i}].model": m for i, m in enumerate(models)}},
+        files,
+        hint,
+    )
+
+
+def _open_remove(config: RemoveConfig, stack: ExitStack) -> _Job:
+    base = stack.enter_context(open_checkpoint(config.base_model))
+    model = stack.enter_context(open_checkpoint(config.model)) if config.model else None
+    gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
+    curv = stack.enter_context(open_curvature(config.curvature)) if config.curvature else None
+    prior_file = _open_term(config.prior, stack)
+    rest_file = _open_term(config.remaining, stack)
+    files = {
+        name: f
+        for name, f in (
+            ("curvature", curv),
+            ("prior.curvature", prior_file),
+            ("remaining.curvature", rest_file),
+        )
+        if f is not None
+    }
+    plan = build_plan(
+        base,
+        [("model", model)] if model is not None else [],
+        list(files.items()),
+        coverage="all",
+        passthrough=config.passthrough,
+        out_dtype=config.out_dtype,
+        allow_mixed_dtypes=config.allow_mixed_dtypes,
+        gradient=("gradient", gradient) if gradient is not None else None,
+    )
+    device, dtype = resolve_device(config.device), config.math_dtype
+
+    def compute(unit: Unit) -> dict[str, Tensor]:
+        keys = unit.keys
+
+        def term(t: CurvatureTerm | None, f: CurvatureFile | None) -> rules.Precision | None:
+            if t is None:
+                return None
+            part = f.restrict(keys, device=device, dtype=dtype) if f is not None else None
+            return rules.precision(t.delta, t.scale, part)
+
+        remaining = term(config.remaining, rest_file)
+        assert remaining is not None  # `remaining` is required by RemoveConfig
+        return rules.remove_unit(
+            config.method,
+            _read(base, keys, device, dtype),
+            remaining=remaining,
+            alpha=config.alpha,
+            finetuned=_read(model, keys, device, dtype) if model is not None else None,
+            curvature=curv.restrict(keys, device=device, dtype=dtype) if curv else None,
+            prior=term(config.prior, prior_file),
+            gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
+        )
+
+    checkpoints = {"base_model": base}
+    if model is not None:
+        checkpoints["model"] = model
+    if gradient is not None:
+        checkpoints["gradient"] = gradient
+    hint = (
+        "the remaining curvature H̄_\\t must be positive definite: set `remaining: {delta: ...}` "
+        "to the base model's prior precision δ (e.g. 1.0e-6), or add the curvature of the data "
+        "that stays"
+    )
+    return _Job("remove", plan, base, compute, device, checkpoints, files, hint)
+
+
+def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | None:
+    if term is None or term.curvature is None:
+        return None
+    return stack.enter_context(open_curvature(term.curvature))
+
+
+def _read(
+    ckpt: Checkpoint, keys: Sequence[str], device: torch.device, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    return {k: ckpt.get(k, device=device, dtype=dtype) for k in keys}
+
+
+# ----- execution: units → shards, in a staged folder ----------------------------------------------
+def _execute(
+    job: _Job,
+    config: Options,
+    out_dir: str | os.PathLike[str],
+    overwrite: bool,
+    progress: bool,
+    start: float,
+) -> MergeReport:
+    target = Path(out_dir).absolute()
+    _refuse_input_inside(target, job)
+    plan = job.plan
+    entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
+    bar = _progress(progress, plan.out_bytes(), job.command)
+    with staged_output(target, overwrite=overwrite) as stage:
+        writer = ShardedWriter(stage, entries, config.max_shard_size)
+        try:
+            for unit in plan.units:
+                out = _run_unit(job, unit) if unit.merged else _copy_unit(job, unit)
+                for k in unit.keys:
+                    writer.write(k, out[k])
+                    if bar is not None:
+                        bar.update(_nbytes(out[k]))
+                del out
+            shards = writer.finish()
+        finally:
+            writer.abort()
+            if bar is not None:
+                bar.close()
+        assets = _copy_assets(job.base, stage, config.dtype)
+        seconds = time.perf_counter() - start
+        bytes_read = sum(c.bytes_read for c in job.checkpoints.values()) + sum(
+            f.bytes_read for f in job.curvatures.values()
+        )
+        record = stage / f"gradmerge_{job.command}.json"
+        record.write_text(json.dumps(_record(job, config, shards, seconds), indent=2) + "\n")
+        names = [p.name for p in (*shards, *assets, record)]
+    return MergeReport(
+        out_dir=target,
+        files=tuple(target / n for n in names),
+        tensors=len(entries),
+        merged=len(plan.merged),
+        copied=len(plan.copied),
+        units=len(plan.units),
+        bytes_read=bytes_read,
+        bytes_written=writer.bytes_written,
+        seconds=time.perf_counter() - start,
+        device=str(job.device),
+    )
+
+
+def _run_unit(job: _Job, unit: Unit) -> dict[str, Tensor]:
+    try:
+        merged = job.compute(unit)
+    except NotPositiveDefiniteError as err:
+        raise NotPositiveDefiniteError(
+            f"{err} While computing {_describe(unit)}: {job.hint}."
+        ) from err
+    except GradmergeError as err:
+        raise type(err)(f"{err} (while computing {_describe(unit)})") from err
+    out = {}
+    for k in unit.keys:
+        dtype = job.plan.out_dtypes[k]
+        value = merged[k].to(dtype=dtype)
+        if value.element_size() < merged[k].element_size() and not bool(
+            torch.isfinite(value).all()
+        ):
+            raise NonFiniteError(
+                f"the result for {k!r} overflows {dtype} (largest magnitude "
+                f"{float(merged[k].abs().max()):.3e}): write float32 or bfloat16 (`dtype:`)"
+            )
+        out[k] = value
+    return out
+
+
+def _copy_unit(job: _Job, unit: Unit) -> dict[str, Tensor]:
+    return {k: job.base.get(k, dtype=job.plan.out_dtypes[k]) for k in unit.keys}
+
+
+def _describe(unit: Unit) -> str:
+    keys = list(unit.keys)
+    return f"{keys[:3]}{f' and {len(keys) - 3} more tensors' if len(keys) > 3 else ''}"
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _progress(enabled: bool, total: int, command: str) -> Any:
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"gradmerge {command}", file=sys.stderr
+    )
+
+
+def _refuse_input_inside(target: Path, job: _Job) -> None:
+    inputs = [c.path for c in job.checkpoints.values()] + [f.path for f in job.curvatures.values()]
+    for path in inputs:
+        resolved, out = path.resolve(), target.resolve()
+        if resolved == out or out in resolved.parents:
+            raise ConfigError(
+                f"the output folder {target} holds an input ({path}); write to another folder"
+            )
+
+
+def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]:
+    copied = []
+    for src in base.assets():
+        dst = stage / src.name
+        shutil.copyfile(src, dst)
+        if src.name == "config.json" and dtype is not None:
+            try:
+                cfg = json.loads(dst.read_text())
+            except ValueError:
+                cfg = None
+            if isinstance(cfg, dict):
+                for key in ("dtype", "torch_dtype"):
+                    if key in cfg:
+                        cfg[key] = dtype
+                dst.write_text(json.dumps(cfg, indent=2) + "\n")
+        copied.append(dst)
+    return copied
+
+
+def _record(job: _Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
+    from gradmerge import __version__
+
+    record: dict[str, Any] = {
+        "gradmerge_version": __version__,
+        "torch_version": torch.__version__,
+        "command": job.command,
+        "method": getattr(config, "method", None),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": config.to_dict(),
+    }
+    if isinstance(config, MergeConfig):
+        record["effective_alphas"] = config.alphas
+    record["inputs"] = {
+        name: {
+            "path": str(c.path),
+            "files": [f.name for f in c.files],
+            "fingerprint_sha256": c.fingerprint,
+            "fingerprint_of": "safetensors headers (names, dtypes, shapes, offsets, metadata)",
+            "tensor_bytes": c.total_bytes,
+        }
+        for name, c in job.checkpoints.items()
+    }
+    record["curvatures"] = {
+        name: {
+            "path": str(f.path),
+            "structure": f.structure,
+            "layout_fingerprint_sha256": f.fingerprint,
+            "dtype": f.metadata.get("dtype"),
+            "info": f.info,
+        }
+        for name, f in job.curvatures.items()
+    }
+    plan = job.plan
+    record["output"] = {
+        "files": [p.name for p in shards],
+        "dtype": config.dtype or "as in the base",
+        "tensors": len(plan.shapes),
+        "merged": len(plan.merged),
+        "copied_from_base": len(plan.copied),
+        "units": len(plan.units),
+        "largest_unit": list(plan.largest_unit.keys),
+    }
+    record["compute"] = {"device": str(job.device), "dtype": config.compute_dtype}
+    record["seconds"] = round(seconds, 3)
+    return record

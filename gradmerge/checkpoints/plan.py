@@ -1,0 +1,266 @@
+"""The plan of a streaming merge: which tensors are processed together, in which order.
+
+A *unit* is the smallest set of parameters that must be merged together: one tensor under a
+diagonal curvature (or none), a K-FAC layer's weight and bias, the parameters of a dense block
+(a :class:`gm.Dense` curvature couples everything it covers, so a dense curvature over a whole
+model makes the whole model one unit), the union of what the curvatures of all inputs couple.
+Non-float tensors (buffers such as ``position_ids``) and ``passthrough`` tensors are copied from
+the base, one per unit. Units follow the base's storage order, so inputs are read sequentially.
+
+Everything here is decided from the files' headers and curvature metadata: a plan reads no
+tensor, and every mismatch between inputs is reported before any output is written.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from gradmerge.checkpoints.errors import ConfigError
+from gradmerge.checkpoints.reader import Checkpoint
+from gradmerge.curvature.io import CurvatureFile, join_groups
+from gradmerge.errors import DTypeError, StructureError
+
+Coverage = Literal["all", "kfac", "none"]
+"""What the curvatures must cover: every merged tensor (``all``), nothing (``kfac``: RegMean
+merges the K-FAC layers and averages the rest; ``none``: task arithmetic)."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tensors processed together: a coupling group (``merged``) or one tensor copied from the base."""
+
+    keys: tuple[str, ...]
+    merged: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The units of a run, in order, and the name, shape and output dtype of every tensor."""
+
+    units: tuple[Unit, ...]
+    shapes: dict[str, tuple[int, ...]]
+    out_dtypes: dict[str, torch.dtype]
+
+    @property
+    def merged(self) -> list[str]:
+        """Names of the tensors that are merged."""
+        return [k for u in self.units if u.merged for k in u.keys]
+
+    @property
+    def copied(self) -> list[str]:
+        """Names of the tensors copied from the base (non-float and passthrough tensors)."""
+        return [k for u in self.units if not u.merged for k in u.keys]
+
+    @property
+    def largest_unit(self) -> Unit:
+        """The unit with the most scalars: what bounds the memory of a run."""
+        return max(self.units, key=lambda u: sum(_numel(self.shapes[k]) for k in u.keys))
+
+    def out_bytes(self) -> int:
+        """The size of the output's tensor data."""
+        return sum(_numel(s) * _itemsize(self.out_dtypes[k]) for k, s in self.shapes.items())
+
+
+def build_plan(
+    base: Checkpoint,
+    models: Sequence[tuple[str, Checkpoint]],
+    curvatures: Sequence[tuple[str, CurvatureFile]],
+    *,
+    coverage: Coverage,
+    passthrough: Sequence[str] = (),
+    out_dtype: torch.dtype | None = None,
+    allow_mixed_dtypes: bool = False,
+    gradient: tuple[str, Checkpoint] | None = None,
+) -> Plan:
+    """Check that the inputs fit together and group the tensors into units.
+
+    Args:
+        base: θ_LLM; its float tensors are merged, its other tensors copied.
+        models: (role, checkpoint) of the other models, which must hold exactly the base's
+            tensors, with the same shapes and dtypes.
+        curvatures: (role, file) of every curvature used (tasks, prior, remaining).
+        coverage: what the curvatures must cover (see :data:`Coverage`).
+        passthrough: globs of float tensors copied from the base instead of merged.
+        out_dtype: the output dtype of float tensors (``None``: the base's).
+        allow_mixed_dtypes: accept float tensors whose dtype differs between inputs.
+        gradient: (role, checkpoint) of a gradient file, which must hold every merged tensor.
+
+    Raises:
+        StructureError: missing or extra tensors, other shapes, curvatures that do not cover a
+            merged tensor or that couple it with a passthrough tensor (each names the tensor).
+        DTypeError: a tensor whose dtype differs between inputs.
+        ConfigError: a passthrough glob that matches no tensor.
+    """
+    keys = base.keys()
+    role = f"base_model ({base.path})"
+    for name, ckpt in models:
+        _check_same_tensors(base, role, ckpt, f"{name} ({ckpt.path})", allow_mixed_dtypes)
+    floating = [k for k in keys if base.dtype(k).is_floating_point]
+    copied = _passthrough(keys, passthrough)
+    merged = [k for k in floating if k not in copied]
+    if gradient is not None:
+        _check_gradient(base, merged, *gradient)
+
+    shapes = {k: base.shape(k) for k in keys}
+    merged_set = set(merged)
+    groups: list[tuple[str, ...]] = [(k,) for k in merged]
+    for name, cf in curvatures:
+        layout = dict(cf.layout)
+        for k, s in layout.items():
+            if k not in shapes:
+                raise StructureError(
+                    f"{name} ({cf.path}) covers {k!r}, which the base model does not have: it "
+                    "was estimated for another model"
+                )
+            if tuple(s) != shapes[k]:
+                raise StructureError(
+                    f"{name} ({cf.path}) has shape {tuple(s)} for {k!r} but the base has "
+                    f"{shapes[k]}: it was estimated for another model"
+                )
+            if k not in copied and k not in merged_set:
+                raise DTypeError(
+                    f"{name} ({cf.path}) covers {k!r}, which is {base.dtype(k)} in the base: "
+                    "only floating-point tensors are merged"
+                )
+        if coverage == "all":
+            missing = [k for k in merged if k not in layout]
+            if missing:
+                raise StructureError(
+                    f"{name} ({cf.path}) has no curvature for {missing[0]!r}"
+                    + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else "")
+                    + ". Estimate the curvature over every parameter (structure='kfac' adds a "
+                    "diagonal block for what K-FAC does not cover), or list the tensor under "
+                    "`passthrough:` to copy it from the base unmerged."
+                )
+        coupled = list(cf.kfac_layers().values()) if coverage == "kfac" else cf.couplings()
+        for group in coupled:
+            inside = [k for k in group if k in merged_set]
+            if inside and len(inside) != len(group):
+                outside = [k for k in group if k not in merged_set]
+                raise StructureError(
+                    f"{name} ({cf.path}) couples {inside[0]!r} with {outside[0]!r}, which is "
+                    "passed through: a coupled group is merged whole; pass all of it through or "
+                    "none of it"
+                )
+            if inside:
+                groups.append(tuple(inside))
+    if coverage == "kfac":
+        _check_same_layers(curvatures)
+
+    position = {k: i for i, k in enumerate(keys)}
+    units: list[Unit] = []
+    first_of = {g[0]: g for g in join_groups(groups)}
+    for k in keys:
+        if k in first_of:
+            units.append(Unit(tuple(sorted(first_of[k], key=position.__getitem__)), True))
+        elif k not in merged_set:
+            units.append(Unit((k,), False))
+    out_dtypes = {
+        k: (out_dtype or base.dtype(k)) if base.dtype(k).is_floating_point else base.dtype(k)
+        for k in keys
+    }
+    return Plan(tuple(units), shapes, out_dtypes)
+
+
+def _check_same_tensors(
+    base: Checkpoint, role: str, other: Checkpoint, name: str, allow_mixed: bool
+) -> None:
+    mine, theirs = set(base.keys()), set(other.keys())
+    if mine != theirs:
+        missing = sorted(mine - theirs)
+        extra = sorted(theirs - mine)
+        parts = []
+        if missing:
+            parts.append(f"lacks {len(missing)} tensor(s) of the base, e.g. {missing[:3]}")
+        if extra:
+            parts.append(f"has {len(extra)} tensor(s) the base lacks, e.g. {extra[:3]}")
+        raise StructureError(
+            f"{name} does not match {role}: it {'; it '.join(parts)}. Every model must hold the "
+            "same tensors: fine-tunes of one base model, saved the same way."
+        )
+    for k in base:
+        if other.shape(k) != base.shape(k):
+            raise StructureError(
+                f"{name} has shape {other.shape(k)} for {k!r} but the base has {base.shape(k)}: "
+                "the models do not share an architecture"
+            )
+        a, b = base.dtype(k), other.dtype(k)
+        if a != b and not (allow_mixed and a.is_floating_point and b.is_floating_point):
+            hint = (
+                " (set `allow_mixed_dtypes: true` to merge float tensors of different dtypes)"
+                if a.is_floating_point and b.is_floating_point
+                else ""
+            )
+            raise DTypeError(f"{name} stores {k!r} as {b} but the base as {a}{hint}")
+
+
+def _check_gradient(base: Checkpoint, merged: list[str], name: str, grad: Checkpoint) -> None:
+    role = f"{name} ({grad.path})"
+    missing = [k for k in merged if k not in grad]
+    if missing:
+        raise StructureError(
+            f"{role} has no gradient for {missing[0]!r}"
+            + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else "")
+            + ": it must hold ∇ℓ̄_t(θ_LLM) for every merged parameter, under the parameter's "
+            "name (or list the tensor under `passthrough:`)"
+        )
+    for k in grad:
+        if k not in base:
+            raise StructureError(f"{role} holds {k!r}, which the base model does not have")
+        if grad.shape(k) != base.shape(k):
+            raise StructureError(
+                f"{role} has shape {grad.shape(k)} for {k!r} but the base has {base.shape(k)}"
+            )
+        if not grad.dtype(k).is_floating_point:
+            raise DTypeError(f"{role} stores {k!r} as {grad.dtype(k)}: a gradient is float")
+
+
+def _check_same_layers(curvatures: Sequence[tuple[str, CurvatureFile]]) -> None:
+    if not curvatures:
+        return
+    first_name, first = curvatures[0]
+    layers = first.kfac_layers()
+    if not layers:
+        raise StructureError(
+            f"{first_name} ({first.path}) holds no K-FAC layers: RegMean takes its Gram matrices "
+            "from K-FAC input factors; estimate the curvature with structure='kfac'"
+        )
+    for name, cf in curvatures[1:]:
+        other = cf.kfac_layers()
+        if other != layers:
+            diff = sorted(set(layers) ^ set(other)) or sorted(
+                n for n in layers if layers[n] != other[n]
+            )
+            raise StructureError(
+                f"{name} ({cf.path}) has K-FAC factors for other layers than {first_name}, e.g. "
+                f"{diff[:3]}: RegMean needs every model's Grams for the same layers"
+            )
+
+
+def _passthrough(keys: list[str], patterns: Sequence[str]) -> set[str]:
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = [k for k in keys if fnmatch.fnmatchcase(k, pattern)]
+        if not hits:
+            raise ConfigError(
+                f"passthrough pattern {pattern!r} matches no tensor of the base model; "
+                f"its tensors are named like {keys[:3]}"
+            )
+        chosen.update(hits)
+    return chosen
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,161 @@
+"""Each configured method as a call of the pure merge core on one unit's parameter dicts.
+
+No formula lives here: every branch calls one function of :mod:`gradmerge.merge` with the unit's
+tensors and the unit's restriction of each curvature, so a streamed merge computes, unit by
+unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
+never couple two units).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from gradmerge import merge
+from gradmerge.curvature import KFAC, Blocks, Curvature, ScaledIdentity
+from gradmerge.errors import ArgumentError, StructureError
+from gradmerge.params import Params
+
+Precision = Curvature | float
+
+
+def precision(delta: float, scale: float, curvature: Curvature | None) -> Precision:
+    """δ·I + scale·C (a prior H_0 or a remaining curvature H̄_\\t); δ alone without a curvature."""
+    if curvature is None:
+        return delta
+    return curvature.scaled(scale) + delta
+
+
+def merge_unit(
+    method: str,
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[Curvature | None],
+    *,
+    alphas: Sequence[float],
+    prior: Precision | None = None,
+    damping: float = 0.0,
+) -> dict[str, Tensor]:
+    """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts.
+
+    - ``task_arithmetic``: :func:`gm.task_arithmetic` (curvatures unused);
+    - ``fisher_average``: :func:`gm.fisher_average` with H_t + damping·I;
+    - ``gradient_matching``: :func:`gm.gradient_matching` (Eq. 6) with ``prior`` H_0;
+    - ``regmean``: :func:`gm.regmean` with Gram_t = N_t·A_t (+ damping·I) from each model's K-FAC
+      input factor A_t (a mean over N_t examples: ``num_examples`` in the curvature's metadata);
+      a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
+      :func:`gm.fisher_average` with identity curvatures.
+    """
+    if method == "task_arithmetic":
+        return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
+    if method == "regmean":
+        return _regmean(finetuned, curvatures, alphas, damping)
+    hs = [_required(c, t) for t, c in enumerate(curvatures)]
+    if method == "fisher_average":
+        damped = [h + damping if damping else h for h in hs]
+        return merge.fisher_average(finetuned, damped, alphas=list(alphas))
+    if method == "gradient_matching":
+        if prior is None:
+            raise ArgumentError("gradient_matching needs a prior H_0")
+        return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
+    raise ArgumentError(f"unknown merge method {method!r}")
+
+
+def remove_unit(
+    method: str,
+    base: Params,
+    *,
+    remaining: Precision,
+    alpha: float,
+    finetuned: Params | None = None,
+    curvature: Curvature | None = None,
+    prior: Precision | None = None,
+    gradient: Params | None = None,
+) -> dict[str, Tensor]:
+    """The unit with data removed: :func:`gm.remove` (Eq. 13) or :func:`gm.influence_remove`."""
+    if method == "remove":
+        if finetuned is None or prior is None:
+            raise ArgumentError("remove needs the fine-tuned model θ_t and the prior H_0")
+        return merge.remove(
+            base,
+            finetuned,
+            _required(curvature, 0),
+            remaining=remaining,
+            prior=prior,
+            alpha=alpha,
+        )
+    if method == "influence_remove":
+        if gradient is None:
+            raise ArgumentError("influence_remove needs the gradient ∇ℓ̄_t(θ_LLM)")
+        return merge.influence_remove(base, gradient, remaining=remaining, alpha=alpha)
+    raise ArgumentError(f"unknown removal method {method!r}")
+
+
+def _required(curvature: Curvature | None, t: int) -> Curvature:
+    if curvature is None:  # the plan checks coverage; this guards direct callers
+        raise StructureError(f"no curvature for model {t} on these parameters")
+    return curvature
+
+
+def _regmean(
+    finetuned: Sequence[Params],
+    curvatures: Sequence[Curvature | None],
+    alphas: Sequence[float],
+    damping: float,
+) -> dict[str, Tensor]:
+    layers = [_kfac_of(c) for c in curvatures]
+    if all(k is None for k in layers):
+        ones = [ScaledIdentity(1.0)] * len(finetuned)  # RegMean averages non-linear parameters
+        return merge.fisher_average(finetuned, ones, alphas=list(alphas))
+    grams: list[dict[str, Tensor]] = []
+    kfac: KFAC | None = None
+    for t, (k, c) in enumerate(zip(layers, curvatures, strict=True)):
+        if k is None or c is None:
+            keys = sorted(finetuned[t])[:2]
+            raise StructureError(f"model {t} has no K-FAC factors for {keys}, the others have")
+        kfac = k
+        if k.weight_shapes:
+            raise ArgumentError(
+                f"regmean merges linear layers; {sorted(k.weight_shapes)} have weights of another "
+                "shape (convolutions): use fisher_average or gradient_matching for them"
+            )
+        try:
+            examples = float(c.meta["num_examples"])
+        except (KeyError, ValueError):
+            raise ArgumentError(
+                "regmean needs the number of examples behind each K-FAC factor A_t (a mean), "
+                "stored as num_examples by gm.estimate_curvature; this curvature has none"
+            ) from None
+        gram = {}
+        for name, terms in k.terms.items():
+            if len(terms) != 1:
+                raise ArgumentError(
+                    f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
+                )
+            a = examples * terms[0][0]
+            gram[name] = a + damping * _eye_like(a) if damping else a
+        grams.append(gram)
+    assert kfac is not None  # at least one layer (checked above)
+    return merge.regmean(
+        finetuned,
+        grams,
+        alphas=list(alphas),
+        bias=sorted(kfac.bias),
+        transposed=sorted(kfac.transposed),
+    )
+
+
+def _kfac_of(curvature: Curvature | None) -> KFAC | None:
+    if isinstance(curvature, KFAC):
+        return curvature
+    if isinstance(curvature, Blocks):
+        found = [b for b in curvature.blocks if isinstance(b, KFAC)]
+        return found[0] if found else None
+    return None
+
+
+def _eye_like(a: Tensor) -> Tensor:
+    import torch
+
+    return torch.eye(a.shape[0], dtype=a.dtype, device=a.device)

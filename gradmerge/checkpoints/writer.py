@@ -1,0 +1,206 @@
+"""Streaming output: sharded safetensors written tensor by tensor, into a folder made atomically.
+
+Every output tensor's name, shape and dtype is known before the first one is computed, so each
+shard's header (names, dtypes, shapes, byte offsets) is written first and the tensors' bytes are
+appended as they come: nothing is buffered beyond the tensor being written. Shards follow the
+Hugging Face layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with a
+``model.safetensors.index.json``.
+
+:func:`staged_output` builds the output in a hidden sibling folder and renames it into place only
+when everything succeeded: a failing or interrupted run leaves no output folder, never a
+half-written one (a killed process can leave the hidden ``.OUT.gradmerge-*`` folder behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from torch import Tensor
+
+from gradmerge.checkpoints.errors import OutputExistsError
+from gradmerge.checkpoints.reader import SAFETENSORS_DTYPES
+from gradmerge.errors import ArgumentError
+
+_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class ShardedWriter:
+    """Write planned tensors, in plan order, into safetensors shards of at most ``max_shard_size``.
+
+    Args:
+        folder: where the shards go (it must exist).
+        entries: (name, shape, dtype) of every tensor, in the order they will be written.
+        max_shard_size: a shard is closed before it would exceed this many bytes (a single larger
+            tensor gets a shard of its own).
+        metadata: the shards' ``__metadata__`` (``{"format": "pt"}`` by default, which
+            transformers expects).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from safetensors.torch import load_file
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     w = ShardedWriter(d, [("a", (2,), torch.float32), ("b", (1,), torch.int64)], 10)
+        ...     w.write("a", torch.ones(2)); w.write("b", torch.tensor([3]))
+        ...     files = w.finish()
+        ...     print([f.name for f in files], load_file(files[1]))
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json'] {'b': tensor([3])}
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+        max_shard_size: int,
+        *,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        self.metadata = metadata if metadata is not None else {"format": "pt"}
+        self._shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = []
+        size = 0
+        for name, shape, dtype in entries:
+            if dtype not in _NAMES:
+                raise ArgumentError(f"cannot write {name!r}: safetensors has no dtype {dtype}")
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            if not self._shards or (size + nbytes > max_shard_size and size > 0):
+                self._shards.append([])
+                size = 0
+            self._shards[-1].append((name, tuple(shape), dtype, nbytes))
+            size += nbytes
+        n = len(self._shards)
+        self.files = [
+            self.folder
+            / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            for i in range(n)
+        ]
+        self._queue = [(i, e) for i, shard in enumerate(self._shards) for e in shard]
+        self._next = 0
+        self._open: BinaryIO | None = None
+        self.bytes_written = 0
+
+    def write(self, name: str, tensor: Tensor) -> None:
+        """Append tensor ``name`` (the next one in the plan) to its shard."""
+        if self._next >= len(self._queue):
+            raise ArgumentError(f"{name!r} was not planned: every planned tensor is written")
+        shard, (expected, shape, dtype, nbytes) = self._queue[self._next]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ArgumentError(
+                f"expected {expected!r} {shape} {dtype} next, got {name!r} "
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+            )
+        if self._open is None:
+            self._open = open(self.files[shard], "wb")  # noqa: SIM115 - closed at the shard's end
+            header = _header(self._shards[shard], self.metadata)
+            self._open.write(header)
+            self.bytes_written += len(header)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._open.write(data.numpy().data)
+        self.bytes_written += nbytes
+        self._next += 1
+        if self._next == len(self._queue) or self._queue[self._next][0] != shard:
+            self._open.close()
+            self._open = None
+
+    def finish(self) -> list[Path]:
+        """Check that every planned tensor was written; write the index when there are shards."""
+        if self._next != len(self._queue):
+            missing = [e[0] for _, e in self._queue[self._next :]]
+            raise ArgumentError(f"{len(missing)} planned tensor(s) not written, e.g. {missing[:3]}")
+        if len(self.files) > 1:
+            index = {
+                "metadata": {"total_size": sum(e[3] for s in self._shards for e in s)},
+                "weight_map": {
+                    e[0]: f.name
+                    for f, shard in zip(self.files, self._shards, strict=True)
+                    for e in shard
+                },
+            }
+            path = self.folder / INDEX_NAME
+            path.write_text(json.dumps(index, indent=2) + "\n")
+            return [*self.files, path]
+        return list(self.files)
+
+    def abort(self) -> None:
+        """Close an open shard (the staged folder is removed by :func:`staged_output`)."""
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
+
+def _header(
+    shard: list[tuple[str, tuple[int, ...], torch.dtype, int]], metadata: dict[str, str]
+) -> bytes:
+    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, shape, dtype, nbytes in shard:
+        entries[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+@contextmanager
+def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary sibling of ``out_dir`` that becomes ``out_dir`` if the block succeeds.
+
+    On an exception (or ``KeyboardInterrupt``) the temporary folder is removed and ``out_dir`` is
+    left as it was. With ``overwrite``, an existing ``out_dir`` is replaced only at the end.
+
+    Raises:
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is false (checked before the
+            block runs and again before the rename).
+    """
+    target = Path(out_dir).absolute()
+    _refuse_existing(target, overwrite)
+    created = [p for p in reversed(target.parents) if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.gradmerge-", dir=target.parent))
+    try:
+        yield stage
+        _refuse_existing(target, overwrite)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / target.name)
+            os.replace(stage, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, target)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for folder in reversed(created):  # parents this call made, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _refuse_existing(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise OutputExistsError(f"{target} exists and is not a folder; choose another output path")
+    if target.exists() and not overwrite:
+        raise OutputExistsError(
+            f"{target} exists; pass --overwrite (overwrite=True) to replace it, or choose another "
+            "output folder"
+        )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

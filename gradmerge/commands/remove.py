@@ -1,0 +1,66 @@
+"""``gradmerge remove CONFIG.yaml OUT_DIR``: remove data from a model (Eq. 13 or Koh & Liang)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gradmerge.commands.merge import add_common_arguments, run_command
+
+EPILOG = """\
+configuration (YAML; relative paths are relative to the YAML file):
+
+  # Eq. 13: θ_\\t = θ_LLM − α H̄_\\t⁻¹ (H_0 + H_t)(θ_t − θ_LLM)
+  method: remove
+  base_model: path/to/base           # θ_LLM, trained on all data including D_t
+  model: path/to/finetuned_on_Dt     # θ_t, fine-tuned from θ_LLM on the data D_t to remove
+  curvature: Dt.curvature.safetensors   # H_t, the curvature of D_t
+  prior: {delta: 1.0e-6}             # H_0 used when fine-tuning θ_t (+ curvature, scale)
+  remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors, scale: 1.0}
+                                     # H̄_\\t = δI + s·C: curvature at θ_LLM of the data that
+                                     # stays, with the base model's own regulariser δ
+  alpha: 1.0                         # α_t, the weight D_t had in θ_LLM's training loss
+
+  # Koh & Liang (2017): θ_\\t = θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM)
+  method: influence_remove
+  base_model: path/to/base
+  gradient: grad_Dt.safetensors      # ∇ℓ̄_t(θ_LLM), saved under the parameters' names, e.g.
+                                     # safetensors.torch.save_file({n: p.grad for n, p in
+                                     #   model.named_parameters()}, "grad_Dt.safetensors")
+  remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}
+  alpha: 1.0
+
+  Both also take dtype, compute_dtype, device, passthrough and max_shard_size, as in
+  `gradmerge merge --help`.
+
+H̄_\\t must be positive definite: a removal that fails with "not positive definite" needs
+`remaining: {delta: ...}` (the base model's prior precision). OUT_DIR appears only when the
+removal succeeded, with the base's config/tokenizer files and gradmerge_remove.json.
+
+examples:
+  gradmerge remove remove.yaml unlearned/
+  gradmerge remove remove.yaml unlearned/ --overwrite
+  gradmerge remove remove.yaml unlearned/ --dry-run
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``gradmerge remove``."""
+    p = sub.add_parser(
+        "remove",
+        help="remove data or a task from a model (Eq. 13, Koh & Liang), streaming",
+        description="Remove the data D_t from a model by gradient matching (Eq. 13, from a model "
+        "fine-tuned on D_t) or by the influence-function step of Koh & Liang (from the gradient "
+        "of D_t's loss at the model), reading and writing safetensors group by group.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    add_common_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gradmerge remove``; 0 on success, 1 on bad input (the message goes to stderr)."""
+    from gradmerge.checkpoints import RemoveConfig, plan_remove, run_remove
+
+    return run_command(args, "remove", RemoveConfig.from_yaml, plan_remove, run_remove)
