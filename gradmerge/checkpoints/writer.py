@@ -25,6 +25,7 @@ from typing import BinaryIO
 import torch
 from torch import Tensor
 
+from gradmerge._files import temp_dir_beside
 from gradmerge.checkpoints.errors import OutputExistsError
 from gradmerge.checkpoints.reader import SAFETENSORS_DTYPES
 from gradmerge.errors import ArgumentError
@@ -168,7 +169,7 @@ def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -
     _refuse_existing(target, overwrite)
     created = [p for p in reversed(target.parents) if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.gradmerge-", dir=target.parent))
+    stage = temp_dir_beside(target, "gradmerge")
     try:
         yield stage
         _refuse_existing(target, overwrite)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmerge._files import publish, temp_file_beside
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.dense import Dense
@@ -73,13 +73,12 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
     }
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    tmp = temp_file_beside(target)
     try:
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta
         )
-        os.replace(tmp, target)
+        publish(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -161,3 +161,25 @@ def test_staged_output_is_atomic(tmp_path):
         staged_output(tmp_path / "file", overwrite=True),
     ):
         pass
+
+
+def test_outputs_get_the_permissions_of_ordinary_new_files(tmp_path):
+    """Atomic writes go through temporary files/folders (0600/0700); the renamed outputs must be
+    readable like files made with open()/mkdir() under the current umask."""
+    import os
+    import stat
+
+    import torch
+
+    import gradmerge as gm
+    from gradmerge.checkpoints.writer import staged_output
+
+    mask = os.umask(0o022)
+    try:
+        path = gm.Diagonal({"w": torch.ones(2)}).save(tmp_path / "c.safetensors")
+        with staged_output(tmp_path / "out", overwrite=False) as stage:
+            (stage / "x.txt").write_text("x")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
