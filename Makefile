@@ -8,7 +8,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # test-time oracles, installed without their declared torchvision (see pyproject's test extra)
 ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1
 
-.PHONY: setup verify test lint format clean
+.PHONY: setup demo verify test lint format clean
 
 setup: $(VENV)/.installed
 
@@ -19,7 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q $(FIND_LINKS) --no-deps $(ORACLES)
 	touch $@
 
-verify: setup  ## the main job: check every derivation of the appendix
+demo: setup  ## the main job: merge and un-merge models on real data (runs/demo/: table, JSON, plots)
+	$(BIN)/gradmerge demo --overwrite
+
+verify: setup  ## check every derivation of the appendix
 	$(BIN)/gradmerge verify
 
 test: setup  ## the whole test suite
