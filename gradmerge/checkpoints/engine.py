@@ -14,6 +14,12 @@ shards, the base's config and tokenizer files (``dtype`` in config.json updated)
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
 and torch versions, each input's fingerprint (SHA-256 of its safetensors headers) and each
 curvature file's metadata.
+
+The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
+gives each rank its own units): :func:`open_job` opens the inputs and builds the plan,
+:meth:`Job.compute_unit` computes one unit's output tensors, :meth:`Job.check_output` refuses an
+output folder that holds an input, :meth:`Job.copy_assets` and :meth:`Job.record` finish the
+output folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` in a staged folder.
 """
 
 from __future__ import annotations
@@ -170,7 +176,44 @@ def resolve_device(spec: str) -> torch.device:
 
 # ----- jobs: opened inputs, a plan, and how to compute one unit ----------------------------------
 @dataclass
-class _Job:
+class Job:
+    """The opened inputs of a merge or removal, its plan, and how to compute one unit.
+
+    Made by :func:`open_job`; valid while the ``ExitStack`` given there is open (the inputs are
+    memory-mapped). A driver computes every unit of ``plan.units`` with :meth:`compute_unit` and
+    writes the tensors in that order; :func:`run_merge` does exactly this with one writer,
+    :mod:`gradmerge.distributed.merge` with one writer per rank.
+
+    Attributes:
+        command: ``"merge"`` or ``"remove"``.
+        plan: the units, their shapes and output dtypes (:class:`~gradmerge.checkpoints.plan.Plan`).
+        base: the base checkpoint θ_LLM (its config/tokenizer files are the output's).
+        device: where the arithmetic runs.
+        checkpoints: input name (as in the record: ``base_model``, ``models[0].model``, ...) →
+            opened checkpoint.
+        curvatures: input name (``models[0].curvature``, ``prior.curvature``, ...) → opened
+            curvature file.
+        hint: how to fix a singular system, added to a :class:`NotPositiveDefiniteError`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from contextlib import ExitStack
+        >>> from pathlib import Path
+        >>> from safetensors.torch import save_file
+        >>> from gradmerge.checkpoints import MergeConfig
+        >>> from gradmerge.checkpoints.engine import open_job
+        >>> with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        ...     d = Path(tmp)
+        ...     save_file({"w": torch.zeros(2)}, d / "base.safetensors")
+        ...     save_file({"w": torch.ones(2)}, d / "ft.safetensors")
+        ...     cfg = MergeConfig.from_dict(
+        ...         {"method": "task_arithmetic", "base_model": "base.safetensors",
+        ...          "models": [{"model": "ft.safetensors", "alpha": 0.5}]}, root=d)
+        ...     job = open_job(cfg, stack)
+        ...     [job.compute_unit(u) for u in job.plan.units]
+        [{'w': tensor([0.5000, 0.5000])}]
+    """
+
     command: str
     plan: Plan
     base: Checkpoint
@@ -180,8 +223,63 @@ class _Job:
     curvatures: dict[str, CurvatureFile]
     hint: str
 
+    def compute_unit(self, unit: Unit) -> dict[str, Tensor]:
+        """The output tensors of ``unit`` (key → tensor in its output dtype, on ``device``).
 
-def _open_merge(config: MergeConfig, stack: ExitStack) -> _Job:
+        A merged unit goes through the pure rule of :mod:`gradmerge.merge`; a copied one is the
+        base's tensors (on the CPU). The result is the same whoever calls it, in any order.
+
+        Raises:
+            NotPositiveDefiniteError: a singular system (the message names the unit and the fix).
+            NonFiniteError: a result that overflows a narrower output dtype.
+            GradmergeError: any other error of the rule, naming the unit.
+        """
+        return _run_unit(self, unit) if unit.merged else _copy_unit(self, unit)
+
+    def check_output(self, out_dir: str | os.PathLike[str]) -> None:
+        """Refuse an output folder that is, or holds, one of the inputs.
+
+        Raises:
+            ConfigError: ``out_dir`` is an input or contains one.
+        """
+        _refuse_input_inside(Path(out_dir).absolute(), self)
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read so far from every input (checkpoints and curvature files)."""
+        return sum(c.bytes_read for c in self.checkpoints.values()) + sum(
+            f.bytes_read for f in self.curvatures.values()
+        )
+
+    def copy_assets(self, folder: Path, dtype: str | None) -> list[Path]:
+        """Copy the base's config/tokenizer files into ``folder`` (``dtype`` set in config.json)."""
+        return _copy_assets(self.base, folder, dtype)
+
+    def record(self, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
+        """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints, output."""
+        return _record(self, config, shards, seconds)
+
+
+def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
+    """Open the inputs of ``config``, check they fit together and build the plan.
+
+    The inputs stay open (memory-mapped) until ``stack`` closes. No tensor is read.
+
+    Raises:
+        ArgumentError: ``config`` is neither a :class:`MergeConfig` nor a :class:`RemoveConfig`.
+        StructureError, DTypeError, MissingInputError, FileFormatError: as :func:`run_merge`.
+    """
+    if isinstance(config, MergeConfig):
+        return _open_merge(config, stack)
+    if isinstance(config, RemoveConfig):
+        return _open_remove(config, stack)
+    raise ArgumentError(
+        f"open_job takes a MergeConfig or a RemoveConfig, got {type(config).__name__}: build one "
+        "with MergeConfig.from_yaml(path) or RemoveConfig.from_yaml(path)"
+    )
+
+
+def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
     models = [stack.enter_context(open_checkpoint(m.model)) for m in config.models]
     curvs = [
@@ -231,7 +329,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> _Job:
         "fisher_average": "set `damping:` (e.g. 1.0e-8) so that Σ α_t H_t is positive definite",
         "regmean": "set `damping:` (e.g. 1.0e-6) so that the summed Gram matrices are invertible",
     }.get(config.method, "")
-    return _Job(
+    return Job(
         "merge",
         plan,
         base,
@@ -243,7 +341,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> _Job:
     )
 
 
-def _open_remove(config: RemoveConfig, stack: ExitStack) -> _Job:
+def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
     model = stack.enter_context(open_checkpoint(config.model)) if config.model else None
     gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
@@ -303,7 +401,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> _Job:
         "to the base model's prior precision δ (e.g. 1.0e-6), or add the curvature of the data "
         "that stays"
     )
-    return _Job("remove", plan, base, compute, device, checkpoints, files, hint)
+    return Job("remove", plan, base, compute, device, checkpoints, files, hint)
 
 
 def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | None:
@@ -320,7 +418,7 @@ def _read(
 
 # ----- execution: units → shards, in a staged folder ----------------------------------------------
 def _execute(
-    job: _Job,
+    job: Job,
     config: Options,
     out_dir: str | os.PathLike[str],
     overwrite: bool,
@@ -336,7 +434,7 @@ def _execute(
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
             for unit in plan.units:
-                out = _run_unit(job, unit) if unit.merged else _copy_unit(job, unit)
+                out = job.compute_unit(unit)
                 for k in unit.keys:
                     writer.write(k, out[k])
                     if bar is not None:
@@ -347,13 +445,11 @@ def _execute(
             writer.abort()
             if bar is not None:
                 bar.close()
-        assets = _copy_assets(job.base, stage, config.dtype)
+        assets = job.copy_assets(stage, config.dtype)
         seconds = time.perf_counter() - start
-        bytes_read = sum(c.bytes_read for c in job.checkpoints.values()) + sum(
-            f.bytes_read for f in job.curvatures.values()
-        )
+        bytes_read = job.bytes_read
         record = stage / f"gradmerge_{job.command}.json"
-        record.write_text(json.dumps(_record(job, config, shards, seconds), indent=2) + "\n")
+        record.write_text(json.dumps(job.record(config, shards, seconds), indent=2) + "\n")
         names = [p.name for p in (*shards, *assets, record)]
     return MergeReport(
         out_dir=target,
@@ -369,7 +465,7 @@ def _execute(
     )
 
 
-def _run_unit(job: _Job, unit: Unit) -> dict[str, Tensor]:
+def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
     try:
         merged = job.compute(unit)
     except NotPositiveDefiniteError as err:
@@ -393,7 +489,7 @@ def _run_unit(job: _Job, unit: Unit) -> dict[str, Tensor]:
     return out
 
 
-def _copy_unit(job: _Job, unit: Unit) -> dict[str, Tensor]:
+def _copy_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
     return {k: job.base.get(k, dtype=job.plan.out_dtypes[k]) for k in unit.keys}
 
 
@@ -416,7 +512,7 @@ def _progress(enabled: bool, total: int, command: str) -> Any:
     )
 
 
-def _refuse_input_inside(target: Path, job: _Job) -> None:
+def _refuse_input_inside(target: Path, job: Job) -> None:
     inputs = [c.path for c in job.checkpoints.values()] + [f.path for f in job.curvatures.values()]
     for path in inputs:
         resolved, out = path.resolve(), target.resolve()
@@ -445,7 +541,7 @@ def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]
     return copied
 
 
-def _record(job: _Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
+def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
     from gradmerge import __version__
 
     record: dict[str, Any] = {

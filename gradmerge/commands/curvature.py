@@ -45,6 +45,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from gradmerge.distributed.launch import (
+    DISTRIBUTED_EPILOG,
+    add_distributed_options,
+    check_distributed,
+)
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
@@ -71,7 +76,7 @@ def add_parser(sub: Any) -> None:
         help="estimate a model's curvature on data (a SUM over examples) and save it",
         description=_plain((__doc__ or "").split("\n\n", 1)[1]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EXAMPLES,
+        epilog=EXAMPLES + "\n" + DISTRIBUTED_EPILOG,
     )
     p.add_argument("model", metavar="MODEL", help="Hugging Face folder or module:function")
     p.add_argument("data", metavar="DATA", help="tensor file (.safetensors/.pt) or module:function")
@@ -104,6 +109,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_distributed_options(p)  # --distributed, --timeout, --expected-examples, --backend
     p.set_defaults(run=run, check=check)
 
 
@@ -113,6 +119,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(
             "--fisher hessian needs --structure full (diag and kfac estimate a Fisher/GGN)"
         )
+    check_distributed(parser, args)
     if args.mc_samples < 1:
         parser.error(f"--mc-samples must be at least 1, got {args.mc_samples}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -138,6 +145,11 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load, estimate, save; print one summary line. 0 on success."""
     import gradmerge as gm
+
+    if getattr(args, "distributed", False):  # under torchrun: gradmerge.distributed's path
+        from gradmerge.distributed.launch import run_curvature
+
+        return run_curvature(args)
 
     for name in ("model_kind", "data_kind"):  # set by check(); run() may be called directly
         if not hasattr(args, name):

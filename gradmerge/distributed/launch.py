@@ -1,6 +1,9 @@
 """``torchrun ... -m gradmerge.distributed curvature|merge|remove ...``: the commands, distributed.
 
-``curvature MODEL DATA OUT`` — data-parallel curvature estimation.
+``curvature MODEL DATA OUT`` — data-parallel curvature estimation; the same as
+``torchrun --nproc-per-node N --no-python gradmerge curvature MODEL DATA OUT --distributed``
+(:func:`add_distributed_options` gives ``gradmerge curvature`` the flag; both run
+:func:`run_curvature`).
 
 The arguments and options are those of ``gradmerge curvature`` (:mod:`gradmerge.commands.curvature`:
 MODEL a Hugging Face folder or an entry point, DATA a tensor file or an entry point), plus
@@ -44,7 +47,7 @@ from gradmerge.distributed.shard import shard
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``gradmerge curvature``'s parser under ``curvature``, with the distributed options."""
+    """``gradmerge curvature``'s parser under ``curvature`` (always distributed), and merge/remove."""
     from gradmerge.commands import curvature
 
     parser = argparse.ArgumentParser(
@@ -52,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel gradmerge commands (launch with torchrun).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    curvature.add_parser(sub)
+    curvature.add_parser(sub)  # with the options of add_distributed_options
     p = sub.choices["curvature"]
     p.epilog = (
         "examples (every rank keeps its contiguous part of the batches):\n"
@@ -62,22 +65,77 @@ def build_parser() -> argparse.ArgumentParser:
         "  torchrun --standalone --nproc-per-node 2 -m gradmerge.distributed curvature \\\n"
         "      ./build.py:model ./build.py:batches a.curvature.safetensors --device cpu\n"
     )
+    p.set_defaults(run=run_curvature, distributed=True)
+    _add_merge_commands(sub)
+    return parser
+
+
+DISTRIBUTED_EPILOG = """\
+distributed (data-parallel) estimation, launched by torchrun:
+  torchrun --nproc-per-node 4 --no-python gradmerge curvature runs/ft-task-a \\
+      data/task_a.safetensors task_a.curvature.safetensors --structure kfac --distributed
+  Every rank loads MODEL and DATA, keeps its contiguous part of the batches, estimates on it; the
+  sums are all-reduced, so OUT equals the single-process estimate on all of DATA (to rounding;
+  with --fisher mc each rank draws with its own seed). Rank 0 writes OUT, only when every rank
+  succeeded; on any failure every rank prints the same error and exits 1, within --timeout.
+  --device auto uses cuda:LOCAL_RANK (NCCL sums) when CUDA is available, else the CPU (gloo).
+"""
+
+
+def add_distributed_options(p: argparse.ArgumentParser) -> None:
+    """``--distributed`` and its options (``--timeout``, ``--expected-examples``, ``--backend``).
+
+    Used by ``gradmerge curvature`` (:mod:`gradmerge.commands.curvature`) and by this module's
+    ``curvature`` command, where ``--distributed`` is implied.
+    """
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="data-parallel estimation over the ranks of torchrun (see below)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
-        default=DEFAULT_TIMEOUT.total_seconds(),
-        help="seconds a rank waits for the others before failing (default 1800)",
+        default=None,
+        help="seconds a rank waits for the others before failing (default 1800; --distributed)",
     )
     p.add_argument(
         "--expected-examples",
         type=int,
         default=None,
-        help="fail unless the ranks saw this many examples in all",
+        help="fail unless the ranks saw this many examples in all (--distributed)",
     )
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    p.set_defaults(run=run_curvature)
-    _add_merge_commands(sub)
-    return parser
+    p.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="collective backend of the sums (--distributed; default: gloo on CPU, NCCL on CUDA)",
+    )
+
+
+def check_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """argparse errors for the distributed options: used without --distributed, or not torchrun."""
+    if not args.distributed:
+        used = [
+            name
+            for name, value, default in (
+                ("--timeout", args.timeout, None),
+                ("--expected-examples", args.expected_examples, None),
+                ("--backend", args.backend, "auto"),
+            )
+            if value != default
+        ]
+        if used:
+            parser.error(f"{', '.join(used)} apply only with --distributed")
+        return
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        parser.error(
+            "--distributed runs under torchrun (RANK/WORLD_SIZE are not set), e.g. "
+            "torchrun --nproc-per-node 2 --no-python gradmerge curvature MODEL DATA OUT "
+            "--distributed"
+        )
 
 
 def _add_merge_commands(sub: Any) -> None:
@@ -110,10 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_curvature(args: argparse.Namespace) -> int:
-    """Estimate on this rank's shard, sum over the ranks, write OUT on rank 0. 0 on success."""
+    """Estimate on this rank's shard, sum over the ranks, write OUT on rank 0. 0 on success.
+
+    What ``gradmerge curvature --distributed`` and ``-m gradmerge.distributed curvature`` run;
+    ``args`` are that parser's (:func:`add_distributed_options` included).
+    """
     from gradmerge.commands import curvature as command
 
     start = time.perf_counter()
+    if getattr(args, "timeout", None) is None:
+        args.timeout = DEFAULT_TIMEOUT.total_seconds()
     device = _device(args.device)
     created = _init(args.backend, device, args.timeout)
     rank = dist.get_rank()

@@ -48,8 +48,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from gradmerge._files import temp_dir_beside
 from gradmerge.checkpoints import MergeConfig, MergeReport, RemoveConfig, open_checkpoint
-from gradmerge.checkpoints import engine as _engine
+from gradmerge.checkpoints.engine import Job, open_job
 from gradmerge.checkpoints.errors import OutputExistsError
 from gradmerge.checkpoints.plan import Plan, Unit
 from gradmerge.checkpoints.writer import INDEX_NAME, ShardedWriter
@@ -133,7 +134,7 @@ def _run(
     with Comm.open(group, timeout) as comm, ExitStack() as stack:
         step = _Steps(comm)
         # 1. Open the inputs and plan; every rank must see the same.
-        job = step.run("plan", lambda: _open(command, config, target, stack))
+        job = step.run("plan", lambda: _open(config, target, stack))
         summaries = step.exchange("agree on the plan", lambda: _summary(job, config))
         _check_same_plan(summaries)
         # 2. Rank 0 makes the staging folder; every rank must see it.
@@ -221,13 +222,13 @@ class _Steps:
         return [v for _, v in gathered]
 
 
-def _open(command: str, config: Any, target: Path, stack: ExitStack) -> Any:
-    job = (_engine._open_merge if command == "merge" else _engine._open_remove)(config, stack)
-    _engine._refuse_input_inside(target, job)
+def _open(config: Any, target: Path, stack: ExitStack) -> Job:
+    job = open_job(config, stack)
+    job.check_output(target)
     return job
 
 
-def _summary(job: Any, config: Any) -> dict[str, Any]:
+def _summary(job: Job, config: Any) -> dict[str, Any]:
     """What every rank must agree on: the configuration, the inputs and the plan."""
     plan = job.plan
     return {
@@ -255,7 +256,7 @@ def _make_stage(target: Path, overwrite: bool) -> Path:
     """Rank 0: the hidden staging folder beside ``target`` (refusing an existing ``target``)."""
     _refuse_existing(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.gradmerge-", dir=target.parent))
+    return temp_dir_beside(target, "gradmerge")
 
 
 def _check_shared(stage: Path, rank: int) -> None:
@@ -266,7 +267,7 @@ def _check_shared(stage: Path, rank: int) -> None:
         )
 
 
-def _write(job: Any, units: list[Unit], folder: Path, max_shard_size: int) -> dict[str, Any]:
+def _write(job: Job, units: list[Unit], folder: Path, max_shard_size: int) -> dict[str, Any]:
     """This rank's units, computed by the engine and written by its shard writer into ``folder``."""
     folder.mkdir()
     plan = job.plan
@@ -274,7 +275,7 @@ def _write(job: Any, units: list[Unit], folder: Path, max_shard_size: int) -> di
     writer = ShardedWriter(folder, entries, max_shard_size)
     try:
         for unit in units:
-            out = _engine._run_unit(job, unit) if unit.merged else _engine._copy_unit(job, unit)
+            out = job.compute_unit(unit)
             for k in unit.keys:
                 writer.write(k, out[k])
         written = writer.finish()
@@ -285,8 +286,7 @@ def _write(job: Any, units: list[Unit], folder: Path, max_shard_size: int) -> di
     if shards:
         with open_checkpoint(folder) as ckpt:
             weight_map = {k: ckpt.file_of(k).name for k in ckpt}
-    bytes_read = sum(c.bytes_read for c in job.checkpoints.values())
-    bytes_read += sum(f.bytes_read for f in job.curvatures.values())
+    bytes_read = job.bytes_read
     return {
         "files": [p.name for p in shards],
         "weight_map": weight_map,
@@ -305,7 +305,7 @@ def _rename(folder: Path, written: dict[str, Any], names: list[str]) -> None:
 
 
 def _finish(
-    job: Any,
+    job: Job,
     config: Any,
     stage: Path,
     written: list[dict[str, Any]],
@@ -328,8 +328,8 @@ def _finish(
         }
         (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         files.append(INDEX_NAME)
-    assets = _engine._copy_assets(job.base, stage, config.dtype)
-    record = _engine._record(job, config, [stage / n for n in shards], time.perf_counter() - start)
+    assets = job.copy_assets(stage, config.dtype)
+    record = job.record(config, [stage / n for n in shards], time.perf_counter() - start)
     record["distributed"] = {
         "ranks": world_size,
         "units_per_rank": [w["units"] for w in written],

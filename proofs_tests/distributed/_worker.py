@@ -121,6 +121,16 @@ def job_cli() -> dict:
             status = cli(argv)
         out[name] = {"status": status, "stderr": stderr.getvalue(), "stdout": stdout.getvalue()}
         out[name]["exists_after"] = target.exists()
+    # `gradmerge curvature --distributed`: the single-process command's flag, same path
+    from gradmerge.cli import main as gradmerge_cli
+
+    target = outdir / "cli_flag.safetensors"
+    argv = ["curvature", f"{entry}:mlp_model", f"{entry}:mlp_batches", str(target)]
+    argv += ["--structure", "diag", "--loss", "mse", "--no-progress", "--distributed"]
+    stderr, stdout = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        status = gradmerge_cli([*argv, "--timeout", "20", "--expected-examples", "12"])
+    out["cli_flag"] = {"status": status, "stderr": stderr.getvalue(), "stdout": stdout.getvalue()}
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         argv = ["merge", str(Path(sys.argv[3]) / "merge_ta.yaml"), str(outdir / "cli_merge")]

@@ -236,6 +236,20 @@ def test_command_line_writes_the_single_process_estimate(main_job):
     _assert_matches({"dense": written.dense()}, reference.dense())
 
 
+def test_gradmerge_curvature_distributed_flag_writes_the_single_process_estimate(main_job):
+    """``gradmerge curvature ... --distributed`` under torchrun: the sum over both ranks' shards."""
+    outdir, ranks = main_job
+    assert [r["cli_flag"]["status"] for r in ranks] == [0, 0], ranks[0]["cli_flag"]["stderr"]
+    assert "on 2 ranks" in ranks[0]["cli_flag"]["stdout"]
+    assert ranks[1]["cli_flag"]["stdout"] == ""  # rank 0 speaks for the job
+    model, data = cases.mlp_model(), cases.mlp_batches()
+    written = gm.load_curvature(outdir / "cli_flag.safetensors", like=model)
+    reference = gm.estimate_curvature(model, data, structure="diag", loss="mse")
+    assert isinstance(written, gm.Diagonal)
+    assert written.meta["ranks"] == "2" and written.meta["num_examples"] == "12"
+    _assert_matches({"dense": written.dense()}, reference.dense())
+
+
 def test_command_line_failure_reports_on_every_rank_and_writes_nothing(main_job):
     outdir, ranks = main_job
     assert not (outdir / "cli_fail.safetensors").exists()
