@@ -26,10 +26,12 @@ errors are typed (:mod:`gradmerge.errors`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 
+from gradmerge import _elementwise
 from gradmerge import params as P
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
@@ -194,12 +196,25 @@ def gradient_matching(
             f"got {tasks} fine-tuned models but {len(curvatures)} curvatures: pass one per model"
         )
     weights = _alphas(alphas, tasks)
-    P.check_params(base, name="base")
+    P.check_params(base, name="base", finite=False)
+    names = ["prior", *(f"curvatures[{t}]" for t in range(tasks))]
+    h0, *hs = (
+        _curvature(c, base, name=n, psd=False)
+        for c, n in zip([prior, *curvatures], names, strict=True)
+    )
+    elementwise = [_elementwise.parts(h) for h in (h0, *hs)]
+    if all(part is not None for part in elementwise):  # diagonal / δ·I: one fused pass
+        for t, ft in enumerate(finetuned):
+            P.check_params(ft, name=f"finetuned[{t}]", finite=False)
+            P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
+        prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
+        return _elementwise.merge(base, finetuned, weights, prior_part, task_parts, names=names)
+    P.check_finite(base, name="base")
     task_vectors = [
         _task_vector(base, ft, name=f"finetuned[{t}]") for t, ft in enumerate(finetuned)
     ]
-    h0 = _curvature(prior, base, name="prior")
-    hs = [_curvature(c, base, name=f"curvatures[{t}]") for t, c in enumerate(curvatures)]
+    for h, n in zip([h0, *hs], names, strict=True):
+        h.check_psd(name=n)
 
     merged_precision = h0  # H̄ = H_0 + Σ_t α_t H_t
     rhs = P.zeros_like(base)  # Σ_t α_t (H_0 + H_t)(θ_t − θ_LLM)
@@ -301,7 +316,7 @@ def _task_vector(base: Params, finetuned: Params, *, name: str) -> dict[str, Ten
     return P.sub(finetuned, base)
 
 
-def _curvature(value: CurvatureLike, base: Params, *, name: str) -> Curvature:
+def _curvature(value: CurvatureLike, base: Params, *, name: str, psd: bool = True) -> Curvature:
     if isinstance(value, bool) or not isinstance(value, (Curvature, int, float)):
         raise TypeError(
             f"{name} must be a curvature (gm.Diagonal, gm.Dense, ...) or a float δ meaning δ·I, "
@@ -309,7 +324,8 @@ def _curvature(value: CurvatureLike, base: Params, *, name: str) -> Curvature:
         )
     curvature = ScaledIdentity(float(value)) if isinstance(value, (int, float)) else value
     curvature.check_covers(base, name=name)
-    curvature.check_psd(name=name)
+    if psd:
+        curvature.check_psd(name=name)
     return curvature
 
 

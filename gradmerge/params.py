@@ -45,8 +45,11 @@ def _fmt_keys(keys: Sequence[str], limit: int = 5) -> str:
     return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
 
 
-def check_params(params: object, *, name: str) -> None:
+def check_params(params: object, *, name: str, finite: bool = True) -> None:
     """Check that ``params`` is a non-empty dict of finite floating-point tensors on one device.
+
+    ``finite=False`` checks the structure only (no pass over the values), for callers that check
+    finiteness while computing (see :mod:`gradmerge._elementwise`).
 
     Raises:
         TypeError: not a mapping of tensors.
@@ -80,7 +83,8 @@ def check_params(params: object, *, name: str) -> None:
                 f"{name} mixes devices: {name}[{key!r}] is on {value.device}, earlier tensors on "
                 f"{device}. Move all tensors to one device first."
             )
-    check_finite(params, name=name)
+    if finite:
+        check_finite(params, name=name)
 
 
 def check_finite(params: Params, *, name: str) -> None:

@@ -1,0 +1,208 @@
+"""Eq. 6 for elementwise curvatures (diagonal and δ·I), fused and chunked: one pass over memory.
+
+When H_0 and every H_t are diagonal (:class:`Diagonal`) or scaled identities, the merge of Eq. 6
+is elementwise,
+
+.. math::
+
+    \\theta = \\theta_{LLM}
+        + \\frac{\\sum_t \\alpha_t (h_0 + h_t)\\,(\\theta_t - \\theta_{LLM})}{h_0 + \\sum_t \\alpha_t h_t},
+
+and :func:`gradmerge.gradient_matching` (hence task arithmetic and Fisher averaging, its special
+cases) evaluates it here, tensor by tensor in chunks of :data:`CHUNK` elements, so that the
+intermediates stay in cache and every input is read once — the generic operator algebra would
+allocate a full-size temporary per operation and read each input several times. The validation of
+values is folded into the same pass: running minima of every h_t (PSD) and of the denominator
+(H̄ positive definite), and a running sum of the result (any NaN/Inf input makes the result
+non-finite); when one fails, the exact per-input checks run to name the culprit, with the same
+errors as the generic path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from gradmerge import params as P
+from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
+from gradmerge.curvature.base import not_pd
+from gradmerge.errors import NonFiniteError
+from gradmerge.params import Params
+
+CHUNK = 1 << 16
+"""Elements per step (256 KiB per float32 buffer): the working set of one step stays in cache."""
+
+Part = float | dict[str, Tensor]
+"""An elementwise curvature: δ (for δ·I) or diagonal values per parameter."""
+
+
+def parts(curvature: Curvature) -> Part | None:
+    """The elementwise form of ``curvature``, or ``None`` when it is not elementwise."""
+    if isinstance(curvature, ScaledIdentity):
+        return curvature.delta
+    if isinstance(curvature, Diagonal):
+        return curvature.values
+    return None
+
+
+def merge(
+    base: Params,
+    finetuned: Sequence[Params],
+    alphas: Sequence[float],
+    prior: Part,
+    curvatures: Sequence[Part],
+    *,
+    names: Sequence[str],
+) -> dict[str, Tensor]:
+    """Eq. 6 with elementwise H_0 = ``prior`` and H_t = ``curvatures[t]`` (already structure-checked).
+
+    ``names`` are the curvatures' argument names for error messages (prior first).
+    """
+    out: dict[str, Tensor] = {}
+    minima: list[Tensor | None] = [None] * (1 + len(curvatures))
+    for key, b in base.items():
+        h = [_at(prior, key), *(_at(c, key) for c in curvatures)]
+        result, den_min, total, h_min = _merge_tensor(b, [ft[key] for ft in finetuned], alphas, h)
+        for i, m in enumerate(h_min):
+            if m is not None:
+                minima[i] = m if minima[i] is None else torch.minimum(minima[i], m)  # type: ignore[arg-type]
+        if float(den_min) <= 0:  # before finiteness: a zero of H̄ also makes the result Inf
+            _refuse_singular(key, b, alphas, h, [prior, *curvatures], minima, names)
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(result).all()):
+            _explain_non_finite(key, base, finetuned, h, names)
+        out[key] = result
+    _check_psd([prior, *curvatures], minima, names)
+    return out
+
+
+def _check_psd(
+    parts: Sequence[Part], minima: Sequence[Tensor | None], names: Sequence[str]
+) -> None:
+    """The exact PSD check of the generic path, run only where a negative value was seen."""
+    for part, m, name in zip(parts, minima, names, strict=True):
+        if m is not None and float(m) < 0 and isinstance(part, dict):
+            Diagonal._checked_already(part).check_psd(name=name)
+
+
+def _refuse_singular(
+    key: str,
+    base: Tensor,
+    alphas: Sequence[float],
+    h: Sequence[float | Tensor],
+    parts: Sequence[Part],
+    minima: Sequence[Tensor | None],
+    names: Sequence[str],
+) -> None:
+    """H̄ is not positive definite at ``key``: a non-PSD input first, else the singular system."""
+    _check_psd(parts, minima, names)
+    den = _denominator(base, alphas, h)
+    if den.dim() == 0:  # every curvature is δ·I
+        raise not_pd("δ·I", f"δ = {float(den)}")
+    bad = int((den <= 0).sum())
+    raise not_pd(
+        "diagonal system",
+        f"{bad} of {den.numel()} entries of {key!r} are ≤ 0, smallest {float(den.min()):.3e}",
+    )
+
+
+def _at(part: Part, key: str) -> float | Tensor:
+    return part if isinstance(part, float) else part[key]
+
+
+def _merge_tensor(
+    base: Tensor,
+    finetuned: Sequence[Tensor],
+    alphas: Sequence[float],
+    h: Sequence[float | Tensor],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """One tensor of Eq. 6; returns (result, min of H̄, sum of the result, min of each h).
+
+    Each step evaluates the same floating-point operations, in the same order, as the operator
+    algebra (``(H_0 + α_1 H_1) + α_2 H_2 …``, ``H_0 τ + H_t τ``, ``rhs / H̄``, ``θ_LLM + …``),
+    so the result is bit-identical to the generic path; only the memory traffic differs.
+    """
+    flat_b = base.reshape(-1)
+    flat_f = [f.reshape(-1) for f in finetuned]
+    flat_h = [x.reshape(-1) if isinstance(x, Tensor) else x for x in h]
+    h0 = flat_h[0]
+    result = torch.empty_like(flat_b)
+    n = flat_b.numel()
+    size = min(CHUNK, n)
+    num, den, tau, p, q = (torch.empty(size, dtype=base.dtype, device=base.device) for _ in "12345")
+
+    def like(*shape: int) -> Tensor:
+        return torch.full(shape, float("inf"), dtype=base.dtype, device=base.device)
+
+    den_min, total = like(), torch.zeros((), dtype=base.dtype, device=base.device)
+    h_min: list[Tensor | None] = [like() if isinstance(x, Tensor) else None for x in flat_h]
+    for start in range(0, n, CHUNK):
+        s = slice(start, min(start + CHUNK, n))
+        m = s.stop - s.start
+        b, nu, de, ta, pm, qm = flat_b[s], num[:m], den[:m], tau[:m], p[:m], q[:m]
+        for i, x in enumerate(flat_h):  # PSD of each diagonal h (checked exactly at the end)
+            if isinstance(x, Tensor):
+                h_min[i] = torch.minimum(cast(Tensor, h_min[i]), x[s].min())
+        # H̄ = (H_0 + α_1 H_1) + α_2 H_2 + …, a Python float while every term is δ·I
+        acc: float | Tensor = h0 if isinstance(h0, float) else de.copy_(h0[s])
+        for alpha, x in zip(alphas, flat_h[1:], strict=True):
+            if isinstance(x, float) and isinstance(acc, float):
+                acc = acc + alpha * x
+            elif isinstance(x, float):
+                cast(Tensor, acc).add_(alpha * x)
+            else:
+                torch.mul(x[s], alpha, out=qm)
+                if isinstance(acc, float):
+                    acc = torch.add(qm, acc, out=de)
+                else:
+                    acc.add_(qm)
+        # right-hand side Σ_t α_t (H_0 τ_t + H_t τ_t), τ_t = θ_t − θ_LLM  (Eq. 6)
+        nu.zero_()
+        for alpha, f, x in zip(alphas, flat_f, flat_h[1:], strict=True):
+            torch.sub(f[s], b, out=ta)
+            torch.mul(ta, h0 if isinstance(h0, float) else h0[s], out=pm)
+            torch.mul(ta, x if isinstance(x, float) else x[s], out=qm)
+            pm.add_(qm)
+            nu.add_(pm, alpha=alpha)
+        # θ_LLM + H̄⁻¹ rhs
+        if isinstance(acc, float):
+            if acc > 0:
+                nu.div_(acc)
+        else:
+            den_min = torch.minimum(den_min, acc.min())
+            nu.div_(acc)
+        torch.add(b, nu, out=result[s])
+        total += result[s].sum()
+    if all(isinstance(x, float) for x in flat_h):
+        den_min = torch.tensor(_denominator(base, alphas, h).item())
+    return result.reshape(base.shape), den_min, total, h_min
+
+
+def _denominator(base: Tensor, alphas: Sequence[float], h: Sequence[float | Tensor]) -> Tensor:
+    """H̄ = h_0 + Σ_t α_t h_t at one tensor (a 0-dim tensor when every h is a scalar)."""
+    den = torch.as_tensor(h[0], dtype=base.dtype, device=base.device)
+    for alpha, x in zip(alphas, h[1:], strict=True):
+        den = den + alpha * torch.as_tensor(x, dtype=base.dtype, device=base.device)
+    return den
+
+
+def _explain_non_finite(
+    key: str,
+    base: Params,
+    finetuned: Sequence[Params],
+    h: Sequence[float | Tensor],
+    names: Sequence[str],
+) -> None:
+    """Name the input that made the result non-finite (or say that the result overflowed)."""
+    P.check_finite({key: base[key]}, name="base")
+    for t, ft in enumerate(finetuned):
+        P.check_finite({key: ft[key]}, name=f"finetuned[{t}]")
+    for x, name in zip(h, names, strict=True):
+        if isinstance(x, Tensor):
+            P.check_finite({key: x}, name=name)
+    raise NonFiniteError(
+        f"the merged {key!r} overflowed to Inf/NaN although every input is finite: the inputs are "
+        "too large for their dtype; merge in float32 or float64."
+    )
