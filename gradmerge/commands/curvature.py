@@ -143,7 +143,21 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load, estimate, save; print one summary line. 0 on success."""
+    """``gradmerge curvature``: 0 on success, 1 on bad input (a typed error of
+    :mod:`gradmerge.errors` or an I/O error, reported on one line of stderr as ``gradmerge merge``
+    does); other exceptions, e.g. from the user's own entry points, keep their traceback."""
+    from gradmerge.errors import GradmergeError
+
+    try:
+        return execute(args)
+    except (GradmergeError, OSError) as err:
+        print(f"gradmerge curvature: error: {err}", file=sys.stderr)
+        return 1
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Load, estimate, save; print one summary line. Raises the typed errors of
+    :mod:`gradmerge.errors` on bad input (see :func:`load_model`, :func:`load_data`)."""
     import gradmerge as gm
 
     if getattr(args, "distributed", False):  # under torchrun: gradmerge.distributed's path
@@ -151,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_curvature(args)
 
-    for name in ("model_kind", "data_kind"):  # set by check(); run() may be called directly
+    for name in ("model_kind", "data_kind"):  # set by check(); absent when called directly
         if not hasattr(args, name):
             args.model_kind, args.data_kind = _model_kind(args.model), _data_kind(args.data)
     start = time.perf_counter()

@@ -180,3 +180,12 @@ def sample_targets(
         return torch.where(targets == loss.ignore_index, targets, draws)
     noise = torch.randn(outputs.shape, generator=generator, dtype=outputs.dtype)
     return outputs + noise.to(outputs.device)
+
+
+def loss_gradient(outputs: Tensor, targets: Tensor, loss: Loss, *, batch: int = 0) -> Tensor:
+    """``∂(Σ_i ℓ_i)/∂f`` at the (detached) outputs: row ``i`` is ``∇_f ℓ(f_i, y_i)``, zero at
+    ignored positions; backpropagated from the outputs it gives every example's loss gradient."""
+    f = outputs.detach().requires_grad_(True)
+    with torch.enable_grad():
+        total = per_example_loss(f, targets, loss, batch=batch).sum()
+    return torch.autograd.grad(total, f)[0]

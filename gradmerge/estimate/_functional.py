@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -56,23 +55,6 @@ class _Bound(nn.Module):
 
     def forward(self, *args: object, **kwargs: object) -> object:
         return functional_call(self._model, self._params, args, kwargs)
-
-
-def output_hessian_factor(outputs: Tensor, targets: Tensor, loss: Loss) -> Tensor:
-    """S with Λ = S Sᵀ, Λ the Hessian of the loss in the outputs, per position: (..., C, C).
-
-    Cross-entropy: S = diag(√p) − p √pᵀ (Λ = diag(p) − ppᵀ), zero at ignored positions.
-    MSE: S = I.
-    """
-    if loss.name == "mse":
-        c = outputs.shape[-1] if outputs.ndim > 1 else 1
-        eye = torch.eye(c, dtype=outputs.dtype, device=outputs.device)
-        return eye.expand(*outputs.shape[:-1], c, c) if outputs.ndim > 1 else eye
-    p = torch.softmax(outputs, dim=-1)
-    sqrt_p = p.sqrt()
-    factor = torch.diag_embed(sqrt_p) - p[..., :, None] * sqrt_p[..., None, :]
-    keep = (targets != loss.ignore_index).to(factor.dtype)[..., None, None]
-    return factor * keep
 
 
 def check_size(numel: int, limit: int, what: str) -> None:

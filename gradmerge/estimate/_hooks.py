@@ -19,6 +19,7 @@ input is the example. The estimator checks every other assumption it can (see
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,6 +84,18 @@ class Rule:
             total += self.per_example(call, g, role, lo, hi, dtype).square_().sum(0)
         return total
 
+    def separable(self, call: Call) -> bool:
+        """Whether ``∇_θ ℓ_i`` is ``g_i`` times something that does not depend on ``g``, entry by
+        entry (no positions to sum over): then ``(∇_θ ℓ_i)²`` is linear in ``g_i²`` and the squares
+        of several output vectors ``r`` can be summed BEFORE forming the parameter squares,
+        ``Σ_r (∇_θ ℓ_i^(r))² = sq_sum_of_squares(Σ_r g_ir²)`` (:meth:`sq_sum_of_squares`)."""
+        return False
+
+    def sq_sum_of_squares(self, call: Call, g2: Tensor, role: str, dtype: torch.dtype) -> Tensor:
+        """``Σ_i Σ_r (∇_θ ℓ_i^(r))²`` from ``g2 = Σ_r g_r ∘ g_r`` (the output gradients' squares,
+        summed over the vectors ``r``), for a :meth:`separable` call."""
+        raise NotImplementedError
+
 
 def _stock(module: nn.Module, cls: type[nn.Module]) -> bool:
     return isinstance(module, cls) and type(module).forward is cls.forward
@@ -124,9 +137,19 @@ class _LinearLike(Rule):
 
     def sq_sum(self, call: Call, g: Tensor, role: str, dtype: torch.dtype) -> Tensor:
         if role == "weight" and not self.shares_weight(call):
-            a, gg = self.operands(call, g, 0, g.shape[0], dtype)
-            return self.product(a[:, 0, :].square(), gg[:, 0, :].square(), call.module)
+            return self.sq_sum_of_squares(call, g.to(dtype).square(), role, dtype)
         return super().sq_sum(call, g, role, dtype)
+
+    def separable(self, call: Call) -> bool:
+        return not self.shares_weight(call)
+
+    def sq_sum_of_squares(self, call: Call, g2: Tensor, role: str, dtype: torch.dtype) -> Tensor:
+        """One position per example: ``∇_W ℓ_i = g_i a_iᵀ``, so ``Σ_i Σ_r (g_ir a_iᵀ)²`` is
+        ``Σ_i g2_i (a_i²)ᵀ`` — one matmul, ``(g2)ᵀ (a²)`` — and the bias' is ``Σ_i g2_i``."""
+        if role == "bias":
+            return g2.to(dtype).reshape(-1, g2.shape[-1]).sum(0)
+        a, gg = self.operands(call, g2, 0, g2.shape[0], dtype)
+        return self.product(a[:, 0, :].square(), gg[:, 0, :], call.module)
 
 
 class LinearRule(_LinearLike):
@@ -149,11 +172,11 @@ class Conv1DRule(LinearRule):
     """transformers' GPT-2 ``Conv1D``: ``y = a W + b`` with ``W`` of shape ``(in, out)``."""
 
     def applies(self, module: nn.Module) -> bool:
-        try:
-            from transformers.pytorch_utils import Conv1D
-        except ImportError:  # transformers is optional
-            return False
-        return _stock(module, Conv1D)
+        # A Conv1D instance implies that transformers is imported: look it up rather than import
+        # it (importing transformers costs seconds and ~16 MB for models that do not use it).
+        utils = sys.modules.get("transformers.pytorch_utils")
+        conv1d = getattr(utils, "Conv1D", None)
+        return isinstance(conv1d, type) and _stock(module, conv1d)
 
     def product(self, a: Tensor, g: Tensor, module: nn.Module) -> Tensor:
         return a.mT @ g
@@ -267,10 +290,31 @@ class LayerNormRule(Rule):
         if role == "bias":
             return gg.sum(1)
         a = call.inputs[lo:hi].to(dtype)
-        dims = tuple(range(-len(shape), 0))
+        return (gg * self._normalized(call, a).reshape(gg.shape)).sum(1)
+
+    @staticmethod
+    def _normalized(call: Call, a: Tensor) -> Tensor:
+        """x̂ = (a − mean) / √(var + eps) over the normalised dims."""
+        m = call.module
+        assert isinstance(m, nn.LayerNorm)
+        dims = tuple(range(-len(m.normalized_shape), 0))
         var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
-        x_hat = (a - mean) * torch.rsqrt(var + m.eps)
-        return (gg * x_hat.reshape(gg.shape)).sum(1)
+        return (a - mean) * torch.rsqrt(var + m.eps)
+
+    def separable(self, call: Call) -> bool:
+        m = call.module
+        assert call.inputs is not None and isinstance(m, nn.LayerNorm)
+        return call.inputs[0].numel() == m.weight.numel()  # one position per example
+
+    def sq_sum_of_squares(self, call: Call, g2: Tensor, role: str, dtype: torch.dtype) -> Tensor:
+        """One position: ``Σ_i Σ_r (g_ir ∘ x̂_i)² = Σ_i g2_i ∘ x̂_i²``; the bias' is ``Σ_i g2_i``."""
+        m = call.module
+        assert call.inputs is not None and isinstance(m, nn.LayerNorm)
+        g2 = g2.to(dtype).reshape(-1, *m.normalized_shape)
+        if role == "bias":
+            return g2.sum(0)
+        x_hat = self._normalized(call, call.inputs.to(dtype)).reshape(g2.shape)
+        return (g2 * x_hat.square_()).sum(0)
 
 
 RULES: tuple[Rule, ...] = (

@@ -24,12 +24,8 @@ from torch.func import hessian, jacrev
 from gradmerge.curvature import Dense
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import Loss, batches, per_example_loss, sample_targets
-from gradmerge.estimate._functional import (
-    FlatModel,
-    check_size,
-    output_hessian_factor,
-    trainable,
-)
+from gradmerge.estimate._functional import FlatModel, check_size, trainable
+from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.params import unflatten
 
 DenseKind = Literal["hessian", "ggn", "empirical", "mc"]
@@ -102,7 +98,7 @@ def _ggn(
     per_example_loss(out, targets, spec, batch=index)  # checks the targets and finiteness
     if spec.name == "mse" and out.ndim == 1:
         return jac.T @ jac
-    s = output_hessian_factor(out, targets, spec)  # (*positions, C, C)
+    s = OutputHessian(out, targets, spec).matrix()  # S: (*positions, C, C), Λ = S Sᵀ
     jac = jac.reshape(-1, out.shape[-1], theta.numel())  # (positions, C, n)
     s = s.reshape(-1, out.shape[-1], out.shape[-1])
     sj = torch.einsum("pcd,pcn->pdn", s, jac).reshape(-1, theta.numel())  # rows Sᵀ J

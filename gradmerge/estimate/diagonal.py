@@ -10,11 +10,20 @@ per-example vectors, ``diag(Σ_i Σ_r (J_iᵀ v_ir)(J_iᵀ v_ir)ᵀ) = Σ_i Σ_r
   of the Fisher (= the GGN for cross-entropy on logits and for mse).
 - ``"ggn"``: the columns of a factor ``Λ_i = S_i S_iᵀ`` of the loss' output Hessian, giving the
   exact ``diag(Σ_i J_iᵀ Λ_i J_i)``. For mse ``S = I``; for cross-entropy, per position,
-  ``Λ = diag(p) − ppᵀ = S Sᵀ`` with ``S = diag(√p) − p√pᵀ`` (column ``c`` is ``√p_c (e_c − p)``).
+  ``Λ = diag(p) − ppᵀ = S Sᵀ`` with ``S = diag(√p) − p√pᵀ`` (column ``c`` is ``√p_c (e_c − p)``;
+  one helper, ``_output_hessian.OutputHessian``, for every estimator).
 
-One forward pass per batch; one backward pass of ``Σ_i v_irᵀ f_i`` per vector ``r`` (1 for
+One forward pass per batch; the backward pass of ``Σ_i v_irᵀ f_i`` for a vector ``r`` (1 for
 ``"empirical"``, ``k`` for ``"mc"``, ``C × positions`` for ``"ggn"``) yields every example's output
-gradient at once, from which module hooks form the squared per-example gradients (``_hooks``).
+gradient ``g_ir`` at once, from which module hooks form the squared per-example gradients
+(``_hooks``). Several vectors share ONE vmapped backward pass (``_batched``). For layers with one
+position per example (an MLP's Linear layers) ``Σ_r (g_ir a_iᵀ)² = (Σ_r g_ir²)(a_i²)ᵀ``: the
+squares are summed over ``r`` first and the parameter squares cost one matmul per layer and
+batch, whatever the number of vectors — the exact GGN of a C-class MLP costs a forward pass, a
+batched backward pass of C vectors and one product per layer, as BackPACK's ``DiagGGNExact``
+(which backpropagates the C columns of S through the layers at once, Dangel et al. 2020).
+
+Reference: Dangel, Kunstner & Hennig (2020), "BackPACK: Packing more into backprop".
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from torch import Tensor, nn
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate import _hooks
+from gradmerge.estimate._batched import Backward, group_size, groups
 from gradmerge.estimate._data import (
     FisherName,
     Inputs,
@@ -39,10 +49,12 @@ from gradmerge.estimate._data import (
     accumulation_dtype,
     batches,
     forward,
+    loss_gradient,
     num_examples,
     per_example_loss,
     sample_targets,
 )
+from gradmerge.estimate._output_hessian import OutputHessian
 
 MAX_GGN_COLUMNS = 4096
 """Most backward passes per batch that ``fisher="ggn"`` accepts (classes × positions)."""
@@ -72,10 +84,10 @@ def estimate_diagonal(
       order batch by batch, then ``j = 1..k``, each ``_data.sample_targets(outputs, targets,
       loss, generator)`` on the whole batch's outputs.
     - ``fisher="ggn"``: the exact ``diag(Σ_i J_iᵀ Λ_i J_i)``, ``Λ_i`` the Hessian of the loss in
-      the outputs (identity for mse, ``diag(p) − ppᵀ`` per position for cross-entropy). Costs one
-      backward pass per column of a factor of ``Λ``: ``classes × positions`` for cross-entropy
-      (positions ignored in every example skipped), the output size for mse. Refused above
-      ``MAX_GGN_COLUMNS``: use ``fisher="mc"`` there.
+      the outputs (identity for mse, ``diag(p) − ppᵀ`` per position for cross-entropy). Costs the
+      backward of one vector per column of a factor of ``Λ`` (batched, several per pass):
+      ``classes × positions`` for cross-entropy (positions ignored in every example skipped),
+      the output size for mse. Refused above ``MAX_GGN_COLUMNS``: use ``fisher="mc"`` there.
 
     Cost: one forward pass and one backward pass per batch (``"empirical"``), plus the squared
     per-example gradients of ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding),
@@ -168,6 +180,7 @@ class _State:
     acc: dict[str, Tensor] = field(init=False)
     names: dict[int, str] = field(init=False)
     warned: bool = False
+    backward: Backward = field(default_factory=Backward)  # several vectors per pass
 
     def __post_init__(self) -> None:
         self.acc = {
@@ -250,9 +263,13 @@ def _batch(
             "one backward pass per example (exact, slow)",
             stacklevel=3,
         )
-    for v in _chain(first, vectors):
-        _add_fast(outputs, v, plan, state)
-        _add_fallback(outputs, v, plan.fallback, state)
+    squares = _Squares(plan, state)
+    per_vector = outputs.numel() + sum(call.output.numel() for call in squares.calls)
+    for group in groups(_chain(first, vectors), group_size(per_vector)):
+        squares.add(outputs, group)
+        for v in group:
+            _add_fallback(outputs, v, plan.fallback, state)
+    squares.finish()
 
 
 def _chain(first: Tensor, rest: Iterator[Tensor]) -> Iterator[Tensor]:
@@ -267,49 +284,37 @@ def _output_vectors(
     """The vectors ``v_ir`` of the chosen Fisher, each of the outputs' shape (row i: example i)."""
     f = outputs.detach()
     if state.fisher == "empirical":
-        yield _loss_gradient(f, targets, state.loss, index)
+        yield loss_gradient(f, targets, state.loss, batch=index)
         return
     per_example_loss(f, targets, state.loss, batch=index)  # checks the observed targets
     if state.fisher == "mc":
         for _ in range(state.mc_samples):
             drawn = sample_targets(f, targets, state.loss, state.generator)
-            yield _loss_gradient(f, drawn, state.loss, index)
+            yield loss_gradient(f, drawn, state.loss, batch=index)
     else:
         yield from _ggn_columns(f, targets, state.loss)
 
 
-def _loss_gradient(f: Tensor, targets: Tensor, loss: Loss, index: int) -> Tensor:
-    """``∂(Σ_i ℓ_i)/∂f``: row ``i`` is ``∇_f ℓ(f_i, y_i)`` (zero at ignored positions)."""
-    f = f.detach().requires_grad_(True)
-    total = per_example_loss(f, targets, loss, batch=index).sum()
-    return torch.autograd.grad(total, f)[0]
-
-
 def _ggn_columns(f: Tensor, targets: Tensor, loss: Loss) -> Iterator[Tensor]:
-    """Columns of ``S`` with ``S Sᵀ = Λ`` (block-diagonal over positions), one batch at a time."""
-    batch = f.shape[0]
-    if loss.name == "mse":
-        flat = f.reshape(batch, -1)
-        _check_columns(flat.shape[1], "the output size")
-        for d in range(flat.shape[1]):
-            v = torch.zeros_like(flat)
-            v[:, d] = 1.0
+    """Columns of ``S`` with ``S Sᵀ = Λ`` (``_output_hessian``), block-diagonal over positions:
+    column ``(s, c)`` is ``S_s[:, c]`` at position ``s`` and 0 elsewhere, for every example at
+    once (positions ignored in every example are skipped: their columns are 0)."""
+    hessian = OutputHessian(f, targets, loss)
+    batch, classes = f.shape[0], hessian.classes
+    positions = f.numel() // max(batch * classes, 1)
+    kept = list(range(positions))
+    if hessian.keep is not None:
+        kept = torch.nonzero(hessian.keep.reshape(batch, positions).any(0)).flatten().tolist()
+    _check_columns(len(kept) * classes, f"{len(kept)} positions × {classes} outputs")
+    for c in range(classes):
+        column = hessian.column(c).reshape(batch, positions, classes)
+        for s in kept:
+            if positions == 1:
+                yield column.reshape(f.shape)
+                continue
+            v = torch.zeros_like(column)
+            v[:, s] = column[:, s]
             yield v.reshape(f.shape)
-        return
-    classes = f.shape[-1]
-    work = f.float() if f.dtype in (torch.float16, torch.bfloat16) else f
-    p = torch.softmax(work.reshape(batch, -1, classes), dim=-1)
-    keep = (targets != loss.ignore_index).reshape(batch, -1, 1).to(p.dtype)
-    positions = torch.nonzero(keep[:, :, 0].any(0)).flatten().tolist()
-    _check_columns(len(positions) * classes, f"{len(positions)} positions × {classes} classes")
-    sqrt_p = p.sqrt()
-    for s in positions:
-        for c in range(classes):
-            v = torch.zeros_like(p)
-            v[:, s, :] = -p[:, s, :]
-            v[:, s, c] += 1.0
-            v[:, s, :] *= sqrt_p[:, s, c : c + 1] * keep[:, s]  # √p_c (e_c − p)
-            yield v.reshape(f.shape).to(f.dtype)
 
 
 def _check_columns(columns: int, what: str) -> None:
@@ -348,24 +353,62 @@ def _plan(outputs: Tensor, calls: list[_hooks.Call], state: _State, batch: int) 
     return _Plan(fast, fallback)
 
 
-def _add_fast(outputs: Tensor, v: Tensor, plan: _Plan, state: _State) -> None:
-    """One backward pass to every recorded output, then the rules' squared gradients."""
-    if not plan.fast:
-        return
-    calls = list({id(c): c for uses in plan.fast.values() for c, _ in uses}.values())
-    grads = torch.autograd.grad(
-        outputs, [c.output for c in calls], grad_outputs=v, retain_graph=True, allow_unused=True
-    )
-    g_of = {id(c): g for c, g in zip(calls, grads, strict=True)}
-    for name, uses in plan.fast.items():
-        acc = state.acc[name]
-        if len(uses) == 1:
+class _Squares:
+    """The fast path of one batch: squared per-example gradients from the recorded calls.
+
+    ``add`` backpropagates a group of output vectors ``v_r`` in one pass and gets every recorded
+    call's output gradients ``g_r``. For a parameter of a :meth:`~_hooks.Rule.separable` call
+    (one position per example, used once) only ``Σ_r g_r ∘ g_r`` is kept, and ``finish`` forms
+    ``Σ_i Σ_r (∇_θ ℓ_i^(r))²`` from it once per batch (for a Linear layer ONE matmul
+    ``(Σ_r g_r²)ᵀ (a²)``, whatever the number of vectors: the exact GGN's C columns cost one
+    product, as in BackPACK's DiagGGNExact). Other parameters (weight sharing over positions,
+    tied weights) square their per-example gradients vector by vector.
+    """
+
+    def __init__(self, plan: _Plan, state: _State) -> None:
+        self.state = state
+        self.separable: list[tuple[str, _hooks.Call, str]] = []
+        self.per_vector: dict[str, list[tuple[_hooks.Call, str]]] = {}
+        for name, uses in plan.fast.items():
             call, role = uses[0]
-            g = g_of[id(call)]
-            if g is not None:
-                acc += call.rule.sq_sum(call, g, role, acc.dtype)
-        else:
-            _add_shared(acc, uses, g_of)
+            if len(uses) == 1 and call.rule.separable(call):
+                self.separable.append((name, call, role))
+            else:
+                self.per_vector[name] = uses
+        unique = {id(c): c for uses in plan.fast.values() for c, _ in uses}
+        self.calls = list(unique.values())
+        self.g2: dict[int, Tensor] = {}  # id(call) → Σ_r g_r ∘ g_r, (B, *output.shape[1:])
+
+    def add(self, outputs: Tensor, vectors: list[Tensor]) -> None:
+        if not self.calls:
+            return
+        grads = self.state.backward.grads(outputs, [c.output for c in self.calls], vectors)
+        g_of = {id(c): g for c, g in zip(self.calls, grads, strict=True)}  # (R, *output.shape)
+        for r in range(len(vectors) if self.per_vector else 0):
+            g_r = {key: None if g is None else g[r] for key, g in g_of.items()}
+            for name, uses in self.per_vector.items():
+                acc = self.state.acc[name]
+                if len(uses) > 1:
+                    _add_shared(acc, uses, g_r)
+                elif (g := g_r[id(uses[0][0])]) is not None:
+                    acc += uses[0][0].rule.sq_sum(uses[0][0], g, uses[0][1], acc.dtype)
+        for name, call, _ in self.separable:
+            g = g_of.pop(id(call), None)  # popped: a call with weight and bias squares once
+            if g is None:
+                continue
+            # not in place: autograd may hand the same tensor to several calls, or v itself
+            squared = g.to(self.state.acc[name].dtype).square().sum(0)
+            if id(call) in self.g2:
+                self.g2[id(call)] += squared
+            else:
+                self.g2[id(call)] = squared
+
+    def finish(self) -> None:
+        for name, call, role in self.separable:
+            g2 = self.g2.get(id(call))
+            if g2 is not None:
+                acc = self.state.acc[name]
+                acc += call.rule.sq_sum_of_squares(call, g2, role, acc.dtype)
 
 
 def _add_shared(
@@ -392,9 +435,8 @@ def _add_fallback(outputs: Tensor, v: Tensor, names: list[str], state: _State) -
             continue
         v_i = torch.zeros_like(v)
         v_i[i] = v[i]
-        grads = torch.autograd.grad(
-            outputs, params, grad_outputs=v_i, retain_graph=True, allow_unused=True
-        )
+        root = (outputs * v_i).sum()  # v_iᵀ f_i, a scalar (see _batched.Backward)
+        grads = torch.autograd.grad(root, params, retain_graph=True, allow_unused=True)
         for name, g in zip(names, grads, strict=True):
             if g is not None:
                 g = g.to(state.acc[name].dtype)

@@ -36,11 +36,16 @@ Fisher types (what g is):
 
 - ``"empirical"``: g from the observed targets; one forward and one backward pass per batch.
 - ``"mc"``: targets drawn from the model (``_data.sample_targets``), ``mc_samples`` per example,
-  G averaged over the samples (G = (1/k) Σ_samples Σ g gᵀ); one forward, k backward passes.
-- ``"ggn"`` (type-2): the output Hessian Λ = S Sᵀ (CE: S = diag(√p) − p√pᵀ; MSE: S = I) and the
-  columns of S are backpropagated, G = Σ_c Σ g^(c) g^(c)ᵀ; as many backward passes as classes.
-  As in curvlinops, column c is backpropagated from all output positions at once, so with
-  weight sharing the cross-position terms (s ≠ s') of outputs that mix positions are included.
+  G averaged over the samples (G = (1/k) Σ_samples Σ g gᵀ); one forward pass, the backward of
+  k vectors.
+- ``"ggn"`` (type-2): the output Hessian Λ = S Sᵀ (``_output_hessian``; CE: S = diag(√p) −
+  p√pᵀ; MSE: S = I) and the columns of S are backpropagated, G = Σ_c Σ g^(c) g^(c)ᵀ; the
+  backward of one vector per class. As in curvlinops, column c is backpropagated from all output
+  positions at once, so with weight sharing the cross-position terms (s ≠ s') of outputs that
+  mix positions are included.
+
+Several vectors (samples, columns) share ONE vmapped backward pass (``_batched``): a layer's R
+output gradients (R, B, ..., out) are R·B rows of a single Gram product for G.
 
 Layout. ``KFACFactors.dense(m)`` is ``kron(G, A)``: the block over ``vec([W | b])`` flattened
 row-major, i.e. (W[0, :], b[0], W[1, :], b[1], ...). W is the weight viewed as (out, in):
@@ -101,6 +106,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
+from gradmerge.estimate._batched import Backward, group_size, groups
 from gradmerge.estimate._data import (
     FisherName,
     Inputs,
@@ -108,17 +114,22 @@ from gradmerge.estimate._data import (
     accumulation_dtype,
     batches,
     forward,
+    loss_gradient,
     num_examples,
     per_example_loss,
     sample_targets,
 )
+from gradmerge.estimate._output_hessian import OutputHessian
 
 KFACApprox = Literal["expand", "reduce"]
 LayerKind = Literal["linear", "conv2d", "conv1d", "embedding"]
 
-# Sides from which Gram matrices skip their blocks below the diagonal (``_add_gram``): below,
-# four smaller products are no faster than one.
+# Gram matrices (``_add_gram``) from this side on skip their blocks below the diagonal: below,
+# several smaller products are no faster than one.
 _GRAM_BLOCKS_FROM = 512
+# Row blocks of such Gram matrices: at least this many columns wide (a multiple of 64 columns,
+# so that every block starts on a 256-byte boundary for the GEMM kernels), at most this many.
+_GRAM_BLOCK_WIDTH, _GRAM_MAX_BLOCKS = 128, 8
 
 SUPPORTED_LAYERS = (
     "nn.Linear, nn.Conv2d (groups=1, zero padding), nn.Embedding, transformers Conv1D"
@@ -314,14 +325,25 @@ def _layer_grads(layer: _Layer, g: Tensor) -> Tensor:
 def _add_gram(acc: Tensor, rows: Tensor, alpha: float = 1.0) -> None:
     """``acc[:n, :n] += alpha · rowsᵀ rows`` (n = rows.shape[1]) ON AND ABOVE THE DIAGONAL only.
 
-    Large sides go in four row blocks, each from its diagonal block rightwards: the blocks below
-    the diagonal (~40% of the work) are never computed; ``_symmetrize_`` fills them at the end.
+    Large sides go in row blocks ``[lo, hi)``, each from its diagonal block rightwards
+    (``acc[lo:hi, lo:] += rows[:, lo:hi]ᵀ rows[:, lo:]``, one GEMM per block): with k blocks the
+    products cost (k + 1)/(2k) of the full one (k = 6 for a side of 784: 58%). The blocks below
+    the diagonal are never computed; ``_symmetrize_`` fills them at the end.
     """
-    n = rows.shape[1]
-    step = -(-n // 4) if n >= _GRAM_BLOCKS_FROM else max(n, 1)
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        acc[lo:hi, lo:n].addmm_(rows[:, lo:hi].T, rows[:, lo:], alpha=alpha)
+    for lo, hi in _gram_blocks(rows.shape[1]):
+        acc[lo:hi, lo : rows.shape[1]].addmm_(rows[:, lo:hi].T, rows[:, lo:], alpha=alpha)
+
+
+def _gram_blocks(n: int) -> list[tuple[int, int]]:
+    """Row blocks of a Gram matrix of side n: one block below ``_GRAM_BLOCKS_FROM``, else
+    64-aligned blocks of ``_GRAM_BLOCK_WIDTH`` columns or more (at most ``_GRAM_MAX_BLOCKS``; the
+    last block takes the remainder)."""
+    if n < _GRAM_BLOCKS_FROM:
+        return [(0, n)]
+    width = max(_GRAM_BLOCK_WIDTH, -(-n // _GRAM_MAX_BLOCKS))
+    width = -(-width // 64) * 64
+    starts = list(range(0, n - width // 2, width))
+    return list(zip(starts, [*starts[1:], n], strict=True))
 
 
 def _add_augmented_gram(acc: Tensor, rows: Tensor, bias: bool, ones: int) -> None:
@@ -396,6 +418,7 @@ class _Tap:
     edge: GradientEdge  # the output's place in the graph (``get_gradient_edge``)
     keep: Tensor | None
     approx: KFACApprox
+    numel: int  # of the output
 
 
 class _Recorder:
@@ -450,7 +473,7 @@ class _Recorder:
         if out.requires_grad:
             # The edge rather than the tensor: an in-place op on the output later on (e.g.
             # nn.ReLU(inplace=True)) rebases the tensor onto that op, the edge stays put.
-            self.taps.append(_Tap(layer, get_gradient_edge(out), keep, approx))
+            self.taps.append(_Tap(layer, get_gradient_edge(out), keep, approx, out.numel()))
 
     def collect(self, root: Tensor, wrt: list[Tensor], weight: float = 1.0, **kwargs: Any) -> None:
         """One backward pass from ``root``: add ``weight`` · Σ g gᵀ of the noted outputs to G."""
@@ -463,25 +486,33 @@ class _Recorder:
             if g is not None:  # None: the output does not reach the loss
                 _add_grads(tap.layer, g, tap.keep, tap.approx, weight)
 
+    def collect_vectors(
+        self,
+        outputs: Tensor,
+        vectors: Iterable[Tensor],
+        wrt: list[Tensor],
+        weight: float,
+        backward: Backward,
+    ) -> None:
+        """Backward passes of ``Σ_i v_irᵀ f_i`` for the output vectors ``v_r``, several per pass
+        (``_batched``): add ``weight`` · Σ_r Σ g_r g_rᵀ of the noted outputs to G.
 
-def _ggn_columns(outputs: Tensor, targets: Tensor, loss: Loss) -> Iterable[Tensor]:
-    """The columns of S (Λ = S Sᵀ, the Hessian of ℓ in the outputs) at every position at once."""
-    if loss.name == "mse":
-        if outputs.ndim == 1:
-            yield torch.ones_like(outputs)
-            return
-        for c in range(outputs.shape[-1]):
-            column = torch.zeros_like(outputs)
-            column[..., c] = 1
-            yield column
-        return
-    p = torch.softmax(outputs.detach().to(accumulation_dtype(outputs)), dim=-1)
-    keep = (targets != loss.ignore_index).unsqueeze(-1).to(p.dtype)
-    for c in range(outputs.shape[-1]):
-        root = p[..., c : c + 1].sqrt()
-        column = -root * p
-        column[..., c] += root[..., 0]
-        yield (column * keep).to(outputs.dtype)
+        The ``R`` gradients of one pass, ``(R, B, ...)``, are ``R · B`` rows of one Gram product
+        per layer (``reduce`` sums positions per vector and example, as one pass at a time would).
+        """
+        per_vector = outputs.numel() + sum(tap.numel for tap in self.taps)
+        for group in groups(vectors, group_size(per_vector)):
+            if not self.taps:  # nothing to collect: the pass still runs, for autograd's errors
+                for v in group:
+                    root = (outputs * v).sum()
+                    torch.autograd.grad(root, wrt, allow_unused=True, retain_graph=True)
+                continue
+            grads = backward.grads(outputs, [tap.edge for tap in self.taps], group)
+            for tap, g in zip(self.taps, grads, strict=True):
+                if g is None:  # the output does not reach the loss
+                    continue
+                keep = None if tap.keep is None else tap.keep.repeat(len(group), 1)
+                _add_grads(tap.layer, g.flatten(0, 1), keep, tap.approx, weight)
 
 
 def _backward(
@@ -494,18 +525,18 @@ def _backward(
 ) -> None:
     """The backward passes of one batch; the recorder collects the output gradients."""
     loss: Loss = options["loss"]
+    backward: Backward = options["backward"]
     if options["fisher"] == "empirical":
         recorder.collect(losses.sum(), wrt)
     elif options["fisher"] == "mc":
-        k = options["mc_samples"]
-        for sample in range(k):
-            drawn = sample_targets(outputs, targets, loss, options["generator"])
-            sampled = per_example_loss(outputs, drawn, loss, batch=options["batch"])
-            recorder.collect(sampled.sum(), wrt, 1.0 / k, retain_graph=sample < k - 1)
-    else:
-        columns = 1 if outputs.ndim == 1 and loss.name == "mse" else outputs.shape[-1]
-        for c, column in enumerate(_ggn_columns(outputs, targets, loss)):
-            recorder.collect(outputs, wrt, grad_outputs=column, retain_graph=c < columns - 1)
+        k, f = options["mc_samples"], outputs.detach()
+        draws = (sample_targets(f, targets, loss, options["generator"]) for _ in range(k))
+        vectors = (loss_gradient(f, y, loss, batch=options["batch"]) for y in draws)
+        recorder.collect_vectors(outputs, vectors, wrt, 1.0 / k, backward)
+    else:  # column c of S from every position at once (module docstring)
+        hessian = OutputHessian(outputs, targets, loss)
+        columns = (hessian.column(c) for c in range(hessian.classes))
+        recorder.collect_vectors(outputs, columns, wrt, 1.0, backward)
 
 
 def _check_options(fisher: str, loss: str, kfac_approx: str, mc_samples: int) -> None:
@@ -608,6 +639,7 @@ def estimate_kfac_factors(
         "fisher": fisher,
         "mc_samples": mc_samples,
         "generator": torch.Generator().manual_seed(seed),
+        "backward": Backward(),
     }
     handles = [
         layer.module.register_forward_hook(partial(recorder.hook, name))

@@ -22,6 +22,7 @@ from gradmerge.curvature.base import Curvature
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import Inputs, Loss, batches, forward, per_example_loss
 from gradmerge.estimate._functional import _Bound, trainable
+from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.params import Layout, Params
 from gradmerge.solve import CGResult, solve_or_raise
 
@@ -111,7 +112,7 @@ class MatrixFree(Curvature):
         out, jv = forward_pass[0].detach(), forward_pass[1]  # f and J v
         per_example_loss(out, targets, self.loss, batch=index)  # validates the batch
         pullback = vjp(lambda p: self._outputs(p, inputs), self.params)[1]
-        return pullback(_output_hessian_mv(out, targets, jv, self.loss))[0]  # Jᵀ Λ J v
+        return pullback(OutputHessian(out, targets, self.loss).mv(jv))[0]  # Jᵀ Λ J v
 
     def solve_info(self, v: Params) -> CGResult:
         """CG on this operator; raises :class:`NotConvergedError` if it does not converge."""
@@ -149,12 +150,3 @@ class MatrixFree(Curvature):
 
     def _promote(self, other: Curvature) -> Curvature:
         return other
-
-
-def _output_hessian_mv(out: Tensor, targets: Tensor, u: Tensor, loss: Loss) -> Tensor:
-    """Λ u per position: u for MSE; p∘u − p(pᵀu) for cross-entropy (0 at ignored positions)."""
-    if loss.name == "mse":
-        return u
-    p = torch.softmax(out, dim=-1)
-    lam_u = p * u - p * (p * u).sum(dim=-1, keepdim=True)
-    return lam_u * (targets != loss.ignore_index).to(lam_u.dtype)[..., None]

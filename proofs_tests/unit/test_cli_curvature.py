@@ -7,6 +7,7 @@ own causal-LM loss (its label shifting and ignore_index) for `--shift-labels` an
 
 from __future__ import annotations
 
+import argparse
 import textwrap
 
 import pytest
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from gradmerge import cli
+from gradmerge.commands import curvature
 from gradmerge.commands.curvature import TensorBatches
 
 ENTRY_POINTS = textwrap.dedent(
@@ -63,6 +65,15 @@ def workdir(tmp_path):
 
 def _run(*argv: str) -> int:
     return cli.main(["curvature", *argv, "--no-progress"])
+
+
+def _execute(*argv: str) -> int:
+    """The command without its error reporting: typed errors propagate."""
+    parser = argparse.ArgumentParser()
+    curvature.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["curvature", *argv, "--no-progress"])
+    args.check(parser, args)
+    return curvature.execute(args)
 
 
 def _mlp():
@@ -310,15 +321,19 @@ def test_existing_out_needs_overwrite(workdir, capsys):
     ],
 )
 def test_bad_inputs_raise_typed_errors_and_write_nothing(
-    workdir, monkeypatch, model, data, error, message
+    workdir, monkeypatch, capsys, model, data, error, message
 ):
+    """The command reports them on one line and exits 1; underneath, each is a typed error."""
     monkeypatch.chdir(workdir)
     torch.save({"x": torch.zeros(2, 3), "y": torch.zeros(2)}, "names.pt")
     torch.save({"inputs": torch.zeros(2, 3), "targets": torch.zeros(3)}, "rows.pt")
     torch.save([torch.zeros(2)], "list.pt")
     (workdir / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    assert _run(model, data, "out.safetensors") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gradmerge curvature: error:") and message in err[-1]
     with pytest.raises(error, match=message):
-        _run(model, data, "out.safetensors")
+        _execute(model, data, "out.safetensors")
     assert not (workdir / "out.safetensors").exists()
     assert not list(workdir.glob(".out.safetensors.*"))  # no temporary left behind
 
@@ -326,16 +341,7 @@ def test_bad_inputs_raise_typed_errors_and_write_nothing(
 def test_kfac_refuses_a_one_shot_iterator_through_the_progress_bar(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     with pytest.raises(gm.ArgumentError, match="one-shot iterator"):
-        cli.main(
-            [
-                "curvature",
-                "gm_test_entry:mlp",
-                "gm_test_entry:one_shot",
-                "k.st",
-                "--structure",
-                "kfac",
-            ]
-        )
+        _execute("gm_test_entry:mlp", "gm_test_entry:one_shot", "k.st", "--structure", "kfac")
 
 
 @pytest.mark.parametrize(
@@ -353,7 +359,7 @@ def test_bad_hugging_face_folders(workdir, files, message):
     for name, text in files.items():
         (folder / name).write_text(text)
     with pytest.raises(gm.FileFormatError, match=message):
-        _run(str(folder), str(workdir / "cls.pt"), str(workdir / "o.safetensors"))
+        _execute(str(folder), str(workdir / "cls.pt"), str(workdir / "o.safetensors"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
