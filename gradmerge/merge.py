@@ -361,7 +361,8 @@ def refine(
         theta: θ^0, the starting merge.
         base: θ_LLM.
         gradients: θ ↦ ∇ℓ̄_t(θ), one per task (needs the tasks' data or a model of it).
-        curvatures: H_t, or callables θ ↦ H_t(θ) evaluated at every iterate.
+        curvatures: H_t, or callables θ ↦ H_t(θ) evaluated at every iterate. They need not be
+            PSD (exact Hessians of non-convex losses are not); H̄ must be positive definite.
         prior: H_0.
         alphas: α_t.
         steps: how many steps.
@@ -397,7 +398,10 @@ def refine(
         precision: Curvature = h0
         for t, (alpha, h) in enumerate(zip(weights, curvatures, strict=True)):
             h_t = h(current) if callable(h) else h
-            precision = precision + alpha * _curvature(h_t, base, name=f"curvatures[{t}]")
+            # a Newton step needs H̄ positive definite, not each H_t: a task Hessian of a
+            # non-convex loss may be indefinite (H̄'s solve refuses an indefinite sum)
+            h_t = _curvature(h_t, base, name=f"curvatures[{t}]", psd=False)
+            precision = precision + alpha * h_t
         direction = precision.solve(residual)
         # backtracking on ‖R‖, which a Newton direction decreases: far from θ_{1:T} a full step
         # can overshoot (the expansion is local)

@@ -19,9 +19,9 @@ H_t(θ^k) re-estimated at θ^k:
 - exact Hessians (Newton): ``gm.MatrixFree(kind="hessian")``, the system solved by CG. The task
   Hessians are indefinite here (an MLP's loss is not convex); only H_0 + Σ_t H_t must be positive
   definite, which δ = 10 ensures along the path (checked at the start; CG raises if it meets
-  negative curvature later). ``estimate_curvature(
-  structure="full", fisher="hessian")`` is refused by ``gm.refine``, which requires every H_t to be
-  PSD (see the xfail test at the end);
+  negative curvature later). Dense exact Hessians, ``estimate_curvature(structure="full",
+  fisher="hessian")``, work too: ``gm.refine`` requires only H̄ to be positive definite (the
+  last test);
 - full GGN (Gauss-Newton): ``estimate_curvature(structure="full", fisher="ggn")``;
 - diagonal GGN: ``estimate_curvature(structure="diag", fisher="ggn")``.
 """
@@ -32,7 +32,6 @@ import itertools
 from dataclasses import dataclass
 from functools import cache
 
-import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, hessian
@@ -256,13 +255,8 @@ def test_gauss_newton_and_diagonal_refinement_fall_step_by_step():
     assert gauss_newton[-1] < diagonal[-1] < diagonal[0]
 
 
-@pytest.mark.xfail(
-    raises=gm.NotPositiveDefiniteError,
-    strict=True,
-    reason="gm.refine checks every H_t for PSD; an MLP's task Hessian is indefinite although "
-    "H_0 + Σ_t H_t, all that a Newton step needs, is positive definite (gm.MatrixFree skips it)",
-)
 def test_refine_accepts_dense_exact_hessians_of_a_nonconvex_loss():
+    """An MLP's task Hessians are indefinite; H_0 + Σ_t H_t, all a Newton step needs, is PD."""
     prob = problem()
 
     def dense_hessian(model, data):
