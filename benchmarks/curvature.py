@@ -365,6 +365,25 @@ def evaluate_targets(workloads: dict) -> list[dict]:
     return out
 
 
+def _noisy(report: dict) -> str | None:
+    """Why the timings are not to be trusted (the cores were oversubscribed), or None."""
+    cores = os.cpu_count() or 1
+    loads = [
+        load
+        for workload in report["workloads"].values()
+        for result in workload["methods"].values()
+        for load in result.get("load_average", [])
+    ]
+    worst = max(loads, default=0.0)
+    if worst < cores:
+        return None
+    return (
+        f"the load average reached {worst:.1f} on {cores} cores: other processes competed for "
+        "them, the ratios are noisy (see each method's time_ratio_min/max); re-run on an idle "
+        "machine"
+    )
+
+
 def machine(device: torch.device) -> dict:
     info = {
         "platform": platform.platform(),
@@ -426,6 +445,9 @@ def main() -> None:
             "methods": run_workload(name, model, data, device, args),
         }
     report["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
+    report["noisy"] = _noisy(report)
+    if report["noisy"]:
+        print(f"WARNING: {report['noisy']}")
     report["targets"] = evaluate_targets(report["workloads"])
     for t in report["targets"]:
         peer = (
