@@ -396,12 +396,12 @@ class _Squares:
             g = g_of.pop(id(call), None)  # popped: a call with weight and bias squares once
             if g is None:
                 continue
-            # not in place: autograd may hand the same tensor to several calls, or v itself
-            squared = g.to(self.state.acc[name].dtype).square().sum(0)
-            if id(call) in self.g2:
-                self.g2[id(call)] += squared
-            else:
-                self.g2[id(call)] = squared
+            dtype = self.state.acc[name].dtype
+            if id(call) not in self.g2:
+                self.g2[id(call)] = torch.zeros(g.shape[1:], dtype=dtype, device=g.device)
+            g2 = self.g2[id(call)]
+            for g_r in g.to(dtype):  # fused, no (R, B, ...) temporary; g itself is not modified
+                g2.addcmul_(g_r, g_r)
 
     def finish(self) -> None:
         for name, call, role in self.separable:
