@@ -34,7 +34,7 @@ def test_blocked_upper_gram_then_mirror_is_the_full_gram(n):
     assert blocks[0][0] == 0 and blocks[-1][1] == n
     assert all(hi == lo for (_, hi), (lo, _) in itertools.pairwise(blocks))
     if n < K._GRAM_BLOCKS_FROM:
-        assert blocks == [(0, n)]
+        assert blocks == ((0, n),)
     else:  # equal 64-aligned widths of 128 or more, at most 8 blocks, the last one ± half a block
         width = blocks[0][1]
         assert width % 64 == 0 and width >= 128 and len(blocks) <= 8
