@@ -5,6 +5,7 @@ Matching", ICLR 2024. See DESIGN.md for the map from the paper's notation to the
 """
 
 from gradmerge import distributed, params
+from gradmerge._fused import fused_kernels
 from gradmerge.checkpoints import (
     ConfigError,
     MergeConfig,
@@ -62,6 +63,7 @@ __all__ = [
     "influence_remove",
     "refine",
     "regmean",
+    "fused_kernels",
     # curvature operators
     "Curvature",
     "ScaledIdentity",

@@ -16,6 +16,10 @@ values is folded into the same pass: running minima of every h_t (PSD) and of th
 (H̄ positive definite), and a running sum of the result (any NaN/Inf input makes the result
 non-finite); when one fails, the exact per-input checks run to name the culprit, with the same
 errors as the generic path.
+
+Large tensors in large calls take one compiled loop instead (:mod:`gradmerge._fused`, same
+result bit for bit); one that comes out uncertified (a NaN/Inf, H̄ ≤ 0 or h < 0 somewhere) is
+redone here for the exact diagnosis.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from gradmerge import _fused, _memory
 from gradmerge import params as P
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.base import not_pd
@@ -63,8 +68,14 @@ def merge(
     """
     out: dict[str, Tensor] = {}
     minima: list[Tensor | None] = [None] * (1 + len(curvatures))
+    fused = _fused.wanted(b.numel() for b in base.values())
     for key, b in base.items():
         h = [_at(prior, key), *(_at(c, key) for c in curvatures)]
+        if fused and b.numel() >= _fused.MIN_NUMEL:  # one compiled loop, certified by its sum
+            result = _fused.merge_tensor(b, [ft[key] for ft in finetuned], alphas, h)
+            if result is not None:
+                out[key] = result
+                continue
         result, den_min, total, h_min = _merge_tensor(b, [ft[key] for ft in finetuned], alphas, h)
         for i, m in enumerate(h_min):
             if m is not None:
@@ -128,7 +139,7 @@ def _merge_tensor(
     flat_f = [f.reshape(-1) for f in finetuned]
     flat_h = [x.reshape(-1) if isinstance(x, Tensor) else x for x in h]
     h0 = flat_h[0]
-    result = torch.empty_like(flat_b)
+    result = _memory.empty(flat_b.shape, like=flat_b)
     n = flat_b.numel()
     size = min(CHUNK, n)
     num, den, tau, p, q = (torch.empty(size, dtype=base.dtype, device=base.device) for _ in "12345")
@@ -164,8 +175,8 @@ def _merge_tensor(
             torch.sub(f[s], b, out=ta)
             torch.mul(ta, h0 if isinstance(h0, float) else h0[s], out=pm)
             torch.mul(ta, x if isinstance(x, float) else x[s], out=qm)
-            pm.add_(qm)
-            nu.add_(pm, alpha=alpha)
+            pm.add_(qm).mul_(alpha)
+            nu.add_(pm)
         # θ_LLM + H̄⁻¹ rhs
         if isinstance(acc, float):
             if acc > 0:

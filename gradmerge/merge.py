@@ -220,7 +220,9 @@ def gradient_matching(
     rhs = P.zeros_like(base)  # Σ_t α_t (H_0 + H_t)(θ_t − θ_LLM)
     for alpha, h, tau in zip(weights, hs, task_vectors, strict=True):
         merged_precision = merged_precision + alpha * h
-        rhs = P.axpy(alpha, P.add(h0.mv(tau), h.mv(tau)), rhs)
+        # α_t times the term, then added (two roundings, not the fused y + α·x of P.axpy): the
+        # elementwise paths (_elementwise, _fused) round the same way, so all agree bit for bit
+        rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
     return P.add(base, merged_precision.solve(rhs))  # Eq. 6
 
 

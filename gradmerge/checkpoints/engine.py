@@ -25,6 +25,7 @@ output folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmerge import _fused
 from gradmerge.checkpoints import rules
 from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.checkpoints.errors import ConfigError
@@ -430,7 +432,8 @@ def _execute(
     plan = job.plan
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
     bar = _progress(progress, plan.out_bytes(), job.command)
-    with staged_output(target, overwrite=overwrite) as stage:
+    numels = [math.prod(plan.shapes[k]) for k in plan.merged]
+    with staged_output(target, overwrite=overwrite) as stage, _fused.job(numels):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
             for unit in plan.units:

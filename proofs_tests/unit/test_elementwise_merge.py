@@ -60,10 +60,10 @@ def test_task_arithmetic_is_bit_identical_to_its_closed_form():
     gen = torch.Generator().manual_seed(0)
     base, fts = _params(gen), [_params(gen) for _ in range(3)]
     merged = gm.task_arithmetic(base, fts, alphas=[0.3, 0.5, 0.9])
-    for k in base:  # θ_LLM + Σ_t α_t (θ_t − θ_LLM), the sum first (as mergekit computes it)
+    for k in base:  # θ_LLM + Σ_t α_t (θ_t − θ_LLM), the weighted sum first (as mergekit does)
         total = torch.zeros_like(base[k])
         for a, ft in zip([0.3, 0.5, 0.9], fts, strict=True):
-            total = torch.add(total, ft[k] - base[k], alpha=a)
+            total = total + a * (ft[k] - base[k])
         assert torch.equal(merged[k], base[k] + total)
 
 

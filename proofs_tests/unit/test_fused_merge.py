@@ -1,0 +1,226 @@
+"""The compiled single-loop kernels of Eq. 6 (gradmerge._fused) against the chunked path.
+
+With ``gm.fused_kernels("on")`` and the size threshold lowered, `gm.gradient_matching` (and task
+arithmetic / Fisher averaging) take the compiled kernel; with ``"off"`` the chunked pass, itself
+bit-identical to the operator algebra (test_elementwise_merge.py). The two must agree bit for
+bit, give the same errors, and the streaming engine must write the same bytes either way.
+Each pattern (which curvatures are tensors) compiles once per process (~2 s), so the patterns
+here are few and fixed; hypothesis varies values, sizes and weights within them.
+"""
+
+import re
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import gradmerge as gm
+from gradmerge import _fused, _memory
+from gradmerge.checkpoints import MergeConfig, run_merge
+
+# every size above 4096: inductor specialises its loops below that (a second compile)
+SHAPES = {"big": (5003,), "mat": (71, 80)}
+
+
+@pytest.fixture(autouse=True)
+def small_threshold(monkeypatch):
+    monkeypatch.setattr(_fused, "MIN_NUMEL", 4097)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Skip (with the reason) where torch.compile cannot build the kernel on this machine."""
+    a = torch.ones(5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = _fused.merge_tensor(a, [a], [1.0], [1.0, 0.0])
+    if out is None:
+        pytest.skip(f"no compiled kernel here: {_fused._failed}")
+
+
+def _params(gen, scale=1.0, shapes=SHAPES):
+    return {
+        k: scale * torch.randn(s, generator=gen, dtype=torch.float32) for k, s in shapes.items()
+    }
+
+
+def _diag(gen, shapes=SHAPES):
+    return gm.Diagonal({k: torch.rand(s, generator=gen) * 3 for k, s in shapes.items()})
+
+
+def _both(fn):
+    with gm.fused_kernels("on"):
+        fused = fn()
+    with gm.fused_kernels("off"):
+        chunked = fn()
+    return fused, chunked
+
+
+PATTERNS = {  # (prior, task curvatures): "delta" a float, "diag" a Diagonal
+    "fisher-like": ("delta", ["diag"]),
+    "all diagonal": ("diag", ["diag", "diag"]),
+    "task arithmetic": ("delta", ["delta", "delta"]),
+    "mixed": ("delta", ["diag", "delta", "diag"]),
+}
+
+
+@pytest.mark.usefixtures("compiled")
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    pattern=st.sampled_from(sorted(PATTERNS)),
+    alphas=st.lists(st.floats(0.05, 3.0), min_size=3, max_size=3),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+)
+def test_compiled_kernel_is_bit_identical_to_the_chunked_path(seed, pattern, alphas, scale):
+    gen = torch.Generator().manual_seed(seed)
+    prior_kind, kinds = PATTERNS[pattern]
+    base = _params(gen, scale)
+    fts = [_params(gen, scale) for _ in kinds]
+    prior = 0.37 if prior_kind == "delta" else _diag(gen) + 0.1
+    hs = [1.7 if k == "delta" else _diag(gen) for k in kinds]
+    weights = alphas[: len(kinds)]
+    fused, chunked = _both(lambda: gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights))
+    for k in base:
+        assert torch.equal(fused[k], chunked[k]), k
+
+
+@pytest.mark.usefixtures("compiled")
+def test_task_arithmetic_and_fisher_averaging_take_the_kernel_bit_identically():
+    gen = torch.Generator().manual_seed(3)
+    base, fts = _params(gen), [_params(gen), _params(gen)]
+    hs = [_diag(gen), _diag(gen)]
+    for fn in (
+        lambda: gm.task_arithmetic(base, fts, alphas=[0.3, 0.9]),
+        lambda: gm.fisher_average(fts, hs, alphas=[0.6, 0.4]),
+    ):
+        fused, chunked = _both(fn)
+        assert all(torch.equal(fused[k], chunked[k]) for k in base)
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("where", ["base", "finetuned[1]", "curvatures[0]"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_named_as_on_the_chunked_path(where, bad):
+    gen = torch.Generator().manual_seed(1)
+    base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
+    target = {"base": base, "finetuned[1]": fts[1], "curvatures[0]": hs[0].values}[where]
+    target["big"][4321] = bad
+    for mode in ("on", "off"):
+        with (
+            gm.fused_kernels(mode),
+            pytest.raises(gm.NonFiniteError, match=re.escape(f"{where}['big']")),
+        ):
+            gm.gradient_matching(base, fts, hs, prior=0.1)
+
+
+@pytest.mark.usefixtures("compiled")
+def test_negative_curvature_and_singular_systems_give_the_same_errors():
+    gen = torch.Generator().manual_seed(2)
+    base, fts = _params(gen), [_params(gen)]
+    negative = _diag(gen)
+    negative.values["big"][17] = -1.0
+    zero = gm.Diagonal({k: torch.zeros(s) for k, s in SHAPES.items()})
+    cases = [
+        ([negative], 2.0, r"curvatures\[0\] is not positive"),
+        ([zero], 0.0, "diagonal system"),
+        ([0.0], 0.0, "δ·I"),
+    ]
+    for hs, prior, message in cases:
+        for mode in ("on", "off"):
+            with gm.fused_kernels(mode), pytest.raises(gm.NotPositiveDefiniteError, match=message):
+                gm.gradient_matching(base, fts, hs, prior=prior)
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch):
+    def broken(pattern):
+        def kernel(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return kernel
+
+    monkeypatch.setattr(_fused, "_kernel", broken)
+    monkeypatch.setattr(_fused, "_failed", {})
+    gen = torch.Generator().manual_seed(4)
+    base, fts, hs = _params(gen), [_params(gen)], [_diag(gen)]
+    with gm.fused_kernels("on"), pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        fused = gm.gradient_matching(base, fts, hs, prior=0.5)
+    with gm.fused_kernels("off"):
+        chunked = gm.gradient_matching(base, fts, hs, prior=0.5)
+    assert all(torch.equal(fused[k], chunked[k]) for k in base)
+    with gm.fused_kernels("on"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failure is remembered: no second attempt or warning
+        gm.gradient_matching(base, fts, hs, prior=0.5)
+
+
+def test_modes_and_the_auto_threshold(monkeypatch):
+    big = _fused.MIN_NUMEL
+    monkeypatch.setattr(_fused, "AUTO_MIN_WORK", 3 * big)
+    monkeypatch.delenv(_fused.ENV, raising=False)
+    assert _fused.mode() == "auto"
+    assert not _fused.wanted([big, big, big - 1])  # the small tensor does not count
+    assert _fused.wanted([big, 2 * big])
+    with gm.fused_kernels("off"):
+        assert not _fused.wanted([10 * big])
+        with _fused.job([10 * big]):  # a job never overrides an explicit "off"
+            assert _fused.mode() == "off"
+    with _fused.job([big] * 3):  # a large job switches "auto" on for its small calls
+        assert _fused.mode() == "on" and _fused.wanted([big])
+    assert _fused.mode() == "auto"
+    monkeypatch.setenv(_fused.ENV, "OFF")
+    assert _fused.mode() == "off"
+    monkeypatch.setenv(_fused.ENV, "fast")
+    with pytest.raises(gm.ArgumentError, match=r"\$GRADMERGE_FUSED: expected one of auto, on, off"):
+        _fused.mode()
+    with pytest.raises(gm.ArgumentError, match="got 'yes'"), gm.fused_kernels("yes"):
+        pass
+
+
+@pytest.mark.usefixtures("compiled")
+def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
+    save_file(base, tmp_path / "base.safetensors")
+    models = []
+    for t, (ft, h) in enumerate(zip(fts, hs, strict=True)):
+        save_file(ft, tmp_path / f"ft{t}.safetensors")
+        h.save(tmp_path / f"ft{t}.curvature.safetensors")
+        models.append(
+            {
+                "model": f"ft{t}.safetensors",
+                "curvature": f"ft{t}.curvature.safetensors",
+                "alpha": 0.8,
+            }
+        )
+    config = MergeConfig.from_dict(
+        {
+            "method": "gradient_matching",
+            "base_model": "base.safetensors",
+            "models": models,
+            "prior": {"delta": 1e-3},
+        },
+        root=tmp_path,
+    )
+    for mode in ("on", "off"):
+        with gm.fused_kernels(mode):
+            run_merge(config, tmp_path / mode, progress=False)
+    on, off = (tmp_path / m / "model.safetensors" for m in ("on", "off"))
+    assert on.read_bytes() == off.read_bytes()
+    with gm.fused_kernels("off"):
+        in_memory = gm.gradient_matching(base, fts, hs, prior=1e-3, alphas=0.8)
+    assert all(torch.equal(v, in_memory[k]) for k, v in load_file(on).items())
+
+
+def test_fresh_outputs_are_ordinary_tensors():
+    like = torch.zeros(1, dtype=torch.float64)
+    small = _memory.empty((3, 4), like=like)
+    assert small.shape == (3, 4) and small.dtype == torch.float64
+    large = _memory.empty((1024, 2048), like=like)  # 16 MiB: mapped with huge pages
+    assert large.shape == (1024, 2048) and large.dtype == torch.float64 and large.is_contiguous()
+    large.fill_(2.0)
+    view = large[7]
+    del large  # the view keeps the mapping alive
+    assert float(view.sum()) == 2.0 * 2048
