@@ -199,7 +199,7 @@ def gradient_matching(
     P.check_params(base, name="base", finite=False)
     names = ["prior", *(f"curvatures[{t}]" for t in range(tasks))]
     h0, *hs = (
-        _curvature(c, base, name=n, psd=False)
+        _curvature(c, base, name=n, psd=False, finite=False)
         for c, n in zip([prior, *curvatures], names, strict=True)
     )
     elementwise = [_elementwise.parts(h) for h in (h0, *hs)]
@@ -210,6 +210,8 @@ def gradient_matching(
         prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
         return _elementwise.merge(base, finetuned, weights, prior_part, task_parts, names=names)
     P.check_finite(base, name="base")
+    for h, n in zip([h0, *hs], names, strict=True):
+        h.verify_finite(name=n)
     task_vectors = [
         _task_vector(base, ft, name=f"finetuned[{t}]") for t, ft in enumerate(finetuned)
     ]
@@ -318,7 +320,9 @@ def _task_vector(base: Params, finetuned: Params, *, name: str) -> dict[str, Ten
     return P.sub(finetuned, base)
 
 
-def _curvature(value: CurvatureLike, base: Params, *, name: str, psd: bool = True) -> Curvature:
+def _curvature(
+    value: CurvatureLike, base: Params, *, name: str, psd: bool = True, finite: bool = True
+) -> Curvature:
     if isinstance(value, bool) or not isinstance(value, (Curvature, int, float)):
         raise TypeError(
             f"{name} must be a curvature (gm.Diagonal, gm.Dense, ...) or a float δ meaning δ·I, "
@@ -326,6 +330,8 @@ def _curvature(value: CurvatureLike, base: Params, *, name: str, psd: bool = Tru
         )
     curvature = ScaledIdentity(float(value)) if isinstance(value, (int, float)) else value
     curvature.check_covers(base, name=name)
+    if finite:
+        curvature.verify_finite(name=name)
     if psd:
         curvature.check_psd(name=name)
     return curvature

@@ -316,11 +316,18 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         theta = _read(base, keys, device, dtype)
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [
-            c.restrict(keys, device=device, dtype=dtype) if c is not None else None for c in curvs
+            c.restrict(keys, device=device, dtype=dtype, check_finite=False)
+            if c is not None
+            else None
+            for c in curvs
         ]
         prior = None
         if config.prior is not None:
-            part = prior_file.restrict(keys, device=device, dtype=dtype) if prior_file else None
+            part = (
+                prior_file.restrict(keys, device=device, dtype=dtype, check_finite=False)
+                if prior_file
+                else None
+            )
             prior = rules.precision(config.prior.delta, config.prior.scale, part)
         return rules.merge_unit(
             config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
@@ -377,7 +384,11 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         def term(t: CurvatureTerm | None, f: CurvatureFile | None) -> rules.Precision | None:
             if t is None:
                 return None
-            part = f.restrict(keys, device=device, dtype=dtype) if f is not None else None
+            part = (
+                f.restrict(keys, device=device, dtype=dtype, check_finite=False)
+                if f is not None
+                else None
+            )
             return rules.precision(t.delta, t.scale, part)
 
         remaining = term(config.remaining, rest_file)
@@ -388,7 +399,9 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             remaining=remaining,
             alpha=config.alpha,
             finetuned=_read(model, keys, device, dtype) if model is not None else None,
-            curvature=curv.restrict(keys, device=device, dtype=dtype) if curv else None,
+            curvature=curv.restrict(keys, device=device, dtype=dtype, check_finite=False)
+            if curv
+            else None,
             prior=term(config.prior, prior_file),
             gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
         )

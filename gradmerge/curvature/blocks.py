@@ -81,6 +81,10 @@ class Blocks(Curvature):
             out.update(block.solve(part))
         return out
 
+    def verify_finite(self, *, name: str) -> None:
+        for block in self.blocks:
+            block.verify_finite(name=name)
+
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Blocks:
@@ -125,7 +129,8 @@ def _restrict(other: Curvature, keys: dict, layout: dict) -> Curvature:
     from gradmerge.curvature.diagonal import Diagonal
 
     if isinstance(other, Diagonal):
-        return Diagonal._checked_already({k: other.values[k] for k in keys})
+        subset = {k: other.values[k] for k in keys}
+        return Diagonal._checked_already(subset, unverified=other._unverified)
     raise IncompatibleStructures(
         f"cannot split a {type(other).__name__} curvature into blocks: it couples parameters of "
         "different blocks; add curvatures of the same block structure instead"

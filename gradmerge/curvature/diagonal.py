@@ -34,14 +34,32 @@ class Diagonal(Curvature):
         self.values: dict[str, Tensor] = dict(values)
         self._layout = P.layout_of(self.values)
 
+    _unverified = False  # whether the values' finiteness is still to be checked (_deferred)
+
     @classmethod
-    def _checked_already(cls, values: dict[str, Tensor]) -> Diagonal:
+    def _checked_already(cls, values: dict[str, Tensor], *, unverified: bool = False) -> Diagonal:
         """A Diagonal from values derived from checked ones (sums, scalings, subsets): the
-        algebra builds many intermediates, and re-checking each would re-read every value."""
+        algebra builds many intermediates, and re-checking each would re-read every value.
+        ``unverified``: derived from a :meth:`_deferred` one (NaN/Inf would carry over)."""
         out = cls.__new__(cls)
         out.values = values
         out._layout = P.layout_of(values)
+        out._unverified = unverified
         return out
+
+    @classmethod
+    def _deferred(cls, values: Params) -> Diagonal:
+        """A Diagonal whose values' finiteness is checked where they are used, not here: by
+        :meth:`verify_finite` (which every rule of :mod:`gradmerge.merge` calls), or within the
+        diagonal merge's own pass over the values — saving the streaming engine one read of
+        every curvature tensor. Structure (dict of float tensors on one device) is checked."""
+        P.check_params(values, name="Diagonal values", finite=False)
+        return cls._checked_already(dict(values), unverified=True)
+
+    def verify_finite(self, *, name: str) -> None:
+        if self._unverified:
+            P.check_finite(self.values, name=name)
+            self._unverified = False
 
     def __repr__(self) -> str:
         return f"Diagonal({len(self.values)} tensors, {P.numel(self.values)} values)"
@@ -71,10 +89,16 @@ class Diagonal(Curvature):
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Diagonal:
-        return Diagonal({k: d.to(device=device, dtype=dtype) for k, d in self.values.items()})
+        moved = {k: d.to(device=device, dtype=dtype) for k, d in self.values.items()}
+        return (
+            Diagonal._checked_already(moved, unverified=True)
+            if self._unverified
+            else Diagonal(moved)
+        )
 
     def scaled(self, c: float) -> Diagonal:
-        return Diagonal._checked_already({k: c * d for k, d in self.values.items()})
+        scaled = {k: c * d for k, d in self.values.items()}
+        return Diagonal._checked_already(scaled, unverified=self._unverified)
 
     def min_eigenvalue(self) -> float:
         return min(float(d.min()) for d in self.values.values())
@@ -91,7 +115,8 @@ class Diagonal(Curvature):
 
     def _add_same(self, other: Diagonal) -> Diagonal:
         P.check_compatible(self.values, other.values, ref_name="Diagonal", name="Diagonal")
-        return Diagonal._checked_already(P.add(self.values, other.values))
+        unverified = self._unverified or other._unverified
+        return Diagonal._checked_already(P.add(self.values, other.values), unverified=unverified)
 
     def _promote(self, other: Curvature) -> Diagonal:
         if not isinstance(other, ScaledIdentity):

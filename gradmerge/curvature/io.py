@@ -32,7 +32,7 @@ from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.curvature.kfac import KFAC
 from gradmerge.curvature.lazy import Sum
-from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.errors import ArgumentError, FileFormatError, GradmergeError, StructureError
 from gradmerge.params import Layout, Params
 
 FORMAT = "gradmerge-curvature/1"
@@ -125,6 +125,8 @@ def load_curvature(
     try:
         curvature = _decode(json.loads(meta["spec"]), tensors)
         stored = meta["fingerprint"]
+    except GradmergeError as err:  # e.g. NaN/Inf values: the tensors are wrong, not the metadata
+        raise type(err)(f"{source}: {err}") from err
     except (KeyError, ValueError) as err:
         raise FileFormatError(f"{source}: damaged curvature metadata ({err})") from err
     if fingerprint(curvature.layout or ()) != stored:
@@ -189,13 +191,18 @@ def _encode(c: Curvature, prefix: str, tensors: dict[str, Tensor]) -> dict[str, 
     raise ArgumentError(f"cannot save a {type(c).__name__} curvature (it is not stored as tensors)")
 
 
-def _decode(spec: dict[str, Any], tensors: Mapping[str, Tensor], prefix: str = "") -> Curvature:
+def _decode(
+    spec: dict[str, Any], tensors: Mapping[str, Tensor], prefix: str = "", *, defer: bool = False
+) -> Curvature:
+    """The curvature that ``spec`` describes; ``defer``: diagonals' NaN/Inf checked at use
+    (:meth:`Diagonal._deferred`)."""
     try:
         kind = spec["type"]
         if kind == "identity":
             return ScaledIdentity(spec["delta"])
         if kind == "diag":
-            return Diagonal({k: tensors[f"{prefix}diag/{k}"] for k in spec["keys"]})
+            values = {k: tensors[f"{prefix}diag/{k}"] for k in spec["keys"]}
+            return Diagonal._deferred(values) if defer else Diagonal(values)
         if kind == "dense":
             m = tensors[f"{prefix}dense"]
             like = {k: torch.empty(s, dtype=m.dtype) for k, s in spec["layout"]}
@@ -216,7 +223,7 @@ def _decode(spec: dict[str, Any], tensors: Mapping[str, Tensor], prefix: str = "
             )
         if kind in ("blocks", "sum"):
             parts = [  # "index": a part's place in the saved file (restricted specs skip parts)
-                _decode(p, tensors, f"{prefix}{kind}{p.get('index', i)}/")
+                _decode(p, tensors, f"{prefix}{kind}{p.get('index', i)}/", defer=defer)
                 for i, p in enumerate(spec["parts"])
             ]
             return Blocks(parts) if kind == "blocks" else Sum(parts)
@@ -330,12 +337,16 @@ class CurvatureFile:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        check_finite: bool = True,
     ) -> Curvature | None:
         """The curvature over the covered parameters among ``keys``; ``None`` if it covers none.
 
         ``keys`` must hold whole coupling groups (see :meth:`couplings`): a K-FAC layer's weight
         with its bias, every parameter of a dense block. Only the needed tensors are read; they
-        are moved to ``device`` and cast to ``dtype`` when given.
+        are moved to ``device`` and cast to ``dtype`` when given. ``check_finite=False`` leaves
+        the NaN/Inf check of diagonal values to the merge rules that use them (every
+        :mod:`gradmerge.merge` function checks; :meth:`Curvature.verify_finite`), sparing a
+        diagonal merge one read of each value.
 
         Raises:
             ArgumentError: ``keys`` splits a coupling group.
@@ -347,7 +358,7 @@ class CurvatureFile:
             return None
         tensors = _LazyTensors(self)
         try:
-            curvature = _simplify(_decode(spec, tensors))
+            curvature = _simplify(_decode(spec, tensors, defer=not check_finite))
         except Exception as err:
             if isinstance(err, (FileFormatError, StructureError)) or not _is_safetensors(err):
                 raise
