@@ -38,7 +38,11 @@ from gradmerge.errors import NonFiniteError
 from gradmerge.params import Params
 
 CHUNK = 1 << 16
-"""Elements per step (256 KiB per float32 buffer): the working set of one step stays in cache."""
+"""Elements per step on a CPU (256 KiB per float32 buffer): one step's working set stays in cache."""
+
+DEVICE_CHUNK = 1 << 24
+"""Elements per step on other devices (GPUs): each operation is a kernel launch, so steps are
+large (64 MiB per float32 buffer), which keeps launches rare and temporaries bounded."""
 
 Part = float | dict[str, Tensor]
 """An elementwise curvature: δ (for δ·I) or diagonal values per parameter."""
@@ -141,7 +145,8 @@ def _merge_tensor(
     h0 = flat_h[0]
     result = _memory.empty(flat_b.shape, like=flat_b)
     n = flat_b.numel()
-    size = min(CHUNK, n)
+    chunk = CHUNK if base.device.type == "cpu" else DEVICE_CHUNK
+    size = min(chunk, n)
     num, den, tau, p, q = (torch.empty(size, dtype=base.dtype, device=base.device) for _ in "12345")
 
     def like(*shape: int) -> Tensor:
@@ -149,8 +154,8 @@ def _merge_tensor(
 
     den_min, total = like(), torch.zeros((), dtype=base.dtype, device=base.device)
     h_min: list[Tensor | None] = [like() if isinstance(x, Tensor) else None for x in flat_h]
-    for start in range(0, n, CHUNK):
-        s = slice(start, min(start + CHUNK, n))
+    for start in range(0, n, chunk):
+        s = slice(start, min(start + chunk, n))
         m = s.stop - s.start
         b, nu, de, ta, pm, qm = flat_b[s], num[:m], den[:m], tau[:m], p[:m], q[:m]
         for i, x in enumerate(flat_h):  # PSD of each diagonal h (checked exactly at the end)
