@@ -65,10 +65,12 @@ def merge(
     curvatures: Sequence[Part],
     *,
     names: Sequence[str],
+    precisions: Sequence[torch.dtype | None] = (),
 ) -> dict[str, Tensor]:
     """Eq. 6 with elementwise H_0 = ``prior`` and H_t = ``curvatures[t]`` (already structure-checked).
 
-    ``names`` are the curvatures' argument names for error messages (prior first).
+    ``names`` are the curvatures' argument names for error messages (prior first);
+    ``precisions`` their ``coarsest_dtype`` (same order), at which negative values are judged.
     """
     out: dict[str, Tensor] = {}
     minima: list[Tensor | None] = [None] * (1 + len(curvatures))
@@ -85,21 +87,26 @@ def merge(
             if m is not None:
                 minima[i] = m if minima[i] is None else torch.minimum(minima[i], m)  # type: ignore[arg-type]
         if float(den_min) <= 0:  # before finiteness: a zero of H̄ also makes the result Inf
-            _refuse_singular(key, b, alphas, h, [prior, *curvatures], minima, names)
+            _refuse_singular(key, b, alphas, h, [prior, *curvatures], minima, names, precisions)
         if not bool(torch.isfinite(total)) and not bool(torch.isfinite(result).all()):
             _explain_non_finite(key, base, finetuned, h, names)
         out[key] = result
-    _check_psd([prior, *curvatures], minima, names)
+    _check_psd([prior, *curvatures], minima, names, precisions)
     return out
 
 
 def _check_psd(
-    parts: Sequence[Part], minima: Sequence[Tensor | None], names: Sequence[str]
+    parts: Sequence[Part],
+    minima: Sequence[Tensor | None],
+    names: Sequence[str],
+    precisions: Sequence[torch.dtype | None] = (),
 ) -> None:
     """The exact PSD check of the generic path, run only where a negative value was seen."""
-    for part, m, name in zip(parts, minima, names, strict=True):
+    for i, (part, m, name) in enumerate(zip(parts, minima, names, strict=True)):
         if m is not None and float(m) < 0 and isinstance(part, dict):
-            Diagonal._checked_already(part).check_psd(name=name)
+            diagonal = Diagonal._checked_already(part)
+            diagonal._remember_precision(precisions[i] if precisions else None)
+            diagonal.check_psd(name=name)
 
 
 def _refuse_singular(
@@ -110,9 +117,10 @@ def _refuse_singular(
     parts: Sequence[Part],
     minima: Sequence[Tensor | None],
     names: Sequence[str],
+    precisions: Sequence[torch.dtype | None] = (),
 ) -> None:
     """H̄ is not positive definite at ``key``: a non-PSD input first, else the singular system."""
-    _check_psd(parts, minima, names)
+    _check_psd(parts, minima, names, precisions)
     den = _denominator(base, alphas, h)
     if den.dim() == 0:  # every curvature is δ·I
         raise not_pd("δ·I", f"δ = {float(den)}")

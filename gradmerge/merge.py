@@ -33,7 +33,7 @@ from torch import Tensor
 
 from gradmerge import _elementwise
 from gradmerge import params as P
-from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
+from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 
@@ -100,16 +100,33 @@ def regmean(
         [W \mid b]^\star = \Big(\sum_t \alpha_t [W_t \mid b_t]\, G_t\Big)
             \Big(\sum_t \alpha_t G_t\Big)^{-1},
 
-    and every other parameter is the α-weighted average. Implemented as
-    :func:`fisher_average` with curvatures ``KFAC({m: (G_t, I)})`` (plus an identity block for the
-    rest), so the sum Σ_t α_t G_t ⊗ I is formed exactly and solved in one eigendecomposition.
+    and every other parameter is the α-weighted average. Implemented as :func:`fisher_average`
+    (Eq. 6 with H_0 = 0) with curvatures ``KFAC({m: (G_t, I)})`` per layer, so the sum
+    Σ_t α_t G_t ⊗ I is formed exactly and solved in one eigendecomposition, and with H_t = I on
+    the other parameters.
+
+    Precision. Each layer's system is formed and solved in float64 whatever the dtype of the
+    inputs (Grams are in × in: small), one layer at a time, and the result is returned in the
+    dtype of ``finetuned``. What the Grams can resolve is judged at the precision they were
+    GIVEN in: rounding each entry to a dtype of machine epsilon ε moves G_t by E_t with
+    ‖E_t‖₂ ≤ ‖E_t‖_F ≤ (ε/2)‖G_t‖_F, so by Weyl's inequality every eigenvalue of
+    S = Σ_t α_t G_t is known only up to τ = (ε/2) Σ_t |α_t| ‖G_t‖_F. If λ_min(S) > τ the system
+    the Grams were rounded from is certainly positive definite and the solve goes ahead
+    (relative error about κ(S)·ε in the result); otherwise :class:`NotPositiveDefiniteError`
+    says so — damp the Grams, G_t + δ·I with δ above τ.
 
     Args:
         finetuned: θ_1, …, θ_T.
-        grams: per task, module name → Gram matrix of that layer's inputs.
+        grams: per task, module name → Gram matrix of that layer's inputs (the same modules for
+            every task).
         alphas: α_t.
         bias: modules whose weight has a bias (their Grams include the constant input column).
         transposed: modules whose weight is stored (in, out) (GPT-2 ``Conv1D``).
+
+    Raises:
+        NotPositiveDefiniteError: Σ_t α_t G_t of a layer is singular at the Grams' precision.
+        StructureError: Grams for modules the models lack, or for different modules per task.
+        ArgumentError: a wrong number of Gram sets or alphas.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -120,30 +137,102 @@ def regmean(
     """
     if len(grams) != len(finetuned):
         raise ArgumentError(f"got {len(finetuned)} fine-tuned models but {len(grams)} Gram sets")
-    curvatures: list[Curvature] = []
-    for t, (ft, gram) in enumerate(zip(finetuned, grams, strict=True)):
+    if not finetuned:
+        raise ArgumentError("regmean needs at least one fine-tuned model, got none")
+    weights = _alphas(alphas, len(finetuned))
+    for t, ft in enumerate(finetuned):
         P.check_params(ft, name=f"finetuned[{t}]")
-        factors = {}
+        P.check_compatible(finetuned[0], ft, ref_name="finetuned[0]", name=f"finetuned[{t}]")
+    layers = _regmean_layers(finetuned, grams)
+    merged: dict[str, Tensor] = {}
+    for name in layers:  # one layer at a time: float64 copies of one layer's weights only
+        layer = [g[name] for g in grams]
+        curvatures = [
+            _regmean_curvature(name, g, ft, bias=bias, transposed=transposed)
+            for g, ft in zip(layer, finetuned, strict=True)
+        ]
+        keys = [k for k, _ in curvatures[0].layout]
+        missing = [k for k in keys if k not in finetuned[0]]
+        if missing:
+            raise StructureError(
+                f"grams name {name!r} with a bias, but the models have no {missing[0]!r}: "
+                f"leave {name!r} out of `bias`, or pass models with that parameter"
+            )
+        _regmean_check_resolved(name, layer, weights)
+        wide = [{k: ft[k].to(torch.float64) for k in keys} for ft in finetuned]
+        solved = fisher_average(wide, curvatures, alphas=weights)
+        merged.update({k: solved[k].to(finetuned[0][k].dtype) for k in keys})
+    rest = [{k: v for k, v in ft.items() if k not in merged} for ft in finetuned]
+    if rest[0]:  # H_t = I: the α-weighted average
+        merged.update(fisher_average(rest, [ScaledIdentity(1.0)] * len(rest), alphas=weights))
+    return {k: merged[k] for k in finetuned[0]}
+
+
+def _regmean_layers(
+    finetuned: Sequence[Params], grams: Sequence[Mapping[str, Tensor]]
+) -> list[str]:
+    """The modules RegMean solves for: those of ``grams[0]``, which every task must share."""
+    layers = list(grams[0])
+    for t, gram in enumerate(grams):
         for name, g in gram.items():
-            weight = ft.get(f"{name}.weight")
-            if weight is None:
+            if f"{name}.weight" not in finetuned[t]:
                 raise StructureError(
                     f"grams[{t}] names {name!r}, but finetuned[{t}] has no {name}.weight"
                 )
-            out = weight.shape[1] if name in transposed else weight.shape[0]
-            factors[name] = (
-                g.to(weight.dtype),
-                torch.eye(out, dtype=weight.dtype, device=weight.device),
+            if not isinstance(g, Tensor) or g.ndim != 2 or g.shape[0] != g.shape[1]:
+                got = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
+                raise StructureError(
+                    f"grams[{t}][{name!r}] must be a square Gram matrix (inputs × inputs), "
+                    f"got {got}"
+                )
+        if set(gram) != set(layers):
+            raise StructureError(
+                f"grams[{t}] covers modules {sorted(gram)} but grams[0] covers {sorted(layers)}: "
+                "pass a Gram for the same modules for every task"
             )
-        kfac = KFAC(
-            factors,
-            bias=[m for m in bias if m in factors],
-            transposed=[m for m in transposed if m in factors],
+    return layers
+
+
+def _regmean_curvature(
+    name: str, gram: Tensor, ft: Params, *, bias: Sequence[str], transposed: Sequence[str]
+) -> KFAC:
+    """G_t ⊗ I for layer ``name`` in float64, built in the Gram's own dtype first so that the
+    curvature remembers it (:attr:`Curvature.coarsest_dtype`: a float32 Gram's round-off
+    eigenvalues are then judged at float32's precision by the PSD check)."""
+    weight = ft[f"{name}.weight"]
+    out = weight.shape[1] if name in transposed else weight.shape[0]
+    eye = torch.eye(out, dtype=gram.dtype, device=gram.device)
+    kfac = KFAC(
+        {name: (gram, eye)},
+        bias=[name] if name in bias else [],
+        transposed=[name] if name in transposed else [],
+    )
+    return kfac.to(dtype=torch.float64)
+
+
+def _regmean_check_resolved(name: str, grams: Sequence[Tensor], alphas: Sequence[float]) -> None:
+    """Refuse S = Σ_t α_t G_t unless λ_min(S) > τ = (ε/2) Σ_t |α_t| ‖G_t‖_F (see :func:`regmean`).
+
+    ε is the machine epsilon of the coarsest dtype the Grams were given in; S and its spectrum
+    are computed in float64, where their own round-off (≈ n ε₆₄ ‖S‖) is far below τ for Grams
+    given in float32 or coarser.
+    """
+    from gradmerge.curvature.base import coarsest_dtype, not_pd
+
+    given = coarsest_dtype(*(g.dtype for g in grams))
+    eps = torch.finfo(given if given is not None else torch.float64).eps
+    wide = [g.to(torch.float64) for g in grams]
+    total = sum((a * g for a, g in zip(alphas, wide, strict=True)), torch.zeros_like(wide[0]))
+    lam = float(torch.linalg.eigvalsh((total + total.T) / 2)[0])
+    frobenius = [float(torch.linalg.matrix_norm(g)) for g in wide]
+    tau = eps / 2 * sum(abs(a) * f for a, f in zip(alphas, frobenius, strict=True))
+    if not lam > tau:
+        raise not_pd(
+            f"RegMean system Σ_t α_t G_t of {name!r}",
+            f"smallest eigenvalue {lam:.3e}, not above {tau:.3e}, the uncertainty of the "
+            f"eigenvalues of Grams given in {str(given).removeprefix('torch.')}; damp the Grams: "
+            "G_t + δ·I with δ above that",
         )
-        covered = {k for k, _ in kfac.layout}
-        rest = {k: torch.ones_like(v) for k, v in ft.items() if k not in covered}
-        curvatures.append(Blocks([kfac, Diagonal(rest)]) if rest else kfac)
-    return fisher_average(finetuned, curvatures, alphas=alphas)
 
 
 def gradient_matching(
@@ -208,7 +297,10 @@ def gradient_matching(
             P.check_params(ft, name=f"finetuned[{t}]", finite=False)
             P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
         prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
-        return _elementwise.merge(base, finetuned, weights, prior_part, task_parts, names=names)
+        precisions = [h.coarsest_dtype for h in (h0, *hs)]
+        return _elementwise.merge(
+            base, finetuned, weights, prior_part, task_parts, names=names, precisions=precisions
+        )
     P.check_finite(base, name="base")
     for h, n in zip([h0, *hs], names, strict=True):
         h.verify_finite(name=n)

@@ -134,7 +134,9 @@ def _regmean(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
             a = examples * terms[0][0]
-            gram[name] = a + damping * _eye_like(a) if damping else a
+            damped = a + damping * _eye_like(a) if damping else a
+            # in the precision the factor was estimated in: regmean judges its round-off by it
+            gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
         grams.append(gram)
     assert kfac is not None  # at least one layer (checked above)
     return merge.regmean(

@@ -51,6 +51,7 @@ from gradmerge.distributed.launch import (
     check_distributed,
 )
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.estimate.kfac import MAX_FACTOR_SIDE
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 LM_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids")
@@ -65,7 +66,27 @@ examples:
       --fisher hessian --loss mse
   # a prior H_0 = Fisher of the base model on pre-training-like data, with sampled labels
   gradmerge curvature gpt2-base text.pt base.curvature.safetensors --fisher mc --mc-samples 4
+  # K-FAC of a LLaMA-style model whose untied lm_head (vocab × hidden) would need a vocab² G:
+  # layers with a factor side above 8192 get a diagonal block instead (none: no limit)
+  gradmerge curvature runs/ft-llama data/task_a.safetensors a.curvature.safetensors \\
+      --structure kfac --kfac-max-side 8192 --shift-labels
 """
+
+
+def max_side(text: str) -> int | None:
+    """``--kfac-max-side``: a positive int, or ``none`` for no limit."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (the largest side of a K-FAC factor) or 'none', "
+            f"got {text!r}"
+        )
+    return value
 
 
 # ----- command line ---------------------------------------------------------------------------
@@ -97,6 +118,15 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--kfac-approx", choices=["expand", "reduce"], default="expand")
+    p.add_argument(
+        "--kfac-max-side",
+        type=max_side,
+        default=MAX_FACTOR_SIDE,
+        metavar="N",
+        help="--structure kfac: a layer whose A or G factor would have a side above N (N² × 4 "
+        "bytes in float32) gets a diagonal block instead, e.g. an untied vocabulary head; "
+        f"'none': no limit; default: {MAX_FACTOR_SIDE}",
+    )
     p.add_argument("--ignore-index", type=int, default=-100, help="label of ignored positions")
     p.add_argument(
         "--shift-labels",
@@ -191,6 +221,7 @@ def execute(args: argparse.Namespace) -> int:
         ignore_index=args.ignore_index,
         kfac_approx=args.kfac_approx,
         max_params=args.max_params,
+        kfac_max_factor_side=getattr(args, "kfac_max_side", MAX_FACTOR_SIDE),
     )
     curvature.meta.update(provenance(args, device))
     path = curvature.save(args.out)

@@ -7,12 +7,23 @@ only decides how ``mv`` and ``solve`` are computed.
 
 Algebra: ``C1 + C2`` is the exact sum, ``c * C`` scales, ``C + δ`` adds δ·I. Sums of two different
 structures give the richer structure (``ScaledIdentity`` ⊂ ``Diagonal`` ⊂ ``Dense``), exactly.
+
+Precision provenance. A curvature estimated in float32 has eigenvalues perturbed by round-off of
+order ε₃₂‖C‖ (ε the machine epsilon), so a PSD one can show eigenvalues down to about −ε₃₂‖C‖.
+Casting it to float64 does not make those digits right: :attr:`Curvature.coarsest_dtype` remembers
+the coarsest floating dtype the values have passed through — the dtype a curvature is built in,
+carried by ``to`` and ``scaled`` (enforced here for every subclass, see
+:meth:`Curvature.__init_subclass__`), by sums (``__add__``) and by the composite structures
+(``Blocks``, ``Sum``: the coarsest of their parts) — and :meth:`Curvature.check_psd` judges
+negative eigenvalues at that precision, not at the current dtype's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +47,24 @@ class Curvature(ABC):
     """
 
     rank: int = 0
+
+    _coarsest_seen: torch.dtype | None = None
+    """The coarsest dtype the values had before the current one (recorded by ``to``, ``scaled``
+    and sums; ``None``: nothing coarser). A class default, so that instances made without
+    ``__init__`` (``cls.__new__``) have it too."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make every structure's ``to`` and ``scaled`` pass the precision on to their result.
+
+        Done once here, so that no structure — nor one defined outside this package — can drop
+        the record: the result of ``C.to(...)`` or ``C.scaled(c)`` (a new operator with the same
+        values, cast or scaled) remembers ``C.coarsest_dtype``.
+        """
+        super().__init_subclass__(**kwargs)
+        for name in ("to", "scaled"):
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "_carries_precision", False):
+                setattr(cls, name, _carrying_precision(method))
 
     @property
     @abstractmethod
@@ -97,15 +126,17 @@ class Curvature(ABC):
                 f"{_describe(high.layout)} vs {_describe(low.layout)}"
             )
         try:
-            if low.rank < high.rank:
-                low = high._promote(low)
-            return high._add_same(low)
+            promoted = high._promote(low) if low.rank < high.rank else low
+            total = high._add_same(promoted)
         except (
             IncompatibleStructures
         ):  # no structure holds both exactly: keep them as a lazy exact sum
             from gradmerge.curvature.lazy import Sum
 
-            return Sum([high, low])
+            total = Sum([high, low])
+        if total is not self and total is not other:  # never re-label an operand
+            total._remember_precision(self.coarsest_dtype, other.coarsest_dtype)
+        return total
 
     __radd__ = __add__
 
@@ -146,15 +177,41 @@ class Curvature(ABC):
         (diagonals read lazily from a curvature file); a no-op for every other curvature."""
         return None
 
+    @property
+    def coarsest_dtype(self) -> torch.dtype | None:
+        """The coarsest floating dtype (largest machine epsilon) this curvature's values have
+        passed through: its own dtype, or a coarser one it was built in before a ``to(dtype)``,
+        or that of a term of a sum or of a block. ``None`` for δ·I (a Python float).
+
+        Example:
+            >>> import torch, gradmerge as gm
+            >>> F = gm.Diagonal({"w": torch.tensor([1.0, 2.0])})             # float32
+            >>> (F.to(dtype=torch.float64) + 1.0).coarsest_dtype
+            torch.float32
+        """
+        own, _ = self._dtype_device()
+        parts = (c.coarsest_dtype for c in self._components())
+        return coarsest_dtype(own, self._coarsest_seen, *parts)
+
+    def _remember_precision(self, *dtypes: torch.dtype | None) -> None:
+        """Record that this operator's values have passed through ``dtypes``."""
+        self._coarsest_seen = coarsest_dtype(self._coarsest_seen, *dtypes)
+
+    def _components(self) -> Sequence[Curvature]:
+        """The operators a composite structure is made of (blocks, terms); none by default."""
+        return ()
+
     def check_psd(self, *, name: str, rtol: float | None = None) -> None:
         """Raise :class:`NotPositiveDefiniteError` if ``C`` has a clearly negative eigenvalue.
 
-        Eigenvalues down to ``−rtol · max(1, |λ_max|)`` are accepted as round-off (``rtol``
-        defaults to 100 × the dtype's machine epsilon).
+        Eigenvalues down to ``−rtol · max(1, |λ_max|)`` are accepted as round-off. ``rtol``
+        defaults to 100 × the machine epsilon of :attr:`coarsest_dtype`: a float32 estimate
+        cast to float64 is still judged at float32's precision, which is all its values carry
+        (its round-off eigenvalues reach about −ε₃₂‖C‖, far below float64's tolerance).
         """
         lam = self.min_eigenvalue()
-        dtype, _ = self._dtype_device()
-        eps = torch.finfo(dtype).eps if dtype is not None else torch.finfo(torch.float64).eps
+        dtype = self.coarsest_dtype
+        eps = torch.finfo(dtype if dtype is not None else torch.float64).eps
         tol = (rtol if rtol is not None else 100 * eps) * max(1.0, self._scale())
         if lam < -tol:
             raise NotPositiveDefiniteError(
@@ -182,6 +239,33 @@ class Curvature(ABC):
 
     def _dtype_device(self) -> tuple[torch.dtype | None, torch.device | None]:
         return None, None
+
+
+def coarsest_dtype(*dtypes: torch.dtype | None) -> torch.dtype | None:
+    """The floating dtype with the largest machine epsilon among ``dtypes`` (``None`` ignored;
+    ``None`` if there is none).
+
+    Example:
+        >>> import torch
+        >>> coarsest_dtype(torch.float64, None, torch.float32)
+        torch.float32
+    """
+    known = [d for d in dtypes if d is not None]
+    return max(known, key=lambda d: torch.finfo(d).eps) if known else None
+
+
+def _carrying_precision(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a ``to`` or ``scaled``), its result remembering the operand's precision."""
+
+    @functools.wraps(method)
+    def derived(self: Curvature, *args: Any, **kwargs: Any) -> Any:
+        out = method(self, *args, **kwargs)
+        if isinstance(out, Curvature) and out is not self:
+            out._remember_precision(self.coarsest_dtype)
+        return out
+
+    derived._carries_precision = True  # type: ignore[attr-defined]
+    return derived
 
 
 def _describe(layout: Layout) -> str:

@@ -65,6 +65,9 @@ class Blocks(Curvature):
     def _dtype_device(self) -> tuple[torch.dtype | None, torch.device | None]:
         return self.blocks[0]._dtype_device()
 
+    def _components(self) -> list[Curvature]:
+        return self.blocks
+
     def _parts(self, v: Params) -> list[dict[str, Tensor]]:
         self.check_covers(v, name="the vector", ref_name="the vector")
         return [{k: v[k] for k, _ in (b.layout or ())} for b in self.blocks]
@@ -130,7 +133,9 @@ def _restrict(other: Curvature, keys: dict, layout: dict) -> Curvature:
 
     if isinstance(other, Diagonal):
         subset = {k: other.values[k] for k in keys}
-        return Diagonal._checked_already(subset, unverified=other._unverified)
+        part = Diagonal._checked_already(subset, unverified=other._unverified)
+        part._remember_precision(other.coarsest_dtype)
+        return part
     raise IncompatibleStructures(
         f"cannot split a {type(other).__name__} curvature into blocks: it couples parameters of "
         "different blocks; add curvatures of the same block structure instead"

@@ -83,7 +83,12 @@ class Dense(Curvature):
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Dense:
         m = self.matrix.to(device=device, dtype=dtype)
-        return Dense(m, P.unflatten(m[0], self._layout))
+        P.check_params({"matrix": m}, name="Dense")  # a cast to a narrower dtype can overflow
+        # symmetry is not re-judged at the new dtype: a float32 matrix symmetric to float32's
+        # precision keeps its (exact) asymmetry in float64, which float64's tolerance refuses
+        out = Dense.__new__(Dense)
+        out._layout, out.matrix, out._cholesky = self._layout, m, None
+        return out
 
     def scaled(self, c: float) -> Dense:
         return Dense(c * self.matrix, self._like())

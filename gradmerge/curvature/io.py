@@ -69,6 +69,7 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         "layout": json.dumps([[k, list(s)] for k, s in curvature.layout]),
         "fingerprint": fingerprint(curvature.layout),
         "dtype": str(dtype).removeprefix("torch."),
+        "precision": str(curvature.coarsest_dtype).removeprefix("torch."),
         **{f"info.{k}": str(v) for k, v in curvature.meta.items()},
     }
     target = Path(path)
@@ -132,6 +133,7 @@ def load_curvature(
     if fingerprint(curvature.layout or ()) != stored:
         raise FileFormatError(f"{source}: the stored fingerprint does not match its tensors")
     curvature.meta.update({k[5:]: v for k, v in meta.items() if k.startswith("info.")})
+    curvature._remember_precision(_precision(meta))
     if like is not None:
         _check_fits(curvature, like, source)
     return curvature
@@ -364,6 +366,7 @@ class CurvatureFile:
                 raise
             raise FileFormatError(f"{self.path}: cannot read a tensor ({err})") from err
         curvature.meta.update(self.info)
+        curvature._remember_precision(_precision(self.metadata))
         now_dtype, now_device = curvature._dtype_device()
         if (dtype is not None and dtype != now_dtype) or (
             device is not None and torch.device(device) != now_device
@@ -381,6 +384,12 @@ class CurvatureFile:
         if curvature is None:
             raise FileFormatError(f"{self.path} covers no parameters")
         return curvature
+
+
+def _precision(meta: Mapping[str, str]) -> torch.dtype | None:
+    """The coarsest dtype the saved values had passed through (files from before: none known)."""
+    dtype = getattr(torch, meta.get("precision", ""), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def open_curvature(path: str | os.PathLike[str]) -> CurvatureFile:

@@ -287,7 +287,7 @@ class KFAC(Curvature):
         for terms in self.terms.values():
             a0, g0 = terms[0]
             if len(terms) == 1:
-                ea, eg = torch.linalg.eigvalsh(a0), torch.linalg.eigvalsh(g0)
+                ea, eg = self._eigenvalues(a0), self._eigenvalues(g0)
                 low = min(low, float(torch.outer(eg, ea).min()))
             elif a0.shape[0] * g0.shape[0] <= 4096:
                 dense = sum(torch.kron(g, a) for a, g in terms)
@@ -295,17 +295,28 @@ class KFAC(Curvature):
             else:
                 bound = 0.0
                 for a, g in terms:
-                    ea, eg = torch.linalg.eigvalsh(a), torch.linalg.eigvalsh(g)
+                    ea, eg = self._eigenvalues(a), self._eigenvalues(g)
                     bound += float(torch.outer(eg, ea).min())
                 low = min(low, bound)
         return low
 
     def _scale(self) -> float:
+        """max over terms of ‖A‖₂‖G‖₂, from the factors' eigenvalues (symmetric factors: the
+        largest |λ|), shared with :meth:`min_eigenvalue` — no singular value decomposition."""
         return max(
-            float(torch.linalg.matrix_norm(a, 2) * torch.linalg.matrix_norm(g, 2))
+            float(self._eigenvalues(a).abs().max() * self._eigenvalues(g).abs().max())
             for t in self.terms.values()
             for a, g in t
         )
+
+    def _eigenvalues(self, m: Tensor) -> Tensor:
+        """:func:`_eigenvalues` of one of this operator's factors, computed once (a PSD check
+        asks for them twice: the smallest eigenvalue, and the scale of its tolerance)."""
+        key = f"eigenvalues/{id(m)}"
+        if key not in self._cache:
+            self._cache[key] = _eigenvalues(m)
+        eigenvalues: Tensor = self._cache[key]
+        return eigenvalues
 
 
 def _combine(terms: list[Term], extra: list[Term]) -> list[Term]:
@@ -451,6 +462,13 @@ def _preconditioner(name: str, terms: list[Term]) -> list[tuple[Tensor, Tensor, 
     if pi_terms is not None:
         parts.append(_two_term_factorisation(name, pi_terms, preconditioner=True))
     return parts
+
+
+def _eigenvalues(m: Tensor) -> Tensor:
+    """Eigenvalues of the symmetric factor ``m``, ascending; read off for c·I (RegMean's G,
+    δ·I's factors) instead of an eigendecomposition."""
+    c = _identity_multiple(m)
+    return torch.full_like(m[0], c) if c is not None else torch.linalg.eigvalsh(m)
 
 
 def _identity_multiple(g: Tensor) -> float | None:

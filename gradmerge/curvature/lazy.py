@@ -65,6 +65,9 @@ class Sum(Curvature):
     def _dtype_device(self) -> tuple[torch.dtype | None, torch.device | None]:
         return self._structured()._dtype_device()
 
+    def _components(self) -> list[Curvature]:
+        return self.terms
+
     def mv(self, v: Params) -> dict[str, Tensor]:
         out = self.terms[0].mv(v)
         for term in self.terms[1:]:

@@ -57,6 +57,7 @@ from gradmerge.distributed.fingerprint import (
 )
 from gradmerge.distributed.reduce import Description, contributions, describe, rebuild
 from gradmerge.errors import ArgumentError
+from gradmerge.estimate.kfac import MAX_FACTOR_SIDE, check_max_factor_side
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits for the others at a synchronisation point (before the estimate, and
@@ -121,6 +122,7 @@ def estimate_curvature(
     seed: int = 0,
     ignore_index: int = -100,
     kfac_approx: Literal["expand", "reduce"] = "expand",
+    kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
     params: Sequence[str] | None = None,
     max_params: int = 20_000,
     progress: bool = False,
@@ -144,9 +146,10 @@ def estimate_curvature(
         expected_examples: if given, the total number of examples over all ranks must equal it
             (catches samplers that pad or drop, e.g. ``DistributedSampler(drop_last=False)``,
             which repeats examples so that they would be counted twice).
-        structure, fisher, loss, mc_samples, seed, ignore_index, kfac_approx, params,
-            max_params, progress: as in :func:`gradmerge.estimate_curvature`; they must agree
-            across ranks (``progress`` excepted).
+        structure, fisher, loss, mc_samples, seed, ignore_index, kfac_approx,
+            kfac_max_factor_side, params, max_params, progress: as in
+            :func:`gradmerge.estimate_curvature`; they must agree across ranks (``progress``
+            excepted).
 
     Returns:
         The summed curvature, on every rank; ``C.meta`` as in the single-process estimate, with
@@ -179,6 +182,7 @@ def estimate_curvature(
         "seed": seed,
         "ignore_index": ignore_index,
         "kfac_approx": kfac_approx,
+        "kfac_max_factor_side": kfac_max_factor_side,
         "params": None if params is None else list(params),
         "max_params": max_params,
         "expected_examples": expected_examples,
@@ -225,6 +229,7 @@ def estimate_curvature(
 
 def _check_options(options: dict[str, Any]) -> None:
     """The option checks of ``gm.estimate_curvature`` that do not need the data (fail early)."""
+    check_max_factor_side(options["kfac_max_factor_side"], "kfac_max_factor_side")
     if options["structure"] not in ("diag", "kfac", "full"):
         raise ArgumentError(
             f"structure must be 'diag', 'kfac' or 'full', got {options['structure']!r}"
@@ -274,7 +279,13 @@ def _estimate_local(
             "structure='kfac' passes over the data more than once: pass a list or a "
             "DataLoader, not a one-shot iterator"
         )
-    factors = estimate_kfac_factors(module, data, kfac_approx=options["kfac_approx"], **common)
+    factors = estimate_kfac_factors(
+        module,
+        data,
+        kfac_approx=options["kfac_approx"],
+        max_factor_size=options["kfac_max_factor_side"],
+        **common,
+    )
     curvature = kfac_curvature(module, data, factors, **common)
     curvature.meta.update(
         {

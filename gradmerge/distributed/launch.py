@@ -205,6 +205,7 @@ def run_curvature(args: argparse.Namespace) -> int:
             mc_samples=args.mc_samples,
             seed=args.seed,
             ignore_index=args.ignore_index,
+            kfac_max_factor_side=args.kfac_max_side,
             kfac_approx=args.kfac_approx,
             max_params=args.max_params,
         )

@@ -6,6 +6,7 @@ Every estimate is a SUM over examples (an example is one row of a batch; see
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, cast
 
@@ -16,12 +17,18 @@ from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import FisherName, num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
 from gradmerge.estimate.diagonal import estimate_diagonal
-from gradmerge.estimate.kfac import KFACFactors, estimate_kfac_factors
+from gradmerge.estimate.kfac import (
+    MAX_FACTOR_SIDE,
+    KFACFactors,
+    check_max_factor_side,
+    estimate_kfac_factors,
+)
 from gradmerge.estimate.matrix_free import MatrixFree
 
 MAX_DIAGONAL_FACTOR = 4096
-"""Embeddings whose diagonal A factor is larger than this get a diagonal block instead of K-FAC
-(a dense vocab × vocab factor would not fit; see ``kfac_curvature``)."""
+"""Embeddings whose diagonal A factor is larger than this (or than the factor-side limit) get a
+diagonal block instead of K-FAC (``gm.KFAC`` stores A as a dense vocab × vocab matrix; see
+``kfac_curvature``)."""
 
 
 def estimate_curvature(
@@ -37,6 +44,7 @@ def estimate_curvature(
     kfac_approx: Literal["expand", "reduce"] = "expand",
     params: Sequence[str] | None = None,
     max_params: int = 20_000,
+    kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
     progress: bool = False,
 ) -> Curvature:
     r"""The curvature of ``model`` on ``data``, a SUM over examples: H = Σ_i H_i.
@@ -57,10 +65,22 @@ def estimate_curvature(
         kfac_approx: K-FAC's treatment of weight sharing, ``"expand"`` or ``"reduce"``.
         params: restrict ``"diag"``/``"full"`` to these parameter names.
         max_params: the largest model ``"full"`` accepts.
+        kfac_max_factor_side: ``"kfac"`` only: a layer whose A or G factor would have a larger
+            side gets no Kronecker factors; its parameters join the diagonal block, estimated
+            with the same ``fisher`` (exactly the values ``structure="diag"`` gives them), and
+            the estimate still covers the whole model. A factor of side n takes n² × 4 bytes in
+            float32: the default 16384 allows 1 GiB per factor, which keeps the layers inside
+            the blocks of common transformers (widths ≤ 14336) on K-FAC and sends untied
+            vocabulary heads (vocab 32k: 4 GB, 152k: 92 GB per G) to the diagonal. Embeddings,
+            whose A is diagonal, are held to min(this, :data:`MAX_DIAGONAL_FACTOR`) for their
+            vocabulary (their A is stored dense). ``None``: no limit.
+        progress: print a line per batch (and per layer left to the diagonal) to stderr.
 
     Returns:
         The curvature; ``C.meta`` records structure, fisher, loss and num_examples (saved by
-        ``C.save``).
+        ``C.save``); for ``"kfac"`` also kfac_approx, ``kfac_max_factor_side`` (the limit, or
+        ``"none"``) and ``kfac_diagonal_layers``: a JSON object, module name → why its
+        parameters are in the diagonal block instead of K-FAC (``"{}"`` when none are).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -69,6 +89,17 @@ def estimate_curvature(
         >>> y = torch.zeros(2, 1, dtype=torch.float64)
         >>> gm.estimate_curvature(model, [(X, y)], fisher="ggn", loss="mse").values["weight"]
         tensor([[1., 4.]], dtype=torch.float64)
+
+        A 40-class head above a factor-side limit of 32 gets a diagonal block (and a warning):
+
+        >>> import json, warnings
+        >>> lm = torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 40)).double()
+        >>> ids = torch.tensor([[0, 1], [2, 3]])
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     C = gm.estimate_curvature(lm, [(ids, ids)], structure="kfac", kfac_max_factor_side=32)
+        >>> [type(block).__name__ for block in C.blocks], json.loads(C.meta["kfac_diagonal_layers"])
+        (['KFAC', 'Diagonal'], {'1': 'G would be 40 × 40: a factor side above the limit of 32'})
     """
     if structure not in ("diag", "kfac", "full"):
         raise ArgumentError(f"structure must be 'diag', 'kfac' or 'full', got {structure!r}")
@@ -77,6 +108,7 @@ def estimate_curvature(
             "fisher='hessian' is available for structure='full' (and gm.MatrixFree) only: "
             "diagonal and K-FAC estimates are of a Fisher or GGN"
         )
+    kfac_max_factor_side = check_max_factor_side(kfac_max_factor_side, "kfac_max_factor_side")
     data = _Counted(data)
     curvature: Curvature
     if structure == "full":
@@ -123,6 +155,7 @@ def estimate_curvature(
             seed=seed,
             ignore_index=ignore_index,
             progress=progress,
+            max_factor_size=kfac_max_factor_side,
         )
         curvature = kfac_curvature(
             model,
@@ -163,15 +196,28 @@ def kfac_curvature(
 ) -> Curvature:
     """``gm.KFAC`` from estimated factors, plus a diagonal block for what K-FAC does not cover.
 
-    Embedding factors with a diagonal A larger than :data:`MAX_DIAGONAL_FACTOR` are not stored
-    as K-FAC (their A would be a dense vocab × vocab matrix); those embeddings join the diagonal
-    block, estimated with the same fisher type.
+    The diagonal block holds ``factors.uncovered`` (layers left out by the estimator: too large
+    for ``factors.max_factor_side``, shared weights, other module types, ...), estimated by
+    :func:`estimate_diagonal` with the same fisher type, seed and data, so its values are those
+    of ``structure="diag"``. Embedding factors with a diagonal A larger than
+    :data:`MAX_DIAGONAL_FACTOR` (or ``factors.max_factor_side``) are not stored as K-FAC either
+    (their A would be a dense vocab × vocab matrix): those embeddings join the diagonal block.
+
+    ``C.meta`` records the limit (``kfac_max_factor_side``) and, as a JSON object, every
+    supported layer routed to the diagonal block with the reason (``kfac_diagonal_layers``).
     """
-    kept, uncovered = {}, list(factors.uncovered)
+    limit = MAX_DIAGONAL_FACTOR
+    if factors.max_factor_side is not None:
+        limit = min(limit, factors.max_factor_side)
+    kept, uncovered, routed = {}, list(factors.uncovered), dict(factors.left_out)
     for name, (a, g) in factors.factors.items():
         if a.ndim == 1:
-            if a.numel() > MAX_DIAGONAL_FACTOR:
+            if a.numel() > limit:
                 uncovered.append(f"{name}.weight")
+                routed[name] = (
+                    f"embedding of {a.numel()} rows: its diagonal A would be stored as a dense "
+                    f"{a.numel()} × {a.numel()} matrix, a side above {limit}"
+                )
                 continue
             a = a.diag()
         kept[name] = (a, g)
@@ -203,7 +249,11 @@ def kfac_curvature(
         )
     if not parts:
         raise ArgumentError("K-FAC found nothing to cover in this model")
-    return parts[0] if len(parts) == 1 else Blocks(parts)
+    curvature = parts[0] if len(parts) == 1 else Blocks(parts)
+    side = factors.max_factor_side
+    curvature.meta["kfac_max_factor_side"] = "none" if side is None else str(side)
+    curvature.meta["kfac_diagonal_layers"] = json.dumps(routed, ensure_ascii=False)
+    return curvature
 
 
 class _Counted:
@@ -236,6 +286,7 @@ def _weight(model: nn.Module, name: str) -> Tensor:
 
 
 __all__ = [
+    "MAX_FACTOR_SIDE",
     "MatrixFree",
     "estimate_curvature",
     "estimate_dense",

@@ -62,11 +62,22 @@ row-major, i.e. (W[0, :], b[0], W[1, :], b[1], ...). W is the weight viewed as (
 Not covered (listed in ``KFACFactors.uncovered``, by ``named_parameters`` name, for a diagonal or
 other block): parameters of other module types (LayerNorm, ...), a weight shared by several
 modules (tied embeddings and output layer), layers with a factor side above ``max_factor_size``
-(e.g. a 50k-vocabulary output layer), layers called with a batch dimension other than the
-batch's (e.g. position embeddings broadcast over the batch; with one example per batch they are
-covered, and exact), modules whose forward is never called (nn.MultiheadAttention.out_proj,
-whose weight is used functionally) and modules with a frozen weight. Left-out modules that were
-found only while running are named in a warning.
+(e.g. an untied 32k-vocabulary output layer; see *Factor size*), layers called with a batch
+dimension other than the batch's (e.g. position embeddings broadcast over the batch; with one
+example per batch they are covered, and exact), modules whose forward is never called
+(nn.MultiheadAttention.out_proj, whose weight is used functionally) and modules with a frozen
+weight. ``KFACFactors.left_out`` names every supported module with a trainable weight that got
+no factors, with the reason; those left out for their size or while running are also named in
+a warning (one for the size limit, however many layers it concerns).
+
+Factor size. A layer with weight (out, in) holds a dense A of side in (+1 with a bias) and a
+dense G of side out: side² entries each, 4 bytes apiece in float32. An untied language-model
+head ``nn.Linear(hidden, vocab)`` has G of side vocab: 4 GB at a 32k vocabulary, 92 GB at 152k,
+accumulated (and later decomposed for a merge, O(side³)) per estimate. Layers with a side above
+``max_factor_size`` (default :data:`MAX_FACTOR_SIDE`) are therefore not given factors at all —
+nothing of that size is allocated — and their parameters are left to the diagonal block
+(``gm.estimate_curvature``). Embeddings store A as a vector (their diagonal), so only their G
+side counts here.
 
 Factors are accumulated in float32 (float64 for float64 models) on the parameters' device. The
 model is used as given: call ``model.eval()`` first to switch off dropout. Cost: the backward
@@ -132,6 +143,13 @@ _GRAM_BLOCKS_FROM = 512
 # so that every block starts on a 256-byte boundary for the GEMM kernels), at most this many.
 _GRAM_BLOCK_WIDTH, _GRAM_MAX_BLOCKS = 128, 8
 
+MAX_FACTOR_SIDE = 16384
+"""Default largest side of a K-FAC factor: 16384² × 4 bytes = 1 GiB per float32 factor (2 GiB in
+float64), the most that one layer's A or G may take. It keeps every layer inside the blocks of
+common transformers on K-FAC (hidden sizes ≤ 8192, MLP widths ≤ 14336 in LLaMA-2-13B, Mistral-7B,
+LLaMA-3-8B) and sends their vocabulary-sized output heads (30k–152k: 3.7–92 GB per G) to the
+diagonal. ``None`` lifts the limit."""
+
 SUPPORTED_LAYERS = (
     "nn.Linear, nn.Conv2d (groups=1, zero padding), nn.Embedding, transformers Conv1D"
 )
@@ -151,6 +169,10 @@ class KFACFactors:
         num_examples: N, examples (batch rows) seen.
         fisher, kfac_approx, loss: the options used.
         uncovered: trainable parameters (``named_parameters`` names) covered by no factor.
+        left_out: supported module (``named_modules`` name) with a trainable weight → why it
+            has no factors (a factor side above ``max_factor_side``, a shared weight, never
+            called, ...); its parameters are among ``uncovered``.
+        max_factor_side: the factor-side limit used (None: no limit).
     """
 
     factors: dict[str, tuple[Tensor, Tensor]]
@@ -162,6 +184,8 @@ class KFACFactors:
     kfac_approx: str
     loss: str
     uncovered: list[str] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+    max_factor_side: int | None = MAX_FACTOR_SIDE
 
     def dense(self, name: str) -> Tensor:
         """``kron(G, A)``: the dense block of module ``name`` over row-major ``vec([W | b])``."""
@@ -212,10 +236,46 @@ def _sides(weight: Tensor, kind: LayerKind) -> tuple[int, int]:
     return int(weight[0].numel()), int(weight.shape[0])
 
 
+def check_max_factor_side(value: object, name: str = "max_factor_size") -> int | None:
+    """``value`` if it is a usable factor-side limit (a positive int, or None for no limit)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArgumentError(
+            f"{name} must be a positive int (the largest side of a K-FAC factor; default "
+            f"{MAX_FACTOR_SIDE}) or None for no limit, got {value!r}"
+        )
+    return value
+
+
+def _too_large(sides: dict[str, int], limit: int | None) -> str:
+    """Why factors of these sides (``{"G": out, "A": in + bias}``) are above the side limit, or
+    "" when they are not."""
+    over = [f"{f} would be {n} × {n}" for f, n in sides.items() if limit is not None and n > limit]
+    return f"{' and '.join(over)}: a factor side above the limit of {limit}" if over else ""
+
+
+def _largest_factor(name: str, sides: dict[str, int], dtype: torch.dtype) -> str:
+    """``'name' (G: n × n, 3.8 GiB in float32)``: a layer's largest factor and its memory."""
+    factor, side = max(sides.items(), key=lambda fs: fs[1])
+    size = side**2 * torch.finfo(dtype).bits // 8
+    unit, scale = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
+    return f"{name!r} ({factor}: {side} × {side}, {size / scale:.1f} {unit} in {dtype})".replace(
+        "torch.", ""
+    )
+
+
 def _select_layers(
-    model: nn.Module, modules: Sequence[str] | None, max_factor_size: int
+    model: nn.Module,
+    modules: Sequence[str] | None,
+    max_factor_size: int | None,
+    left_out: dict[str, str],
 ) -> dict[str, _Layer]:
-    """The covered modules: supported, trainable, not sharing their weight, small enough."""
+    """The covered modules: supported, trainable, not sharing their weight, small enough.
+
+    Supported modules with a trainable weight that are not covered go to ``left_out`` with the
+    reason; those left out for their size are named in one warning.
+    """
     named = dict(model.named_modules())
     if modules is not None:
         missing = [m for m in modules if m not in named]
@@ -231,14 +291,18 @@ def _select_layers(
     candidates = {n: m for n, m in named.items() if _kind(m) and (modules is None or n in modules)}
     if not candidates:
         raise StructureError(f"the model has no K-FAC layer: looked for {SUPPORTED_LAYERS}")
-    weight_users: dict[int, int] = {}
-    for m in named.values():
+    weight_users: dict[int, list[str]] = {}
+    for n, m in named.items():
         if isinstance(getattr(m, "weight", None), Tensor):
-            weight_users[id(m.weight)] = weight_users.get(id(m.weight), 0) + 1
-    layers = {}
+            weight_users.setdefault(id(m.weight), []).append(n)
+    layers, too_large = {}, []
     for name, module in candidates.items():
         weight = _weight(module)
-        if not weight.requires_grad or weight_users[id(weight)] > 1:
+        if not weight.requires_grad:
+            continue
+        others = [n for n in weight_users[id(weight)] if n != name]
+        if others:
+            left_out[name] = f"its weight is shared with {others} (tied)"
             continue
         kind = _kind(module)
         assert kind is not None
@@ -246,14 +310,13 @@ def _select_layers(
         bias = getattr(module, "bias", None)
         has_bias = isinstance(bias, Tensor) and bias.requires_grad
         a_side = n_in + has_bias
-        if n_out > max_factor_size or (kind != "embedding" and a_side > max_factor_size):
-            warnings.warn(
-                f"K-FAC leaves {name!r} uncovered: a factor side of "
-                f"{max(n_out, a_side)} exceeds max_factor_size={max_factor_size}",
-                stacklevel=3,
-            )
-            continue
         device, dtype = weight.device, accumulation_dtype(weight)
+        sides = {"G": n_out} if kind == "embedding" else {"G": n_out, "A": a_side}  # A: a vector
+        reason = _too_large(sides, max_factor_size)
+        if reason:
+            left_out[name] = reason
+            too_large.append(_largest_factor(name, sides, dtype))
+            continue
         a_shape = (n_in,) if kind == "embedding" else (a_side, a_side)
         layers[name] = _Layer(
             module,
@@ -262,6 +325,14 @@ def _select_layers(
             has_bias,
             torch.zeros(a_shape, device=device, dtype=dtype),
             torch.zeros(n_out, n_out, device=device, dtype=dtype),
+        )
+    if too_large:
+        warnings.warn(
+            f"K-FAC gives no Kronecker factors to {', '.join(too_large)}: a factor side above "
+            f"the limit of {max_factor_size}; their parameters are left uncovered (a diagonal "
+            "block in gm.estimate_curvature). To keep them on K-FAC, raise the limit "
+            "(gm.estimate_curvature's kfac_max_factor_side; None for no limit).",
+            stacklevel=3,
         )
     return layers
 
@@ -622,7 +693,7 @@ def estimate_kfac_factors(
     modules: Sequence[str] | None = None,
     progress: bool = False,
     max_ggn_columns: int = 256,
-    max_factor_size: int = 16384,
+    max_factor_size: int | None = MAX_FACTOR_SIDE,
 ) -> KFACFactors:
     """K-FAC factors (A, G) of every supported layer, normalised so A ⊗ G ≈ Σ_i curvature_i.
 
@@ -639,19 +710,42 @@ def estimate_kfac_factors(
         modules: restrict to these module names (default: every supported layer).
         progress: print one line per batch to stderr.
         max_ggn_columns: refuse ``fisher="ggn"`` with more output columns than this.
-        max_factor_size: leave layers with a larger factor side uncovered (with a warning).
+        max_factor_size: leave layers with a factor side above this uncovered, without
+            allocating their factors (one warning names them; module docstring, *Factor size*);
+            None: no limit.
 
     Returns:
         The factors, with ``num_examples`` = N and the uncovered parameter names.
 
     Raises:
-        ArgumentError: unknown options, unknown ``modules``, empty data, too many GGN columns.
+        ArgumentError: unknown options, unknown ``modules``, empty data, too many GGN columns,
+            a ``max_factor_size`` that is not a positive int or None.
         StructureError: no supported layer; targets that do not fit the outputs or the loss.
         NonFiniteError: a NaN/Inf loss (naming the batch) or factor.
     """
     _check_options(fisher, loss, kfac_approx, mc_samples)
+    max_factor_size = check_max_factor_side(max_factor_size)
     loss_spec = Loss(loss, ignore_index)
-    layers = _select_layers(model, modules, max_factor_size)
+    left_out: dict[str, str] = {}
+    layers = _select_layers(model, modules, max_factor_size, left_out)
+    if progress:
+        for name, reason in left_out.items():
+            print(f"kfac: {name!r} gets no factors: {reason}", file=sys.stderr)
+    if not layers:  # every supported layer left out (e.g. by the size limit): count the examples
+        total = sum(num_examples(targets) for _, _, targets in batches(data))
+        return KFACFactors(
+            {},
+            {},
+            {},
+            {},
+            total,
+            fisher,
+            kfac_approx,
+            loss,
+            _uncovered(model, {}),
+            left_out,
+            max_factor_size,
+        )
     recorder = _Recorder(layers, kfac_approx)
     wrt = [layer.weight for layer in layers.values()]
     options = {
@@ -684,6 +778,7 @@ def estimate_kfac_factors(
         recorder.masks = None
     for name, reason in recorder.left_out().items():
         warnings.warn(f"K-FAC leaves {name!r} uncovered: {reason}", stacklevel=2)
+        left_out[name] = reason
         del layers[name]
     return KFACFactors(
         factors=_finish(layers),
@@ -695,7 +790,9 @@ def estimate_kfac_factors(
         kfac_approx=kfac_approx,
         loss=loss,
         uncovered=_uncovered(model, layers),
+        left_out=left_out,
+        max_factor_side=max_factor_size,
     )
 
 
-__all__ = ["KFACFactors", "estimate_kfac_factors"]
+__all__ = ["MAX_FACTOR_SIDE", "KFACFactors", "check_max_factor_side", "estimate_kfac_factors"]

@@ -146,6 +146,7 @@ def test_summed_contributions_equal_the_estimate_on_all_the_data(structure, fish
         "mc_samples": 1,
         "ignore_index": -100,
         "kfac_approx": approx,
+        "kfac_max_factor_side": gm.estimate.MAX_FACTOR_SIDE,
         "params": None,
         "max_params": 20_000,
     }
@@ -180,6 +181,7 @@ def test_a_rank_without_kept_positions_contributes_nothing():
         "mc_samples": 1,
         "ignore_index": -100,
         "kfac_approx": "expand",
+        "kfac_max_factor_side": gm.estimate.MAX_FACTOR_SIDE,
         "params": None,
         "max_params": 20_000,
     }

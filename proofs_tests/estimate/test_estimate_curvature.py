@@ -66,6 +66,8 @@ def test_kfac_covers_the_whole_model_and_matches_the_factors(fisher):
         "num_examples": "6",
         "normalisation": "sum over examples",
         "kfac_approx": "expand",
+        "kfac_max_factor_side": "16384",  # the default limit: nothing routed to the diagonal
+        "kfac_diagonal_layers": "{}",
     }
 
 
