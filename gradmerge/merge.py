@@ -34,6 +34,7 @@ from torch import Tensor
 from gradmerge import _elementwise
 from gradmerge import params as P
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
+from gradmerge.curvature.base import coarsest_dtype, not_pd
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 
@@ -217,8 +218,6 @@ def _regmean_check_resolved(name: str, grams: Sequence[Tensor], alphas: Sequence
     are computed in float64, where their own round-off (≈ n ε₆₄ ‖S‖) is far below τ for Grams
     given in float32 or coarser.
     """
-    from gradmerge.curvature.base import coarsest_dtype, not_pd
-
     given = coarsest_dtype(*(g.dtype for g in grams))
     eps = torch.finfo(given if given is not None else torch.float64).eps
     wide = [g.to(torch.float64) for g in grams]

@@ -47,6 +47,7 @@ from gradmerge.checkpoints.errors import ConfigError
 from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.checkpoints.writer import ShardedWriter, staged_output
+from gradmerge.curvature import Curvature
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     ArgumentError,
@@ -315,19 +316,10 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         keys = unit.keys
         theta = _read(base, keys, device, dtype)
         fts = [_read(m, keys, device, dtype) for m in models]
-        hs = [
-            c.restrict(keys, device=device, dtype=dtype, check_finite=False)
-            if c is not None
-            else None
-            for c in curvs
-        ]
+        hs = [_restrict(c, keys, device, dtype) for c in curvs]
         prior = None
         if config.prior is not None:
-            part = (
-                prior_file.restrict(keys, device=device, dtype=dtype, check_finite=False)
-                if prior_file
-                else None
-            )
+            part = _restrict(prior_file, keys, device, dtype)
             prior = rules.precision(config.prior.delta, config.prior.scale, part)
         return rules.merge_unit(
             config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
@@ -384,12 +376,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         def term(t: CurvatureTerm | None, f: CurvatureFile | None) -> rules.Precision | None:
             if t is None:
                 return None
-            part = (
-                f.restrict(keys, device=device, dtype=dtype, check_finite=False)
-                if f is not None
-                else None
-            )
-            return rules.precision(t.delta, t.scale, part)
+            return rules.precision(t.delta, t.scale, _restrict(f, keys, device, dtype))
 
         remaining = term(config.remaining, rest_file)
         assert remaining is not None  # `remaining` is required by RemoveConfig
@@ -399,9 +386,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             remaining=remaining,
             alpha=config.alpha,
             finetuned=_read(model, keys, device, dtype) if model is not None else None,
-            curvature=curv.restrict(keys, device=device, dtype=dtype, check_finite=False)
-            if curv
-            else None,
+            curvature=_restrict(curv, keys, device, dtype),
             prior=term(config.prior, prior_file),
             gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
         )
@@ -423,6 +408,16 @@ def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | 
     if term is None or term.curvature is None:
         return None
     return stack.enter_context(open_curvature(term.curvature))
+
+
+def _restrict(
+    file: CurvatureFile | None, keys: Sequence[str], device: torch.device, dtype: torch.dtype
+) -> Curvature | None:
+    """The unit's part of a curvature file; NaN/Inf values are caught by the merge rule that
+    uses them (:meth:`CurvatureFile.restrict` with ``check_finite=False``): one read less."""
+    if file is None:
+        return None
+    return file.restrict(keys, device=device, dtype=dtype, check_finite=False)
 
 
 def _read(
