@@ -65,7 +65,7 @@ def merge(
     curvatures: Sequence[Part],
     *,
     names: Sequence[str],
-    precisions: Sequence[torch.dtype | None] = (),
+    precisions: Sequence[torch.dtype | None],
 ) -> dict[str, Tensor]:
     """Eq. 6 with elementwise H_0 = ``prior`` and H_t = ``curvatures[t]`` (already structure-checked).
 
@@ -99,13 +99,13 @@ def _check_psd(
     parts: Sequence[Part],
     minima: Sequence[Tensor | None],
     names: Sequence[str],
-    precisions: Sequence[torch.dtype | None] = (),
+    precisions: Sequence[torch.dtype | None],
 ) -> None:
     """The exact PSD check of the generic path, run only where a negative value was seen."""
-    for i, (part, m, name) in enumerate(zip(parts, minima, names, strict=True)):
+    for part, m, name, precision in zip(parts, minima, names, precisions, strict=True):
         if m is not None and float(m) < 0 and isinstance(part, dict):
             diagonal = Diagonal._checked_already(part)
-            diagonal._remember_precision(precisions[i] if precisions else None)
+            diagonal._remember_precision(precision)
             diagonal.check_psd(name=name)
 
 
@@ -117,7 +117,7 @@ def _refuse_singular(
     parts: Sequence[Part],
     minima: Sequence[Tensor | None],
     names: Sequence[str],
-    precisions: Sequence[torch.dtype | None] = (),
+    precisions: Sequence[torch.dtype | None],
 ) -> None:
     """H̄ is not positive definite at ``key``: a non-PSD input first, else the singular system."""
     _check_psd(parts, minima, names, precisions)

@@ -14,6 +14,7 @@ tensor, and every mismatch between inputs is reported before any output is writt
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -59,11 +60,11 @@ class Plan:
     @property
     def largest_unit(self) -> Unit:
         """The unit with the most scalars: what bounds the memory of a run."""
-        return max(self.units, key=lambda u: sum(_numel(self.shapes[k]) for k in u.keys))
+        return max(self.units, key=lambda u: sum(math.prod(self.shapes[k]) for k in u.keys))
 
     def out_bytes(self) -> int:
         """The size of the output's tensor data."""
-        return sum(_numel(s) * _itemsize(self.out_dtypes[k]) for k, s in self.shapes.items())
+        return sum(math.prod(s) * self.out_dtypes[k].itemsize for k, s in self.shapes.items())
 
 
 def build_plan(
@@ -253,14 +254,3 @@ def _passthrough(keys: list[str], patterns: Sequence[str]) -> set[str]:
             )
         chosen.update(hits)
     return chosen
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -72,7 +73,7 @@ class ShardedWriter:
         for name, shape, dtype in entries:
             if dtype not in _NAMES:
                 raise ArgumentError(f"cannot write {name!r}: safetensors has no dtype {dtype}")
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             if not self._shards or (size + nbytes > max_shard_size and size > 0):
                 self._shards.append([])
                 size = 0
@@ -185,20 +186,13 @@ def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -
             block runs and again before the rename).
     """
     target = Path(out_dir).absolute()
-    _refuse_existing(target, overwrite)
+    refuse_existing(target, overwrite)
     created = [p for p in reversed(target.parents) if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     stage = temp_dir_beside(target, "gradmerge")
     try:
         yield stage
-        _refuse_existing(target, overwrite)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(stage, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, target)
+        publish_stage(stage, target, overwrite)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         for folder in reversed(created):  # parents this call made, if still empty
@@ -209,7 +203,21 @@ def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -
         raise
 
 
-def _refuse_existing(target: Path, overwrite: bool) -> None:
+def publish_stage(stage: Path, target: Path, overwrite: bool) -> None:
+    """Rename the finished ``stage`` folder to ``target``, replacing an existing ``target`` only
+    with ``overwrite`` (moved aside first, removed after the rename)."""
+    refuse_existing(target, overwrite)
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, old / target.name)
+        os.replace(stage, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, target)
+
+
+def refuse_existing(target: Path, overwrite: bool) -> None:
+    """Raise :class:`OutputExistsError` if ``target`` is a file, or a folder and not ``overwrite``."""
     if target.exists() and not target.is_dir():
         raise OutputExistsError(f"{target} exists and is not a folder; choose another output path")
     if target.exists() and not overwrite:
@@ -217,10 +225,3 @@ def _refuse_existing(target: Path, overwrite: bool) -> None:
             f"{target} exists; pass --overwrite (overwrite=True) to replace it, or choose another "
             "output folder"
         )
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

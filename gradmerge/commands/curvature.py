@@ -143,6 +143,21 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run, check=check)
 
 
+def estimate_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The estimator's keywords from the command-line options (also under --distributed)."""
+    return {
+        "structure": args.structure,
+        "fisher": args.fisher,
+        "loss": args.loss,
+        "mc_samples": args.mc_samples,
+        "seed": args.seed,
+        "ignore_index": args.ignore_index,
+        "kfac_approx": args.kfac_approx,
+        "max_params": args.max_params,
+        "kfac_max_factor_side": args.kfac_max_side,
+    }
+
+
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
     if args.fisher == "hessian" and args.structure != "full":
@@ -210,19 +225,7 @@ def execute(args: argparse.Namespace) -> int:
     )
     warn_unshifted(model, data, shift_labels=args.shift_labels)
     batches = data if args.no_progress else progress(data, f"{args.structure} {args.fisher}")
-    curvature = gm.estimate_curvature(
-        model,
-        batches,
-        structure=args.structure,
-        fisher=args.fisher,
-        loss=args.loss,
-        mc_samples=args.mc_samples,
-        seed=args.seed,
-        ignore_index=args.ignore_index,
-        kfac_approx=args.kfac_approx,
-        max_params=args.max_params,
-        kfac_max_factor_side=getattr(args, "kfac_max_side", MAX_FACTOR_SIDE),
-    )
+    curvature = gm.estimate_curvature(model, batches, **estimate_options(args))
     curvature.meta.update(provenance(args, device))
     path = curvature.save(args.out)
     covered = sum(

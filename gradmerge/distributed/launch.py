@@ -199,15 +199,7 @@ def run_curvature(args: argparse.Namespace) -> int:
             data,
             timeout=args.timeout,
             expected_examples=args.expected_examples,
-            structure=args.structure,
-            fisher=args.fisher,
-            loss=args.loss,
-            mc_samples=args.mc_samples,
-            seed=args.seed,
-            ignore_index=args.ignore_index,
-            kfac_max_factor_side=args.kfac_max_side,
-            kfac_approx=args.kfac_approx,
-            max_params=args.max_params,
+            **command.estimate_options(args),
         )
         curvature.meta.update(command.provenance(args, device))
         _write_on_rank0(curvature, args.out, args.timeout)

@@ -38,9 +38,9 @@ Usage, in a script run by ``torchrun --nproc-per-node 4 script.py``::
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -51,9 +51,13 @@ from typing import Any
 from gradmerge._files import temp_dir_beside
 from gradmerge.checkpoints import MergeConfig, MergeReport, RemoveConfig, open_checkpoint
 from gradmerge.checkpoints.engine import Job, open_job
-from gradmerge.checkpoints.errors import OutputExistsError
 from gradmerge.checkpoints.plan import Plan, Unit
-from gradmerge.checkpoints.writer import INDEX_NAME, ShardedWriter
+from gradmerge.checkpoints.writer import (
+    INDEX_NAME,
+    ShardedWriter,
+    publish_stage,
+    refuse_existing,
+)
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
@@ -167,7 +171,7 @@ def _run(
             # 5. Rank 0 moves the output into place.
             step.exchange(
                 "move the output into place",
-                lambda: _publish(stage, target, overwrite) if comm.rank == 0 else None,
+                lambda: publish_stage(stage, target, overwrite) if comm.rank == 0 else None,
             )
     plan = job.plan
     return MergeReport(
@@ -254,7 +258,7 @@ def _check_same_plan(summaries: list[dict[str, Any]]) -> None:
 
 def _make_stage(target: Path, overwrite: bool) -> Path:
     """Rank 0: the hidden staging folder beside ``target`` (refusing an existing ``target``)."""
-    _refuse_existing(target, overwrite)
+    refuse_existing(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     return temp_dir_beside(target, "gradmerge")
 
@@ -291,7 +295,7 @@ def _write(job: Job, units: list[Unit], folder: Path, max_shard_size: int) -> di
         "files": [p.name for p in shards],
         "weight_map": weight_map,
         "units": len(units),
-        "tensor_bytes": sum(_numel(s) * d.itemsize for _, s, d in entries),
+        "tensor_bytes": sum(math.prod(s) * d.itemsize for _, s, d in entries),
         "bytes_written": writer.bytes_written,
         "bytes_read": bytes_read,
     }
@@ -341,18 +345,6 @@ def _finish(
     return [*files, *(a.name for a in assets), name]
 
 
-def _publish(stage: Path, target: Path, overwrite: bool) -> None:
-    """Rank 0: rename the staging folder to ``target`` (replacing it only with ``overwrite``)."""
-    _refuse_existing(target, overwrite)
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / target.name)
-        os.replace(stage, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(stage, target)
-
-
 @contextmanager
 def _removed_on_failure(stage: Path, owner: bool) -> Iterator[None]:
     """On an exception, the owner (rank 0) removes the staging folder: no partial output."""
@@ -364,24 +356,8 @@ def _removed_on_failure(stage: Path, owner: bool) -> Iterator[None]:
         raise
 
 
-def _refuse_existing(target: Path, overwrite: bool) -> None:
-    if target.exists() and not target.is_dir():
-        raise OutputExistsError(f"{target} exists and is not a folder; choose another output path")
-    if target.exists() and not overwrite:
-        raise OutputExistsError(
-            f"{target} exists; pass overwrite=True to replace it, or choose another output folder"
-        )
-
-
 def _unit_bytes(plan: Plan, unit: Unit) -> int:
-    return sum(_numel(plan.shapes[k]) * plan.out_dtypes[k].itemsize for k in unit.keys)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return sum(math.prod(plan.shapes[k]) * plan.out_dtypes[k].itemsize for k in unit.keys)
 
 
 __all__ = ["assign_units", "run_merge", "run_remove", "shard_names"]
