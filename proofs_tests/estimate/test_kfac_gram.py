@@ -78,3 +78,70 @@ def test_wide_mlp_factors_equal_their_definition(fisher):
         a, g = kf.factors[name]
         torch.testing.assert_close(a, a_sum[name] / 10, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g, g_sum[name], rtol=1e-12, atol=1e-14)
+
+
+def _gram_sum(n: int, budget: int) -> K._GramSum:
+    return K._GramSum(torch.zeros(n + 1, n + 1, dtype=F64), K._Budget(budget))
+
+
+@pytest.mark.parametrize("budget", [0, 10**9])  # no room for a buffer: every call its own product
+def test_gathered_rows_give_the_sum_of_the_calls_products(monkeypatch, budget):
+    """Calls of 1..11 rows, with a change of alpha and a call above the buffer size in between:
+    after ``flush`` the sum is Σ alpha · rowsᵀ rows, however the rows were grouped."""
+    monkeypatch.setattr(K, "_GRAM_ROWS", 8)
+    n, g = 6, torch.Generator().manual_seed(1)
+    gram, want = _gram_sum(n, budget), torch.zeros(n + 1, n + 1, dtype=F64)
+    products = 0
+    real_add_gram = K._add_gram
+
+    def counting(acc, rows, alpha=1.0):
+        nonlocal products
+        products += 1
+        real_add_gram(acc, rows, alpha)
+
+    monkeypatch.setattr(K, "_add_gram", counting)
+    calls = [(k, 1.0) for k in (3, 2, 5, 1, 11, 4)] + [(k, 0.25) for k in (2, 2, 7)] + [(3, 1.0)]
+    for k, alpha in calls:
+        rows = torch.randn(k, n, generator=g, dtype=F64)
+        want[:n, :n] += alpha * rows.T @ rows
+        gram.add(rows, alpha)
+        rows.fill_(float("nan"))  # the caller's tensors may change afterwards
+    gram.flush()
+    gram.flush()  # nothing left: a no-op
+    torch.testing.assert_close(K._symmetrize_(gram.acc), want, rtol=1e-13, atol=1e-13)
+    if budget:  # products: 3+2 | 5+1 | 11 | 4 | (alpha) 2+2 | 7 | (alpha) 3, at the flush
+        assert products == 7 and gram.buffer is not None and gram.buffer.shape == (8, n)
+    else:
+        assert products == len(calls) and gram.buffer is None
+
+
+def test_buffers_are_allocated_while_the_budget_allows(monkeypatch):
+    monkeypatch.setattr(K, "_GRAM_ROWS", 4)
+    budget = K._Budget(4 * 5 * 8 + 4 * 3 * 8)  # room for a 5- and a 3-column float64 buffer
+    grams = [K._GramSum(torch.zeros(n, n, dtype=F64), budget) for n in (5, 6, 3)]
+    for gram in grams:
+        gram.add(torch.ones(2, gram.acc.shape[0], dtype=F64))
+    assert [gram.buffer is not None for gram in grams] == [True, False, True]
+    assert budget.left == 0
+    assert grams[1].acc[0, 0] == 2  # no buffer: its product was taken at once
+
+
+def test_many_small_batches_match_the_definition(monkeypatch):
+    """Batches of 3 examples (their rows gathered across batches, buffers filled and flushed
+    mid-way and at the end) and one batch larger than the buffer: K-FAC's definition in float64."""
+    monkeypatch.setattr(K, "_GRAM_ROWS", 16)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 4)).to(F64)
+    data = [(torch.randn(n, 7, dtype=F64), torch.randint(0, 4, (n,))) for n in [3] * 13 + [20, 3]]
+    kf = estimate_kfac_factors(model, data, fisher="empirical")
+    x = torch.cat([x for x, _ in data])
+    y = torch.cat([y for _, y in data])
+    z0 = model[0](x)
+    hidden = torch.relu(z0)
+    z1 = model[2](hidden)
+    g0, g1 = torch.autograd.grad(nn.functional.cross_entropy(z1, y, reduction="sum"), [z0, z1])
+    for name, a, g in (("0", x, g0), ("2", hidden.detach(), g1)):
+        a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=F64)], dim=1)
+        want_a, want_g = kf.factors[name]
+        torch.testing.assert_close(want_a, a.T @ a / x.shape[0], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(want_g, g.T @ g, rtol=1e-12, atol=1e-13)
