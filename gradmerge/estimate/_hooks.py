@@ -294,12 +294,11 @@ class LayerNormRule(Rule):
 
     @staticmethod
     def _normalized(call: Call, a: Tensor) -> Tensor:
-        """x̂ = (a − mean) / √(var + eps) over the normalised dims."""
+        """x̂ = (a − mean) / √(var + eps) over the normalised dims (the module's own kernel,
+        without the affine part: one pass)."""
         m = call.module
         assert isinstance(m, nn.LayerNorm)
-        dims = tuple(range(-len(m.normalized_shape), 0))
-        var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
-        return (a - mean) * torch.rsqrt(var + m.eps)
+        return nn.functional.layer_norm(a, m.normalized_shape, eps=m.eps)
 
     def separable(self, call: Call) -> bool:
         m = call.module
