@@ -15,11 +15,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
+from gradmerge._text import key_list
 from gradmerge.errors import DeviceError, DTypeError, NonFiniteError, StructureError
 
 Params = Mapping[str, Tensor]
@@ -37,12 +38,6 @@ def layout_of(params: Params) -> Layout:
 def numel(params: Params) -> int:
     """Total number of scalars in ``params``."""
     return sum(v.numel() for v in params.values())
-
-
-def _fmt_keys(keys: Sequence[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(k) for k in list(keys)[:limit])
-    more = len(keys) - limit
-    return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
 
 
 def check_params(params: object, *, name: str, finite: bool = True) -> None:
@@ -118,9 +113,9 @@ def check_compatible(reference: Params, other: Params, *, ref_name: str, name: s
         extra = [k for k in other if k not in ref_keys]
         parts = []
         if missing:
-            parts.append(f"missing {len(missing)} key(s) of {ref_name}: {_fmt_keys(missing)}")
+            parts.append(f"missing {len(missing)} key(s) of {ref_name}: {key_list(missing)}")
         if extra:
-            parts.append(f"{len(extra)} key(s) not in {ref_name}: {_fmt_keys(extra)}")
+            parts.append(f"{len(extra)} key(s) not in {ref_name}: {key_list(extra)}")
         raise StructureError(
             f"{name} does not match {ref_name}: {'; '.join(parts)}. Every input must cover the same "
             "parameters; select the shared keys (or add the missing ones) before merging."

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from gradmerge import _fused
+from gradmerge._text import key_list
 from gradmerge.checkpoints import rules
 from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.checkpoints.errors import ConfigError
@@ -505,8 +506,7 @@ def _copy_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
 
 
 def _describe(unit: Unit) -> str:
-    keys = list(unit.keys)
-    return f"{keys[:3]}{f' and {len(keys) - 3} more tensors' if len(keys) > 3 else ''}"
+    return key_list(list(unit.keys), 3)
 
 
 def _nbytes(t: Tensor) -> int:

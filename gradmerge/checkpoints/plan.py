@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from gradmerge._text import first_and_more
 from gradmerge.checkpoints.errors import ConfigError
 from gradmerge.checkpoints.reader import Checkpoint
 from gradmerge.curvature.io import CurvatureFile, join_groups
@@ -132,9 +133,8 @@ def build_plan(
             missing = [k for k in merged if k not in layout]
             if missing:
                 raise StructureError(
-                    f"{name} ({cf.path}) has no curvature for {missing[0]!r}"
-                    + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else "")
-                    + ". Estimate the curvature over every parameter (structure='kfac' adds a "
+                    f"{name} ({cf.path}) has no curvature for "
+                    f"{first_and_more(missing, 'tensor(s)')}. Estimate the curvature over every parameter (structure='kfac' adds a "
                     "diagonal block for what K-FAC does not cover), or list the tensor under "
                     "`passthrough:` to copy it from the base unmerged."
                 )
@@ -205,9 +205,7 @@ def _check_gradient(base: Checkpoint, merged: list[str], name: str, grad: Checkp
     missing = [k for k in merged if k not in grad]
     if missing:
         raise StructureError(
-            f"{role} has no gradient for {missing[0]!r}"
-            + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else "")
-            + ": it must hold ∇ℓ̄_t(θ_LLM) for every merged parameter, under the parameter's "
+            f"{role} has no gradient for {first_and_more(missing, 'tensor(s)')}: it must hold ∇ℓ̄_t(θ_LLM) for every merged parameter, under the parameter's "
             "name (or list the tensor under `passthrough:`)"
         )
     for k in grad:

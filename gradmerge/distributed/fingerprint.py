@@ -27,7 +27,7 @@ Example:
     >>> first_difference(model_fingerprint(a), model_fingerprint(a)) is None
     True
     >>> first_difference(model_fingerprint(a), model_fingerprint(b))[:40]
-    "the values of 'weight' differ (and 1 mor"
+    "the values of 'weight' and 1 more differ"
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gradmerge._text import first_and_more, key_list
 from gradmerge.errors import ArgumentError
 
 _K = 0x5851F42D4C957F2D  # odd; a 64-bit LCG multiplier (Knuth, MMIX)
@@ -162,8 +163,8 @@ def first_difference(reference: ModelFingerprint, other: ModelFingerprint) -> st
     extra = [k for k in oth if k not in ref]
     if missing or extra:
         return (
-            f"the parameter/buffer names differ (missing: {_names(missing)}, extra: "
-            f"{_names(extra)})"
+            f"the parameter/buffer names differ (missing: {key_list(missing, 3)}, extra: "
+            f"{key_list(extra, 3)})"
         )
     for what, attr in (
         ("shapes", "shape"),
@@ -173,25 +174,17 @@ def first_difference(reference: ModelFingerprint, other: ModelFingerprint) -> st
         diff = [k for k in ref if getattr(ref[k], attr) != getattr(oth[k], attr)]
         if diff:
             k = diff[0]
+            first = f" for {k!r}" if len(diff) > 1 else ""
             return (
-                f"the {what} of {k!r} differ ({getattr(oth[k], attr)} vs "
-                f"{getattr(ref[k], attr)}){_more(diff)}"
+                f"the {what} of {first_and_more(diff)} differ ({getattr(oth[k], attr)} vs "
+                f"{getattr(ref[k], attr)}{first})"
             )
     diff = [k for k in ref if ref[k].checksums != oth[k].checksums]
     if diff:
-        return f"the values of {diff[0]!r} differ{_more(diff)}"
+        return f"the values of {first_and_more(diff)} differ"
     if reference.training != other.training:
         return (
-            f"different modules are in training mode ({_names(list(other.training))} vs "
-            f"{_names(list(reference.training))}): call model.eval() on every rank"
+            f"different modules are in training mode ({key_list(list(other.training), 3)} vs "
+            f"{key_list(list(reference.training), 3)}): call model.eval() on every rank"
         )
     return None
-
-
-def _names(keys: list[str], limit: int = 3) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return f"[{shown}{f', ... ({len(keys) - limit} more)' if len(keys) > limit else ''}]"
-
-
-def _more(keys: list[str]) -> str:
-    return f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
