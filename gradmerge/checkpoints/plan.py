@@ -134,9 +134,10 @@ def build_plan(
             if missing:
                 raise StructureError(
                     f"{name} ({cf.path}) has no curvature for "
-                    f"{first_and_more(missing, 'tensor(s)')}. Estimate the curvature over every parameter (structure='kfac' adds a "
-                    "diagonal block for what K-FAC does not cover), or list the tensor under "
-                    "`passthrough:` to copy it from the base unmerged."
+                    f"{first_and_more(missing, 'tensor(s)')}. Estimate the curvature over every "
+                    "parameter (structure='kfac' adds a diagonal block for what K-FAC does not "
+                    "cover), or list the tensor under `passthrough:` to copy it from the base "
+                    "unmerged."
                 )
         coupled = list(cf.kfac_layers().values()) if coverage == "kfac" else cf.couplings()
         for group in coupled:
@@ -205,8 +206,9 @@ def _check_gradient(base: Checkpoint, merged: list[str], name: str, grad: Checkp
     missing = [k for k in merged if k not in grad]
     if missing:
         raise StructureError(
-            f"{role} has no gradient for {first_and_more(missing, 'tensor(s)')}: it must hold ∇ℓ̄_t(θ_LLM) for every merged parameter, under the parameter's "
-            "name (or list the tensor under `passthrough:`)"
+            f"{role} has no gradient for {first_and_more(missing, 'tensor(s)')}: it must hold "
+            "∇ℓ̄_t(θ_LLM) for every merged parameter, under the parameter's name (or list the "
+            "tensor under `passthrough:`)"
         )
     for k in grad:
         if k not in base:
