@@ -36,6 +36,7 @@ from proofs_tests.estimate.test_diagonal import (
     seq_data,
     seq_model,
 )
+from proofs_tests.estimate.test_kfac_factors import _TokenNet
 
 
 class _SignGate(torch.autograd.Function):
@@ -119,17 +120,6 @@ def test_diagonal_is_the_same_batched_sequential_and_in_small_groups(case, path,
     else:
         monkeypatch.setattr(_batched, "BUDGET_ELEMENTS", 2 * 7 * 40)  # ~2 vectors per group
     assert_close(estimate_diagonal(model, data, **kw), batched.values, rtol=1e-12)
-
-
-class _TokenNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(7, 4)
-        self.l1 = nn.Linear(4, 5)
-        self.head = nn.Linear(5, 7)
-
-    def forward(self, input_ids, attention_mask=None):
-        return self.head(torch.tanh(self.l1(self.emb(input_ids))))
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
