@@ -14,7 +14,8 @@ added with ``all_reduce``, so the result equals the single-process estimate on a
   :mod:`gradmerge.checkpoints` with its units split over the ranks, each rank writing its own
   shards, one index at the end (:mod:`gradmerge.distributed.merge`; imported on first use).
 - ``torchrun -m gradmerge.distributed curvature|merge|remove ...`` — the command line
-  (:mod:`gradmerge.distributed.launch`).
+  (:mod:`gradmerge.commands.distributed`); process-group helpers in
+  :mod:`gradmerge.distributed.launch`.
 """
 
 from typing import Any

@@ -107,7 +107,7 @@ def job_cli() -> dict:
     import contextlib
     import io
 
-    from gradmerge.distributed.launch import main as cli
+    from gradmerge.commands.distributed import main as cli
 
     outdir = Path(sys.argv[2])
     entry = f"{Path(cases.__file__).resolve()}"

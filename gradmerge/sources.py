@@ -1,0 +1,430 @@
+"""Where models and data come from: Hugging Face folders, tensor files and Python entry points.
+
+The library side of ``gradmerge curvature MODEL DATA OUT`` (and of its data-parallel form under
+``torchrun``): the command-line modules parse flags, this module turns the MODEL and DATA
+arguments into an ``nn.Module`` and batches that :func:`gradmerge.estimate_curvature` accepts, and
+records where they came from (:func:`provenance`).
+
+MODEL is either
+
+- a Hugging Face model folder (``config.json`` naming the class in ``architectures``,
+  safetensors weights), loaded offline with that transformers class; or
+- a Python entry point ``module:function`` or ``path/to/file.py:function``: a function of no
+  arguments returning the ``nn.Module`` (the current folder is importable, as with ``python -m``).
+
+DATA is either
+
+- an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
+  accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``; or
+- a tensor file (``.safetensors``, or ``.pt``/``.pth`` read with ``torch.load(weights_only=True)``)
+  holding ``inputs`` and ``targets``, or ``input_ids`` and ``labels`` (optionally
+  ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`).
+
+Example:
+    >>> import torch
+    >>> from gradmerge.sources import TensorBatches
+    >>> batches = TensorBatches({"inputs": torch.zeros(5, 2), "targets": torch.zeros(5)}, batch_size=2)
+    >>> [x.shape[0] for x, _ in batches]
+    [2, 2, 1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
+LM_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids")
+
+
+# ----- MODEL ----------------------------------------------------------------------------------
+def model_kind(spec: str) -> str:
+    """``"hugging face folder"`` or ``"entry point"``; :class:`ArgumentError` for anything else."""
+    if Path(spec).is_dir():
+        return "hugging face folder"
+    if ":" in spec:
+        _split_entry_point(spec)
+        return "entry point"
+    raise ArgumentError(
+        f"MODEL {spec!r} is neither a folder nor an entry point: expected a Hugging Face model "
+        "folder (with config.json) or module:function / path/to/file.py:function"
+    )
+
+
+def load_model(spec: str) -> nn.Module:
+    """The ``nn.Module`` MODEL names: a Hugging Face folder or an entry point (module docstring).
+
+    Raises:
+        ArgumentError: neither a folder nor ``module:function``; an entry point that cannot be
+            imported or does not return an ``nn.Module``.
+        FileFormatError: a folder without a usable ``config.json`` or safetensors weights.
+    """
+    if model_kind(spec) == "hugging face folder":
+        return hugging_face_model(Path(spec))
+    model = entry_point(spec, "MODEL")()
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(
+            f"MODEL entry point {spec} returned {type(model).__name__}; expected a torch.nn.Module"
+        )
+    return model
+
+
+def hugging_face_model(folder: Path) -> nn.Module:
+    """The model of a Hugging Face folder, built offline by the class its config names."""
+    import transformers
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileFormatError(
+            f"{folder} has no config.json: expected a Hugging Face model folder "
+            "(model.save_pretrained(folder)) or a module:function entry point"
+        )
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise FileFormatError(f"{config_file} is not a JSON object ({err})") from err
+    if not architectures:
+        raise FileFormatError(
+            f"{config_file} names no 'architectures': add the model class, e.g. "
+            '"architectures": ["GPT2LMHeadModel"], or give a module:function entry point'
+        )
+    cls = getattr(transformers, architectures[0], None)
+    if cls is None:
+        raise FileFormatError(
+            f"{config_file}: transformers {transformers.__version__} has no class "
+            f"{architectures[0]!r}; load it yourself in a module:function entry point"
+        )
+    weights = [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]
+    if not weights:
+        raise FileFormatError(
+            f"{folder} holds no safetensors weights (model.safetensors or shards with an index); "
+            "save with model.save_pretrained(folder) (safetensors is its default)"
+        )
+    model = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    if not isinstance(model, nn.Module):  # pragma: no cover - transformers models are modules
+        raise FileFormatError(f"{folder}: {architectures[0]} is not a torch model")
+    return model
+
+
+# ----- DATA -----------------------------------------------------------------------------------
+def data_kind(spec: str) -> str:
+    """``"tensor file"`` or ``"entry point"``; :class:`ArgumentError` for anything else."""
+    if spec.endswith(TENSOR_SUFFIXES):
+        if not Path(spec).is_file():
+            raise ArgumentError(f"DATA file {spec} does not exist")
+        return "tensor file"
+    if ":" in spec:
+        _split_entry_point(spec)
+        return "entry point"
+    raise ArgumentError(
+        f"DATA {spec!r} is neither a tensor file nor an entry point: expected a .safetensors or "
+        ".pt file, or module:function / path/to/file.py:function returning batches"
+    )
+
+
+def load_data(
+    spec: str, *, batch_size: int = 16, shift_labels: bool = False, ignore_index: int = -100
+) -> Iterable[Any]:
+    """The batches DATA names: an entry point's iterable, or a tensor file cut into batches.
+
+    Raises:
+        ArgumentError: an entry point that cannot be imported or returns no iterable.
+        FileFormatError: an unreadable tensor file or one with other tensor names.
+        StructureError: tensors whose first (example) dimensions differ.
+    """
+    if data_kind(spec) == "entry point":
+        data = entry_point(spec, "DATA")()
+        if not isinstance(data, Iterable) or isinstance(data, (Tensor, str, bytes, Mapping)):
+            raise ArgumentError(
+                f"DATA entry point {spec} returned {type(data).__name__}; expected an iterable "
+                "of batches, e.g. a list of (inputs, targets) or a DataLoader"
+            )
+        return data
+    return TensorBatches(
+        read_tensors(Path(spec)),
+        batch_size=batch_size,
+        shift_labels=shift_labels,
+        ignore_index=ignore_index,
+        source=spec,
+    )
+
+
+def read_tensors(path: Path) -> dict[str, Tensor]:
+    """The named tensors of a ``.safetensors`` or ``.pt`` file (the latter: a dict of tensors)."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            loaded: Any = load_file(str(path))
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors and pickle raise their own errors on damaged files
+        raise FileFormatError(f"DATA {path} cannot be read as a tensor file ({err})") from err
+    if not isinstance(loaded, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()
+    ):
+        raise FileFormatError(
+            f"DATA {path} holds a {type(loaded).__name__}; expected a dict of named tensors "
+            "(torch.save({'inputs': X, 'targets': y}, path))"
+        )
+    return dict(loaded)
+
+
+class TensorBatches:
+    """Re-iterable batches of ``batch_size`` rows cut from the tensors of a DATA file.
+
+    ``{"inputs", "targets"}`` gives ``(inputs, targets)`` pairs; ``{"input_ids", "labels"}``
+    (optionally ``attention_mask``, ``token_type_ids``) gives Hugging Face dicts. Label positions
+    whose ``attention_mask`` is 0 become ``ignore_index``; with ``shift_labels`` the labels are
+    first shifted left by one (labels[:, s] ← labels[:, s + 1], the last position ignored), so
+    that position s of the logits is scored against token s + 1.
+
+    Example:
+        >>> import torch
+        >>> b = TensorBatches({"inputs": torch.zeros(5, 2), "targets": torch.zeros(5)}, batch_size=2)
+        >>> len(b), [x.shape[0] for x, _ in b]
+        (3, [2, 2, 1])
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        *,
+        batch_size: int,
+        shift_labels: bool = False,
+        ignore_index: int = -100,
+        source: str = "DATA",
+    ) -> None:
+        names = set(tensors)
+        self.labels_are_input_ids = False
+        if names == {"inputs", "targets"}:
+            self.tensors = dict(tensors)
+            if shift_labels:
+                raise ArgumentError(
+                    f"{source}: --shift-labels applies to input_ids/labels files, not "
+                    "inputs/targets"
+                )
+        elif {"input_ids", "labels"} <= names <= set(LM_KEYS):
+            labels, ids = tensors["labels"], tensors["input_ids"]
+            kept = labels != ignore_index
+            self.labels_are_input_ids = (
+                labels.shape == ids.shape
+                and bool(kept.any())
+                and torch.equal(labels[kept], ids[kept])
+            )
+            self.tensors = _lm_tensors(tensors, shift_labels, ignore_index, source)
+        else:
+            raise FileFormatError(
+                f"{source} holds tensors {sorted(names)}; expected 'inputs' and 'targets', or "
+                f"'input_ids' and 'labels' (optionally 'attention_mask', 'token_type_ids')"
+            )
+        rows = {k: (int(v.shape[0]) if v.ndim else 0) for k, v in self.tensors.items()}
+        if len(set(rows.values())) != 1 or 0 in rows.values():
+            raise StructureError(
+                f"{source}: every tensor needs the same number of examples (first dimension) "
+                f"and at least one; got {rows}"
+            )
+        self.rows, self.batch_size = next(iter(rows.values())), batch_size
+
+    def __len__(self) -> int:
+        return -(-self.rows // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        for start in range(0, self.rows, self.batch_size):
+            part = {k: v[start : start + self.batch_size] for k, v in self.tensors.items()}
+            if "inputs" in part:
+                yield part["inputs"], part["targets"]
+            else:
+                yield part
+
+
+def _lm_tensors(
+    tensors: Mapping[str, Tensor], shift: bool, ignore_index: int, source: str
+) -> dict[str, Tensor]:
+    out = dict(tensors)
+    labels, mask = tensors["labels"], tensors.get("attention_mask")
+    if labels.is_floating_point():
+        raise StructureError(
+            f"{source}: labels must be integer token ids, got {labels.dtype}; for regression "
+            "targets store 'inputs' and 'targets' and pass --loss mse"
+        )
+    if mask is not None and mask.shape != labels.shape:
+        raise StructureError(
+            f"{source}: attention_mask {tuple(mask.shape)} and labels {tuple(labels.shape)} "
+            "must have the same shape"
+        )
+    if shift:
+        if labels.ndim != 2:
+            raise StructureError(
+                f"{source}: --shift-labels needs labels of shape (examples, positions), "
+                f"got {tuple(labels.shape)}"
+            )
+        labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
+    if mask is not None:
+        keep = mask != 0
+        if shift:  # position s predicts token s + 1: both must be real tokens
+            keep = keep & torch.cat([keep[:, 1:], torch.zeros_like(keep[:, :1])], dim=1)
+        labels = torch.where(keep, labels, torch.full_like(labels, ignore_index))
+    out["labels"] = labels
+    return out
+
+
+def warn_unshifted(model: nn.Module, data: Iterable[Any], *, shift_labels: bool) -> None:
+    """Warn when a causal LM's labels equal its input ids where they count (HF's unshifted form)."""
+    if shift_labels or not isinstance(data, TensorBatches):
+        return
+    causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in _archs(model))
+    if causal and data.labels_are_input_ids:
+        print(
+            "warning: labels equal input_ids, so every position is scored against its own "
+            "token; if they follow Hugging Face's causal-LM convention, pass --shift-labels",
+            file=sys.stderr,
+        )
+
+
+def _archs(model: nn.Module) -> list[str]:
+    config = getattr(model, "config", None)
+    return [type(model).__name__, *(getattr(config, "architectures", None) or [])]
+
+
+# ----- entry points ---------------------------------------------------------------------------
+def _split_entry_point(spec: str) -> tuple[str, str]:
+    module, _, attr = spec.rpartition(":")
+    if not module or not attr.isidentifier():
+        raise ArgumentError(
+            f"{spec!r} is not an entry point: expected module:function or path/to/file.py:function"
+        )
+    return module, attr
+
+
+def entry_point(spec: str, what: str) -> Callable[[], Any]:
+    """The function ``module:function`` or ``path/to/file.py:function`` names.
+
+    The current folder is importable (as with ``python -m``); a file's own folder is importable
+    while it is loaded, so it can import its neighbours.
+
+    Raises:
+        ArgumentError: a module or file that cannot be found, a missing or non-callable name.
+    """
+    module_name, attr = _split_entry_point(spec)
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        module = _module_from_file(Path(module_name), what)
+    else:
+        try:
+            with _importable(os.getcwd()):
+                module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module_name.startswith(err.name):
+                raise  # the module exists but one of ITS imports is missing: show that
+            raise ArgumentError(
+                f"{what} entry point {spec}: no module named {err.name!r} (run from the folder "
+                "that holds it, install it, or give path/to/file.py:function)"
+            ) from err
+    function = getattr(module, attr, None)
+    if function is None:
+        raise ArgumentError(f"{what} entry point {spec}: {module_name} has no {attr!r}")
+    if not callable(function):
+        raise ArgumentError(
+            f"{what} entry point {spec}: {attr!r} is a {type(function).__name__}; expected a "
+            "function of no arguments"
+        )
+    return cast(Callable[[], Any], function)
+
+
+def _module_from_file(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise ArgumentError(f"{what} entry point: no Python file at {path}")
+    name = "_gradmerge_entry_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ArgumentError(f"{what} entry point: {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        with _importable(str(path.resolve().parent)):
+            spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+@contextlib.contextmanager
+def _importable(folder: str) -> Iterator[None]:
+    """``folder`` at the front of ``sys.path`` while the block runs."""
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+
+
+def provenance(
+    model: str,
+    data: str,
+    *,
+    device: torch.device,
+    seed: int,
+    mc_samples: int,
+    ignore_index: int,
+    batch_size: int,
+    shift_labels: bool,
+) -> dict[str, str]:
+    """What a curvature file's metadata records about how it was made (``source.*`` keys).
+
+    ``model`` and ``data`` are the MODEL and DATA arguments; a tensor file's SHA-256 and how it
+    was batched are recorded too, so that the estimate can be traced to its exact inputs.
+    """
+    import gradmerge
+
+    data_kind_ = data_kind(data)
+    meta = {
+        "source.model": describe_source(model, model_kind(model)),
+        "source.data": describe_source(data, data_kind_),
+        "source.seed": str(seed),
+        "source.mc_samples": str(mc_samples),
+        "source.ignore_index": str(ignore_index),
+        "source.device": str(device),
+        "source.gradmerge": gradmerge.__version__,
+        "source.torch": torch.__version__,
+    }
+    if data_kind_ == "tensor file":
+        meta["source.data_sha256"] = file_sha256(Path(data))
+        meta["source.batch_size"] = str(batch_size)
+        meta["source.shift_labels"] = str(bool(shift_labels))
+    return meta
+
+
+# ----- helpers --------------------------------------------------------------------------------
+def describe_source(spec: str, kind: str) -> str:
+    """``spec`` with its file or folder made absolute (a module entry point stays as given)."""
+    if kind == "entry point":
+        module, attr = _split_entry_point(spec)
+        if module.endswith(".py") or "/" in module:
+            return f"{Path(module).resolve()}:{attr}"
+        return spec
+    return str(Path(spec).resolve())
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
