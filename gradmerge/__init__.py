@@ -38,6 +38,7 @@ from gradmerge.errors import (
     NonFiniteError,
     NotConvergedError,
     NotPositiveDefiniteError,
+    ResultOverflowError,
     StructureError,
 )
 from gradmerge.estimate import estimate_curvature
@@ -94,6 +95,7 @@ __all__ = [
     "NonFiniteError",
     "NotConvergedError",
     "NotPositiveDefiniteError",
+    "ResultOverflowError",
     "ArgumentError",
     # checkpoint files: lazy reading, streaming merges and removals
     "open_checkpoint",

@@ -34,7 +34,6 @@ from gradmerge import _fused, _memory
 from gradmerge import params as P
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.base import not_pd
-from gradmerge.errors import NonFiniteError
 from gradmerge.params import Params
 
 CHUNK = 1 << 16
@@ -89,7 +88,7 @@ def merge(
         if float(den_min) <= 0:  # before finiteness: a zero of H̄ also makes the result Inf
             _refuse_singular(key, b, alphas, h, [prior, *curvatures], minima, names, precisions)
         if not bool(torch.isfinite(total)) and not bool(torch.isfinite(result).all()):
-            _explain_non_finite(key, base, finetuned, h, names)
+            _explain_non_finite(key, result, base, finetuned, h, names, alphas)
         out[key] = result
     _check_psd([prior, *curvatures], minima, names, precisions)
     return out
@@ -214,19 +213,14 @@ def _denominator(base: Tensor, alphas: Sequence[float], h: Sequence[float | Tens
 
 def _explain_non_finite(
     key: str,
+    result: Tensor,
     base: Params,
     finetuned: Sequence[Params],
     h: Sequence[float | Tensor],
     names: Sequence[str],
+    alphas: Sequence[float],
 ) -> None:
     """Name the input that made the result non-finite (or say that the result overflowed)."""
-    P.check_finite({key: base[key]}, name="base")
-    for t, ft in enumerate(finetuned):
-        P.check_finite({key: ft[key]}, name=f"finetuned[{t}]")
-    for x, name in zip(h, names, strict=True):
-        if isinstance(x, Tensor):
-            P.check_finite({key: x}, name=name)
-    raise NonFiniteError(
-        f"the merged {key!r} overflowed to Inf/NaN although every input is finite: the inputs are "
-        "too large for their dtype; merge in float32 or float64."
-    )
+    inputs = [("base", base), *((f"finetuned[{t}]", ft) for t, ft in enumerate(finetuned))]
+    inputs += [(n, {key: x}) for x, n in zip(h, names, strict=True) if isinstance(x, Tensor)]
+    P.check_result_finite({key: result}, what="merged", alphas=alphas, inputs=inputs)

@@ -23,8 +23,18 @@ class NonFiniteError(GradmergeError, ValueError):
     """A NaN or an infinity in an input."""
 
 
+class ResultOverflowError(NonFiniteError):
+    """A computed result that overflowed its dtype to Inf/NaN although every input was finite."""
+
+
 class NotPositiveDefiniteError(GradmergeError, ValueError):
-    """A system that must be solved is singular or not positive definite."""
+    """A system that must be solved is singular or not positive definite.
+
+    ``suggested_delta``: a damping δ that would make it solvable, when the check knows one (a
+    system refused for eigenvalues below its round-off floor); ``None`` otherwise.
+    """
+
+    suggested_delta: float | None = None
 
 
 class ArgumentError(GradmergeError, ValueError):

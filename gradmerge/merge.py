@@ -25,7 +25,10 @@ errors are typed (:mod:`gradmerge.errors`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+import numbers
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -34,8 +37,8 @@ from torch import Tensor
 from gradmerge import _elementwise
 from gradmerge import params as P
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
-from gradmerge.curvature.base import coarsest_dtype, not_pd
-from gradmerge.errors import ArgumentError, StructureError
+from gradmerge.curvature.base import PD_FIX, coarsest_dtype, not_pd
+from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Params
 
 CurvatureLike = Curvature | float
@@ -55,6 +58,11 @@ def task_arithmetic(
         >>> gm.task_arithmetic(base, [{"w": torch.ones(2)}, {"w": 3 * torch.ones(2)}], alphas=0.5)
         {'w': tensor([2., 2.])}
     """
+    if len(finetuned) == 0:
+        raise ArgumentError(
+            "task_arithmetic needs at least one fine-tuned model, got none: pass "
+            "finetuned=[θ_1, ...]"
+        )
     zero = ScaledIdentity(0.0)
     return gradient_matching(base, finetuned, [zero] * len(finetuned), prior=1.0, alphas=alphas)
 
@@ -283,23 +291,37 @@ def gradient_matching(
         raise ArgumentError(
             f"got {tasks} fine-tuned models but {len(curvatures)} curvatures: pass one per model"
         )
-    weights = _alphas(alphas, tasks)
     P.check_params(base, name="base", finite=False)
+    base, finetuned = P.detached(base), [P.detached(ft) for ft in finetuned]
+    weights = _alphas(alphas, tasks, dtype=_dtype_of(base))
     names = ["prior", *(f"curvatures[{t}]" for t in range(tasks))]
     h0, *hs = (
         _curvature(c, base, name=n, psd=False, finite=False)
         for c, n in zip([prior, *curvatures], names, strict=True)
     )
     elementwise = [_elementwise.parts(h) for h in (h0, *hs)]
-    if all(part is not None for part in elementwise):  # diagonal / δ·I: one fused pass
-        for t, ft in enumerate(finetuned):
-            P.check_params(ft, name=f"finetuned[{t}]", finite=False)
-            P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
-        prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
-        precisions = [h.coarsest_dtype for h in (h0, *hs)]
-        return _elementwise.merge(
-            base, finetuned, weights, prior_part, task_parts, names=names, precisions=precisions
-        )
+    with _negative_alphas_named(weights):
+        if all(part is not None for part in elementwise):  # diagonal / δ·I: one fused pass
+            for t, ft in enumerate(finetuned):
+                P.check_params(ft, name=f"finetuned[{t}]", finite=False)
+                P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
+            prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
+            precisions = [h.coarsest_dtype for h in (h0, *hs)]
+            return _elementwise.merge(
+                base, finetuned, weights, prior_part, task_parts, names=names, precisions=precisions
+            )
+        return _generic_merge(base, finetuned, weights, h0, hs, names)
+
+
+def _generic_merge(
+    base: Params,
+    finetuned: Sequence[Params],
+    weights: Sequence[float],
+    h0: Curvature,
+    hs: Sequence[Curvature],
+    names: Sequence[str],
+) -> dict[str, Tensor]:
+    """Eq. 6 through the operator algebra (any structure); inputs checked here."""
     P.check_finite(base, name="base")
     for h, n in zip([h0, *hs], names, strict=True):
         h.verify_finite(name=n)
@@ -316,7 +338,9 @@ def gradient_matching(
         # α_t times the term, then added (two roundings, not the fused y + α·x of P.axpy): the
         # elementwise paths (_elementwise, _fused) round the same way, so all agree bit for bit
         rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
-    return P.add(base, merged_precision.solve(rhs))  # Eq. 6
+    merged = P.add(base, merged_precision.solve(rhs))  # Eq. 6
+    P.check_result_finite(merged, what="merged", alphas=weights)
+    return merged
 
 
 def remove(
@@ -355,12 +379,16 @@ def remove(
         {'w': tensor([0.5000])}
     """
     P.check_params(base, name="base")
+    base, finetuned = P.detached(base), P.detached(finetuned)
+    (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")
     ht = _curvature(curvature, base, name="curvature")
     rest = _curvature(remaining, base, name="remaining")
     correction = rest.solve(P.add(h0.mv(tau), ht.mv(tau)))
-    return P.axpy(-float(alpha), correction, base)  # Eq. 13
+    removed = P.axpy(-weight, correction, base)  # Eq. 13
+    P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
+    return removed
 
 
 def influence_remove(
@@ -384,25 +412,70 @@ def influence_remove(
     P.check_params(base, name="base")
     P.check_params(gradient, name="gradient")
     P.check_compatible(base, gradient, ref_name="base", name="gradient")
+    base, gradient = P.detached(base), P.detached(gradient)
+    (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     rest = _curvature(remaining, base, name="remaining")
-    return P.axpy(float(alpha), rest.solve(gradient), base)
+    removed = P.axpy(weight, rest.solve(gradient), base)
+    P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
+    return removed
 
 
 # ----- input handling shared by the rules ------------------------------------------------------
-def _alphas(alphas: float | Sequence[float], tasks: int) -> list[float]:
-    if isinstance(alphas, (int, float)):
-        values = [float(alphas)] * tasks
-    else:
-        values = [float(a) for a in alphas]
-        if len(values) != tasks:
+def _alphas(
+    alphas: float | Sequence[float],
+    tasks: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    name: str = "alphas",
+) -> list[float]:
+    """α_t as floats: real numbers (not strings or bools), finite and representable in ``dtype``
+    (the parameters' dtype, in which each α multiplies a tensor)."""
+    if isinstance(alphas, Tensor):
+        alphas = alphas.tolist()
+    iterable = isinstance(alphas, Iterable) and not isinstance(alphas, (str, bytes))
+    values: list[object] = list(cast(Iterable[float], alphas)) if iterable else [alphas] * tasks
+    if len(values) != tasks:
+        raise ArgumentError(
+            f"got {len(values)} {name} for {tasks} fine-tuned models: pass one α per model, "
+            "or a single number for all"
+        )
+    for a in values:
+        if isinstance(a, bool) or not isinstance(a, numbers.Real):
             raise ArgumentError(
-                f"got {len(values)} alphas for {tasks} fine-tuned models: pass one α per model, "
-                "or a single float for all"
+                f"{name} must be numbers, got {a!r} ({type(a).__name__}): pass e.g. 0.5, not '0.5'"
             )
-    bad = [a for a in values if a != a or a in (float("inf"), float("-inf"))]
+    floats = [float(cast(float, a)) for a in values]
+    largest = torch.finfo(dtype).max
+    bad = [a for a in floats if not math.isfinite(a) or abs(a) > largest]
     if bad:
-        raise ArgumentError(f"alphas must be finite, got {values}")
-    return values
+        raise ArgumentError(
+            f"{name} must be finite numbers of magnitude ≤ {largest:.3e} (the largest "
+            f"{str(dtype).removeprefix('torch.')}), got {bad[0]!r}: use a moderate α "
+            "(typically 0 < α ≤ 1)"
+        )
+    return floats
+
+
+def _dtype_of(params: Params) -> torch.dtype:
+    return next(iter(params.values())).dtype
+
+
+@contextmanager
+def _negative_alphas_named(alphas: Sequence[float]) -> Iterator[None]:
+    """Add to a singular-system error that negative α_t subtract curvature from H̄ — the likely
+    cause, for which a larger prior is not the first fix."""
+    try:
+        yield
+    except NotPositiveDefiniteError as err:
+        negative = [f"alphas[{t}] = {a:g}" for t, a in enumerate(alphas) if a < 0]
+        if not negative:
+            raise
+        cause = str(err).split(PD_FIX)[0]
+        raise NotPositiveDefiniteError(
+            f"{cause}{', '.join(negative)} < 0 subtracts that task's curvature from "
+            "H̄ = H_0 + Σ_t α_t H_t: make |α_t| smaller (or α_t ≥ 0), or make the prior larger "
+            "than |α_t| times that curvature."
+        ) from err
 
 
 def _task_vector(base: Params, finetuned: Params, *, name: str) -> dict[str, Tensor]:
@@ -419,6 +492,8 @@ def _curvature(
             f"{name} must be a curvature (gm.Diagonal, gm.Dense, ...) or a float δ meaning δ·I, "
             f"got {type(value).__name__}"
         )
+    if isinstance(value, (int, float)):
+        _check_delta(float(value), _dtype_of(base), name=name)
     curvature = ScaledIdentity(float(value)) if isinstance(value, (int, float)) else value
     curvature.check_covers(base, name=name)
     if finite:
@@ -426,6 +501,25 @@ def _curvature(
     if psd:
         curvature.check_psd(name=name)
     return curvature
+
+
+def _check_delta(delta: float, dtype: torch.dtype, *, name: str) -> None:
+    """A float δ (δ·I) must be ≥ 0 (a precision) and, if not 0, a normal number of ``dtype``:
+    a subnormal δ carries few significant bits, so products with it are rounded coarsely and
+    its reciprocal overflows."""
+    if delta < 0:
+        raise NotPositiveDefiniteError(
+            f"{name} is not positive semi-definite: {name} = {delta:g} is a negative precision "
+            f"δ·I, and a prior or curvature precision must be ≥ 0; pass δ ≥ 0 (e.g. "
+            f"{name}=1e-6)"
+        )
+    tiny = torch.finfo(dtype).tiny
+    if 0 < delta < tiny:
+        raise ArgumentError(
+            f"{name} = {delta:g} is below the smallest normal {str(dtype).removeprefix('torch.')} "
+            f"number ({tiny:.3e}): products with it lose their precision and its reciprocal "
+            f"overflows; pass δ ≥ {tiny:.3e} (typically 1e-6), 0, or float64 parameters"
+        )
 
 
 def refine(

@@ -15,13 +15,19 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from gradmerge._text import key_list
-from gradmerge.errors import DeviceError, DTypeError, NonFiniteError, StructureError
+from gradmerge.errors import (
+    DeviceError,
+    DTypeError,
+    NonFiniteError,
+    ResultOverflowError,
+    StructureError,
+)
 
 Params = Mapping[str, Tensor]
 """A mapping from parameter name to tensor (e.g. a model's ``state_dict``)."""
@@ -96,6 +102,48 @@ def check_finite(params: Params, *, name: str) -> None:
             f"{name}[{key!r}] holds {bad} NaN/Inf value(s) of {value.numel()}; "
             "every input must be finite (check the checkpoint or the curvature estimate)."
         )
+
+
+def check_result_finite(
+    result: Params,
+    *,
+    what: str,
+    alphas: Sequence[float] = (),
+    small: str = "prior",
+    inputs: Sequence[tuple[str, Params]] = (),
+) -> None:
+    """Raise :class:`ResultOverflowError` if a computed ``result`` holds a NaN or an infinity.
+
+    The first of ``inputs`` (name, dict) holding a NaN/Inf at that key is named instead
+    (:class:`NonFiniteError`); when they are
+    all finite (or none is given: inputs checked before), the result overflowed its dtype, and
+    the message says so with the usual fixes: smaller α, a larger ``small`` precision (the
+    ``prior`` δ of a merge, the ``remaining`` δ of a removal), or float64.
+    """
+    for key, value in result.items():
+        if bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()):
+            continue
+        for name, params in inputs:
+            if key in params:
+                check_finite({key: params[key]}, name=name)
+        dtype = str(value.dtype).removeprefix("torch.")
+        largest = f" (largest |α| = {max(abs(a) for a in alphas):.3e})" if alphas else ""
+        wider = (
+            "compute in float64 (float64 tensors and curvatures)"
+            if value.dtype != torch.float64
+            else "float64 is the widest dtype"
+        )
+        raise ResultOverflowError(
+            f"the {what} {key!r} overflowed {dtype} to Inf/NaN although every input is "
+            f"finite{largest}: the α-weighted task vectors over H̄ exceed {dtype}'s range. Use "
+            f"smaller α, a larger `{small}` δ, or {wider}."
+        )
+
+
+def detached(params: Params) -> dict[str, Tensor]:
+    """``params`` with every tensor detached from autograd (the same memory; merges are not
+    differentiable, and in-place kernels refuse tensors that require grad)."""
+    return {k: v.detach() for k, v in params.items()}
 
 
 def check_compatible(reference: Params, other: Params, *, ref_name: str, name: str) -> None:

@@ -53,8 +53,8 @@ from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     ArgumentError,
     GradmergeError,
-    NonFiniteError,
     NotPositiveDefiniteError,
+    ResultOverflowError,
 )
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -197,7 +197,9 @@ class Job:
             opened checkpoint.
         curvatures: input name (``models[0].curvature``, ``prior.curvature``, ...) → opened
             curvature file.
-        hint: how to fix a singular system, added to a :class:`NotPositiveDefiniteError`.
+        hint: how to fix a singular system, added to a :class:`NotPositiveDefiniteError`
+            (``{example}`` stands for a suggested δ).
+        math_dtype: the compute dtype.
 
     Example:
         >>> import tempfile, torch
@@ -226,6 +228,12 @@ class Job:
     checkpoints: dict[str, Checkpoint]
     curvatures: dict[str, CurvatureFile]
     hint: str
+    math_dtype: torch.dtype = torch.float32
+
+    @property
+    def wide(self) -> bool:
+        """Whether the arithmetic already runs in float64 (no wider dtype to suggest)."""
+        return self.math_dtype == torch.float64
 
     def compute_unit(self, unit: Unit) -> dict[str, Tensor]:
         """The output tensors of ``unit`` (key → tensor in its output dtype, on ``device``).
@@ -235,7 +243,7 @@ class Job:
 
         Raises:
             NotPositiveDefiniteError: a singular system (the message names the unit and the fix).
-            NonFiniteError: a result that overflows a narrower output dtype.
+            ResultOverflowError: a result that overflows the compute or the output dtype.
             GradmergeError: any other error of the rule, naming the unit.
         """
         return _run_unit(self, unit) if unit.merged else _copy_unit(self, unit)
@@ -327,10 +335,17 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         )
 
     hint = {
-        "gradient_matching": "raise `prior: {delta: ...}` (e.g. 1.0e-6) so that H̄ is positive definite",
-        "fisher_average": "set `damping:` (e.g. 1.0e-8) so that Σ α_t H_t is positive definite",
-        "regmean": "set `damping:` (e.g. 1.0e-6) so that the summed Gram matrices are invertible",
+        "gradient_matching": "raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive "
+        "definite",
+        "fisher_average": "set `damping:` ({example}) so that Σ α_t H_t is positive definite",
+        "regmean": "set `damping:` ({example}) so that the summed Gram matrices are invertible",
     }.get(config.method, "")
+    negative = [f"models[{i}].alpha" for i, a in enumerate(config.alphas) if a < 0]
+    if negative and config.method != "task_arithmetic":
+        hint = (
+            f"{', '.join(negative)} (times `scale`) is negative, which subtracts that model's "
+            "curvature from H̄: make it smaller in magnitude, or " + hint
+        )
     return Job(
         "merge",
         plan,
@@ -340,6 +355,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         {"base_model": base, **{f"models[{i}].model": m for i, m in enumerate(models)}},
         files,
         hint,
+        dtype,
     )
 
 
@@ -398,11 +414,11 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     if gradient is not None:
         checkpoints["gradient"] = gradient
     hint = (
-        "the remaining curvature H̄_\\t must be positive definite: set `remaining: {delta: ...}` "
-        "to the base model's prior precision δ (e.g. 1.0e-6), or add the curvature of the data "
-        "that stays"
+        "the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
+        "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
+        "data that stays"
     )
-    return Job("remove", plan, base, compute, device, checkpoints, files, hint)
+    return Job("remove", plan, base, compute, device, checkpoints, files, hint, dtype)
 
 
 def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | None:
@@ -481,8 +497,14 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
     try:
         merged = job.compute(unit)
     except NotPositiveDefiniteError as err:
-        raise NotPositiveDefiniteError(
-            f"{err} While computing {_describe(unit)}: {job.hint}."
+        delta = err.suggested_delta
+        example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
+        hint = job.hint.format(example=example)
+        raise NotPositiveDefiniteError(f"{err} While computing {_describe(unit)}: {hint}.") from err
+    except ResultOverflowError as err:
+        raise ResultOverflowError(
+            f"{err} (while computing {_describe(unit)}; in the config: smaller `alpha`/`scale`, "
+            f"a larger `delta`{'' if job.wide else ', or `compute_dtype: float64`'})"
         ) from err
     except GradmergeError as err:
         raise type(err)(f"{err} (while computing {_describe(unit)})") from err
@@ -493,9 +515,12 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         if value.element_size() < merged[k].element_size() and not bool(
             torch.isfinite(value).all()
         ):
-            raise NonFiniteError(
-                f"the result for {k!r} overflows {dtype} (largest magnitude "
-                f"{float(merged[k].abs().max()):.3e}): write float32 or bfloat16 (`dtype:`)"
+            name = str(dtype).removeprefix("torch.")
+            wider = "float64" if dtype == torch.float32 else "float32"
+            raise ResultOverflowError(
+                f"the result for {k!r} overflows the output dtype {name} (largest magnitude "
+                f"{float(merged[k].abs().max()):.3e}, above {torch.finfo(dtype).max:.3e}): write "
+                f"a wider dtype (`dtype: {wider}`), or use smaller `alpha`/`scale`"
             )
         out[k] = value
     return out

@@ -535,7 +535,12 @@ def _two_term_factorisation(
     if preconditioner:
         return qa, qg, denom.clamp(min=floor), trans
     if float(denom.min()) <= floor:
-        raise not_pd(f"K-FAC system of {name!r}", f"smallest eigenvalue {float(denom.min()):.3e}")
+        raise not_pd(
+            f"K-FAC system of {name!r}",
+            f"smallest eigenvalue {float(denom.min()):.3e}, not above the round-off floor "
+            f"{floor:.3e} of a system whose largest is {scale:.3e}",
+            delta=10 * floor,
+        )
     return qa, qg, denom, trans
 
 
