@@ -35,6 +35,7 @@ from gradmerge.errors import (
     DTypeError,
     FileFormatError,
     GradmergeError,
+    InputWarning,
     NonFiniteError,
     NotConvergedError,
     NotPositiveDefiniteError,
@@ -88,6 +89,7 @@ __all__ = [
     "distributed",
     # errors
     "GradmergeError",
+    "InputWarning",
     "StructureError",
     "DTypeError",
     "DeviceError",

@@ -47,3 +47,8 @@ class FileFormatError(GradmergeError, ValueError):
 
 class NotConvergedError(GradmergeError, RuntimeError):
     """An iterative solve (conjugate gradients) did not reach its tolerance."""
+
+
+class InputWarning(UserWarning):
+    """Inputs that are accepted but are probably not what was meant (a model listed twice in a
+    merge, a curvature estimated at other weights than the model it is paired with)."""

@@ -28,8 +28,9 @@ Both also take ``compute_dtype`` (float32 | float64: the precision of the arithm
 ``passthrough`` (globs of float tensors copied from the base unmerged), ``max_shard_size``
 (bytes, or "5GB", "500MB", "2GiB") and ``allow_mixed_dtypes`` (let float tensors of one name
 differ in dtype between inputs). Relative paths are relative to the YAML file's folder. Unknown
-keys, missing keys, keys a method does not use and missing files raise :class:`ConfigError` /
-:class:`MissingInputError`, naming the key.
+keys, missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and
+missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
+shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import difflib
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from gradmerge.checkpoints.errors import ConfigError, MissingInputError
+from gradmerge.errors import InputWarning
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
 REMOVE_METHODS = ("remove", "influence_remove")
@@ -170,6 +173,7 @@ class MergeConfig(Options):
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, method) for i, m in enumerate(r.entries("models")))
+        _warn_repeated(models, check_files)
         needs_base = method in ("task_arithmetic", "gradient_matching")
         base = r.path("base_model", default=_REQUIRED if needs_base else None)
         prior = None
@@ -306,6 +310,25 @@ def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
     return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
 
 
+def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
+    """Warn when one checkpoint is listed as two models: it is then merged twice, as one model
+    with the sum of their weights — rarely what was meant."""
+    seen: dict[Path, int] = {}
+    for i, m in enumerate(models):
+        where = m.model.resolve() if check_files else m.model
+        if where in seen:
+            j = seen[where]
+            warnings.warn(
+                f"models[{j}].model and models[{i}].model are the same checkpoint ({m.model}): it "
+                f"is merged twice, as if listed once with alpha {models[j].alpha:g} + "
+                f"{m.alpha:g}; list it once (with the summed `alpha` if that is meant)",
+                InputWarning,
+                stacklevel=4,
+            )
+        else:
+            seen[where] = i
+
+
 def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
     if key not in r.data:
         if required:
@@ -348,7 +371,7 @@ class _Reader:
     def allow(self, *keys: str) -> None:
         unknown = [k for k in self.data if k not in keys]
         if unknown:
-            key = str(unknown[0])
+            key = _shown(unknown[0], quoted=False)
             hint = _ALIASES.get(key) if _ALIASES.get(key) in keys else None
             close = difflib.get_close_matches(key, keys, n=1)
             guess = hint or (close[0] if close else None)
@@ -375,7 +398,7 @@ class _Reader:
         value = self._get(key, default)
         if value not in options:
             raise ConfigError(
-                f"`{self._name(key)}` must be one of {', '.join(options)}; got {value!r}"
+                f"`{self._name(key)}` must be one of {', '.join(options)}; got {_shown(value)}"
             )
         return str(value)
 
@@ -389,15 +412,15 @@ class _Reader:
             or not isinstance(value, (int, float))
             or not math.isfinite(value)
         ):
-            raise ConfigError(f"`{self._name(key)}` must be a finite number, got {value!r}")
+            raise ConfigError(f"`{self._name(key)}` must be a finite number, got {_shown(value)}")
         if minimum is not None and value < minimum:
-            raise ConfigError(f"`{self._name(key)}` must be ≥ {minimum:g}, got {value!r}")
+            raise ConfigError(f"`{self._name(key)}` must be ≥ {minimum:g}, got {_shown(value)}")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
         value = self._get(key, default)
         if not isinstance(value, bool):
-            raise ConfigError(f"`{self._name(key)}` must be true or false, got {value!r}")
+            raise ConfigError(f"`{self._name(key)}` must be true or false, got {_shown(value)}")
         return value
 
     def strings(self, key: str) -> tuple[str, ...]:
@@ -405,7 +428,7 @@ class _Reader:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(
                 f"`{self._name(key)}` must be a list of names or globs, e.g. "
-                f"[lm_head.weight, '*.rotary_emb.*'], got {value!r}"
+                f"[lm_head.weight, '*.rotary_emb.*'], got {_shown(value)}"
             )
         return tuple(value)
 
@@ -423,7 +446,7 @@ class _Reader:
         if value is None:
             return None
         if not isinstance(value, (str, os.PathLike)) or str(value) == "":
-            raise ConfigError(f"`{self._name(key)}` must be a path, got {value!r}")
+            raise ConfigError(f"`{self._name(key)}` must be a path, got {_shown(value)}")
         path = (self.root / Path(value).expanduser()).absolute()
         if self.check_files:
             exists = path.is_file() if kind == "file" else path.exists()
@@ -436,7 +459,7 @@ class _Reader:
         value = self._get(key, "auto")
         if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
             raise ConfigError(
-                f"`{self._name(key)}` must be auto, cpu, cuda or cuda:N; got {value!r}"
+                f"`{self._name(key)}` must be auto, cpu, cuda or cuda:N; got {_shown(value)}"
             )
         return value
 
@@ -461,18 +484,20 @@ def parse_size(value: object) -> int:
         (1500000000, 2048, 100)
     """
     if isinstance(value, bool):
-        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {value!r}")
+        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {_shown(value)}")
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if not match or match.group(2).upper() not in _UNITS:
-            raise ValueError(f"expected a size such as '5GB', '500MB' or '2GiB', got {value!r}")
+            raise ValueError(
+                f"expected a size such as '5GB', '500MB' or '2GiB', got {_shown(value)}"
+            )
         size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
     else:
-        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {value!r}")
+        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {_shown(value)}")
     if size <= 0:
-        raise ValueError(f"a size must be positive, got {value!r}")
+        raise ValueError(f"a size must be positive, got {_shown(value)}")
     return size
 
 
@@ -482,11 +507,62 @@ def _load_yaml(path: str | os.PathLike[str]) -> tuple[Any, Path]:
     source = Path(path)
     if not source.is_file():
         raise MissingInputError(f"no configuration file at {source}")
+    raw = source.read_bytes()
     try:
-        data = yaml.safe_load(source.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{source} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset {err.start} "
+            "cannot be decoded; save the configuration as UTF-8"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_strict_loader())  # a yaml.SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"{source} is not valid YAML: {err}") from err
     return data, source.absolute().parent
+
+
+def _strict_loader() -> type:
+    """``yaml.SafeLoader`` refusing a key given twice in one mapping (which YAML leaves to the
+    reader and PyYAML resolves silently: the last one wins)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *defaults` may be overridden by explicit keys
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = seen.get(key)
+                except TypeError:  # an unhashable key: PyYAML's own error follows
+                    continue
+                line = key_node.start_mark.line + 1
+                if earlier is not None:
+                    raise ConfigError(
+                        f"key {_shown(key)} is given twice in one mapping (lines {earlier} and "
+                        f"{line} of {key_node.start_mark.name}); YAML keeps only one: remove "
+                        "one of them"
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _shown(value: Any, *, quoted: bool = True) -> str:
+    """``repr(value)`` shortened for an error message: at most a few levels, items and
+    characters, without expanding the value (a YAML alias bomb shares one list a billion times:
+    its full repr would never finish)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxtuple = 2, 4, 4, 4
+    short.maxstring = short.maxother = 80
+    if isinstance(value, str) and not quoted:
+        return value if len(value) <= 80 else value[:77] + "..."
+    return short.repr(value)
 
 
 def _plain(value: Any) -> Any:

@@ -200,6 +200,7 @@ class Job:
         hint: how to fix a singular system, added to a :class:`NotPositiveDefiniteError`
             (``{example}`` stands for a suggested δ).
         math_dtype: the compute dtype.
+        source: the configuration file, if any (an output folder must not hold it either).
 
     Example:
         >>> import tempfile, torch
@@ -229,6 +230,7 @@ class Job:
     curvatures: dict[str, CurvatureFile]
     hint: str
     math_dtype: torch.dtype = torch.float32
+    source: Path | None = None
 
     @property
     def wide(self) -> bool:
@@ -249,7 +251,7 @@ class Job:
         return _run_unit(self, unit) if unit.merged else _copy_unit(self, unit)
 
     def check_output(self, out_dir: str | os.PathLike[str]) -> None:
-        """Refuse an output folder that is, or holds, one of the inputs.
+        """Refuse an output folder that is, or holds, one of the inputs or the configuration file.
 
         Raises:
             ConfigError: ``out_dir`` is an input or contains one.
@@ -356,6 +358,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         files,
         hint,
         dtype,
+        config.source,
     )
 
 
@@ -418,7 +421,9 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
         "data that stays"
     )
-    return Job("remove", plan, base, compute, device, checkpoints, files, hint, dtype)
+    return Job(
+        "remove", plan, base, compute, device, checkpoints, files, hint, dtype, config.source
+    )
 
 
 def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | None:
@@ -550,11 +555,15 @@ def _progress(enabled: bool, total: int, command: str) -> Any:
 
 def _refuse_input_inside(target: Path, job: Job) -> None:
     inputs = [c.path for c in job.checkpoints.values()] + [f.path for f in job.curvatures.values()]
+    if job.source is not None:
+        inputs.append(job.source)
     for path in inputs:
         resolved, out = path.resolve(), target.resolve()
         if resolved == out or out in resolved.parents:
+            what = "the configuration file" if path == job.source else "an input"
             raise ConfigError(
-                f"the output folder {target} holds an input ({path}); write to another folder"
+                f"the output folder {target} holds {what} ({path}), which writing it would "
+                "replace or delete; write to another folder"
             )
 
 
