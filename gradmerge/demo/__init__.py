@@ -13,6 +13,8 @@ Newton's method. The study then
   structure, for several α, and compares with the exact multi-task target
   θ_{1:T} = argmin Σ_t α ℓ̄_t(θ) + (δ/2)‖θ − θ_LLM‖² (held-out accuracy, distance, and the
   gradient mismatch of Eq. 2, ``gm.gradient_mismatch``);
+- refines the full-curvature merge towards θ_{1:T} with k steps of ``gm.refine`` (gradients and
+  full GGN re-estimated at each iterate; Sec. 1.5);
 - removes one task from the model trained on all of them with Eq. 13 (``gm.remove``) and with
   Koh & Liang's step (``gm.influence_remove``), against retraining without it.
 

@@ -31,6 +31,7 @@ class DemoConfig:
         base_delta: the base model's weight decay (its prior (δ/2)‖θ‖²).
         alphas: the task weights α (the same for every task) of the α sweep; the table is at
             the largest.
+        refine_steps: k, the steps of ``gm.refine`` from the full-curvature merge (≥ 1).
         remove: the task removed in the removal study.
         seed: the data split, the noise and the initialisation.
     """
@@ -44,6 +45,7 @@ class DemoConfig:
     delta: float = 5.0
     base_delta: float = 2.0
     alphas: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    refine_steps: int = 3
     remove: str = "shifted"
     seed: int = 0
 
@@ -61,6 +63,10 @@ class DemoConfig:
         if self.delta <= 0.0 or self.base_delta <= 0.0:
             raise ArgumentError(
                 f"delta and base_delta must be > 0, got {self.delta} and {self.base_delta}"
+            )
+        if self.refine_steps < 1:
+            raise ArgumentError(
+                f"refine_steps must be at least 1 (gm.refine steps), got {self.refine_steps}"
             )
         if self.hidden < 1:
             raise ArgumentError(f"hidden must be at least 1, got {self.hidden}")

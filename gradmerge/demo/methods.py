@@ -15,6 +15,8 @@ method                 rule
 ``gm_diag``            Eq. 6, H_t diagonal
 ``gm_kfac``            Eq. 6, H_t K-FAC (type-2, one Kronecker term per layer)
 ``gm_full``            Eq. 6, H_t the full GGN (dense)
+``gm_refine``          ``gm_full``, then k steps of ``gm.refine`` (Sec. 1.5) towards θ_{1:T}, each
+                       with the gradients and the full GGN re-estimated at the iterate
 =====================  =========================================================================
 
 Removing task r from θ_all (the model trained on every task, the role of θ_LLM in Sec. 1.3):
@@ -44,7 +46,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -69,7 +71,10 @@ MERGE_METHODS = (
     "gm_kfac",
     "gm_full",
 )
-"""Merge methods, in the order of the table."""
+"""Merge methods of :func:`merge`, in the order of the table."""
+
+REFINED = "gm_refine"
+"""The refined merge (:func:`refine`), listed after :data:`MERGE_METHODS` in the table."""
 
 EPS = 1e-8
 """ε added to each diagonal Fisher in ``fisher_average`` and to each Gram matrix in ``regmean``
@@ -142,6 +147,48 @@ def merge(
             base, finetuned, curvatures[structure], prior=delta, alphas=alphas
         )
     return out
+
+
+def refine(
+    mlp: MLP,
+    start: Params,
+    base: Params,
+    data: Sequence[Split],
+    gradients: Sequence[Callable[[Params], dict[str, Tensor]]],
+    *,
+    delta: float,
+    alphas: float | Sequence[float],
+    steps: int,
+) -> list[dict[str, Tensor]]:
+    """``steps`` iterates of ``gm.refine`` from ``start`` towards θ_{1:T}.
+
+    θ^{k+1} = θ^k − (δI + Σ_t α_t G_t(θ^k))⁻¹ [δ(θ^k − θ_LLM) + Σ_t α_t ∇ℓ̄_t(θ^k)], G_t(θ^k) the
+    full GGN of task t's data re-estimated at every iterate (a Gauss-Newton step on the
+    multi-task objective; ``gm.refine`` backtracks on the norm of the bracket).
+
+    Args:
+        mlp: the architecture.
+        start: θ^0 (the demo's ``gm_full`` merge).
+        base: θ_LLM.
+        data: each task's training split D_t.
+        gradients: θ ↦ ∇ℓ̄_t(θ) on D_t.
+        delta: δ, H_0 = δI.
+        alphas: α_t.
+        steps: k ≥ 1.
+    """
+
+    def curvature_at(split: Split) -> Callable[[Params], gm.Curvature]:
+        return lambda theta: estimate(mlp, theta, split, "full")
+
+    return gm.refine(
+        start,
+        base,
+        gradients,
+        [curvature_at(split) for split in data],
+        prior=delta,
+        alphas=alphas,
+        steps=steps,
+    )
 
 
 def remove(

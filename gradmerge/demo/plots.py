@@ -21,7 +21,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from gradmerge.demo.results import METHOD_LABELS, DemoResults
+from gradmerge.demo.results import DemoResults, label
 
 COLOURS = {
     "task_arithmetic": "tab:orange",
@@ -30,6 +30,7 @@ COLOURS = {
     "gm_diag": "tab:cyan",
     "gm_kfac": "tab:blue",
     "gm_full": "tab:green",
+    "gm_refine": "tab:red",
     "target": "black",
 }
 MARKERS = ("o", "s", "^", "D", "v", "P")
@@ -58,7 +59,7 @@ def accuracy_figure(results: DemoResults) -> Figure:
                 marker="o" if method != "target" else None,
                 linestyle="--" if method == "target" else "-",
                 color=COLOURS.get(method),
-                label=METHOD_LABELS.get(method, method),
+                label=label(method, results.config),
             )
         own = results.references["finetuned"]
         base = results.references["base"]
@@ -96,7 +97,7 @@ def mismatch_figure(results: DemoResults) -> Figure:
                 alpha=0.8,
             )
     for method in dict.fromkeys(r["method"] for r in results.merge):
-        left.scatter([], [], color=COLOURS.get(method), label=METHOD_LABELS.get(method, method))
+        left.scatter([], [], color=COLOURS.get(method), label=label(method, results.config))
     for t, task in enumerate(tasks):
         left.scatter([], [], color="grey", marker=MARKERS[t % len(MARKERS)], label=f"task {task}")
     rho = results.correlations["task_error_vs_task_mismatch"]

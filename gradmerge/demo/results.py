@@ -2,12 +2,12 @@
 
 Example:
     >>> from gradmerge.demo.results import DemoResults
-    >>> r = DemoResults(config={"alpha": 1.0, "alphas": [1.0], "delta": 5.0}, device="cpu",
+    >>> r = DemoResults(config={"alphas": [1.0], "delta": 5.0, "refine_steps": 1}, device="cpu",
     ...     tasks=["a"], training={}, references={"base": {"a": 0.1, "original": 0.9},
     ...     "finetuned": {"a": {"a": 0.9, "original": 0.5}}}, merge=[{"method": "target",
     ...     "alpha": 1.0, "accuracy": {"a": 0.8, "original": 0.6}, "relative_distance_to_target": 0.0,
     ...     "distance_to_target": 0.0, "mismatch": [0.5], "mismatch_total": 0.5}],
-    ...     eq2=[], removal={"removed": "a", "rows": []}, correlations={}, timings={},
+    ...     eq2=[], refinement=[], removal={"removed": "a", "rows": []}, correlations={}, timings={},
     ...     environment={})
     >>> r.row("target")["accuracy"]["a"], "target θ_1:T (exact)" in r.merge_table()
     (0.8, True)
@@ -25,9 +25,23 @@ METHOD_LABELS = {
     "gm_diag": "grad. matching, diag",
     "gm_kfac": "grad. matching, K-FAC",
     "gm_full": "grad. matching, full",
+    "gm_refine": "grad. matching + refine (k steps)",
     "target": "target θ_1:T (exact)",
 }
-"""Printed names of the methods."""
+"""Printed names of the methods (``k``: the config's ``refine_steps``, see :func:`label`)."""
+
+
+def label(method: str, config: dict[str, Any]) -> str:
+    """The printed name of ``method``, with the number of refinement steps filled in."""
+    text = METHOD_LABELS.get(method, method)
+    if method == "gm_refine":
+        steps = config["refine_steps"]
+        text = text.replace("k steps", f"{steps} step" + ("s" if steps != 1 else ""))
+    return text
+
+
+LABEL_WIDTH = 35
+"""Width of the method column of the tables."""
 
 
 @dataclass
@@ -43,6 +57,11 @@ class DemoResults:
         merge: one row per (α, method), the target included: ``accuracy`` (per task and
             ``original``), ``relative_distance_to_target`` ‖θ − θ_1:T‖/‖θ_1:T − θ_LLM‖,
             ``distance_to_target``, ``mismatch`` ‖Δ_t(θ)‖ per task and ``mismatch_total``.
+        refinement: per α, the path of ``gm.refine`` from the full-curvature merge (``steps``:
+            θ^0 … θ^k with mean accuracy, ``gap_closed`` share of the accuracy gap to the target,
+            relative distance to the target, mismatch and stationarity residual ‖R‖), the
+            target's mean accuracy and objective, and ``local_map``: the MAP Newton's method
+            reaches from the merge on the same objective (at the table's α only, else None).
         eq2: per α, Eq. 2 at the target: ``task_arithmetic_error`` ‖θ_TA − θ_1:T‖, the
             ``mismatch_term`` ‖Σ_t α_t H_0⁻¹ Δ_t(θ_1:T)‖, and the identity's ``residual`` (absolute
             and ``relative_residual``).
@@ -61,6 +80,7 @@ class DemoResults:
     references: dict[str, Any]
     merge: list[dict[str, Any]]
     eq2: list[dict[str, float]]
+    refinement: list[dict[str, Any]]
     removal: dict[str, Any]
     correlations: dict[str, dict[str, float | int]]
     timings: dict[str, float]
@@ -85,16 +105,16 @@ class DemoResults:
         alpha = rows[0]["alpha"]
         width = max(8, *(len(t) for t in self.tasks))
         head = (
-            f"{'method':<22s}"
+            f"{'method':<{LABEL_WIDTH}s}"
             + "".join(f"{t:>{width + 1}s}" for t in self.tasks)
             + "   mean  original  dist. to target  mismatch Σ‖Δ_t‖"
         )
 
-        def line(label: str, acc: dict[str, float], dist: str, mismatch: str) -> str:
+        def line(name: str, acc: dict[str, float], dist: str, mismatch: str) -> str:
             mean = sum(acc[t] for t in self.tasks) / len(self.tasks)
             cells = "".join(f"{acc[t]:>{width + 1}.3f}" for t in self.tasks)
             original = f"{acc['original']:8.3f}" if "original" in acc else f"{'—':>8s}"
-            return f"{label:<22s}{cells}  {mean:5.3f}  {original}  {dist:>15s}  {mismatch:>16s}"
+            return f"{name:<{LABEL_WIDTH}s}{cells}  {mean:5.3f}  {original}  {dist:>15s}  {mismatch:>16s}"
 
         own = {t: self.references["finetuned"][t][t] for t in self.tasks}
         lines = [
@@ -108,7 +128,7 @@ class DemoResults:
         for r in rows:
             lines.append(
                 line(
-                    METHOD_LABELS.get(r["method"], r["method"]),
+                    label(r["method"], self.config),
                     r["accuracy"],
                     f"{r['relative_distance_to_target']:.3f}",
                     f"{r['mismatch_total']:.2f}",
@@ -128,14 +148,51 @@ class DemoResults:
         lines = [
             "Mean held-out accuracy over the tasks against α",
             "",
-            f"{'method':<22s}" + "".join(f"{'α=' + format(a, 'g'):>8s}" for a in alphas),
+            f"{'method':<{LABEL_WIDTH}s}" + "".join(f"{'α=' + format(a, 'g'):>8s}" for a in alphas),
         ]
         for method in methods:
             cells = ""
             for a in alphas:
                 acc = self.row(method, a)["accuracy"]
                 cells += f"{sum(acc[t] for t in self.tasks) / len(self.tasks):8.3f}"
-            lines.append(f"{METHOD_LABELS.get(method, method):<22s}{cells}")
+            lines.append(f"{label(method, self.config):<{LABEL_WIDTH}s}{cells}")
+        return "\n".join(lines)
+
+    def refine_table(self) -> str:
+        """Mean accuracy along each α's refinement path, and the share of the gap closed."""
+        steps = self.config["refine_steps"]
+        lines = [
+            f"Refinement (gm.refine, {steps} steps, full GGN and gradients re-estimated at each "
+            "iterate) from grad. matching, full; mean held-out accuracy",
+            "",
+            f"{'α':>5s}  {'start':>6s}"
+            + "".join(f"{'k=' + str(k):>7s}" for k in range(1, steps + 1))
+            + f"  {'target':>6s}  {'gap closed':>10s}  {'‖R‖ start→end':>17s}"
+            + "  local MAP (acc., dist., F − F(θ_1:T))",
+        ]
+        for r in self.refinement:
+            path = r["steps"]
+            closed = path[-1]["gap_closed"]
+            local = r["local_map"]
+            lines.append(
+                f"{r['alpha']:5g}  {path[0]['mean_accuracy']:6.3f}"
+                + "".join(f"{p['mean_accuracy']:7.3f}" for p in path[1:])
+                + f"  {r['target_mean_accuracy']:6.3f}"
+                + f"  {'—' if closed is None else format(closed, '.0%'):>10s}"
+                + f"  {path[0]['residual']:7.1f}→{path[-1]['residual']:<8.1f}"
+                + (
+                    f"  {local['mean_accuracy']:.3f}, {local['relative_distance_to_target']:.3f}, "
+                    f"{local['objective'] - r['target_objective']:+.2f}"
+                    if local is not None
+                    else "  —"
+                )
+            )
+        lines.append(
+            "gap closed: (acc(θ^k) − acc(θ^0)) / (acc(θ_1:T) − acc(θ^0)). ‖R‖: ‖δ(θ − θ_LLM) + "
+            "Σ_t α ∇ℓ̄_t(θ)‖, 0 at every minimum of the multi-task objective. local MAP: the "
+            "minimum Newton's method reaches from θ^0, at the table's α (dist.: "
+            "‖θ − θ_1:T‖/‖θ_1:T − θ_LLM‖; F: the multi-task objective, θ_1:T trained from θ_LLM)."
+        )
         return "\n".join(lines)
 
     def removal_table(self) -> str:
@@ -174,6 +231,7 @@ class DemoResults:
         parts = [
             self.merge_table(),
             self.alpha_table(),
+            self.refine_table(),
             self.removal_table(),
             "Gradient mismatch against error, over every merged model (methods × α): Spearman ρ = "
             + ", ".join(

@@ -10,7 +10,11 @@ Steps (paper notation; H_0 = δI throughout):
    (trained from θ_LLM, to convergence), every merge method, and per method: held-out accuracy
    per task and on the original images, ‖θ − θ_{1:T}‖/‖θ_{1:T} − θ_LLM‖, and the gradient
    mismatch Δ_t(θ) = ∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t) of Eq. 2 (``gm.gradient_mismatch``).
-5. Removal of task r from θ_all = θ_{1:T}(α = 1): θ'_r fine-tuned on D_r from θ_all (Eq. 15),
+5. Refinement (Sec. 1.5, ``gm.refine``): k steps from the full-curvature merge towards θ_{1:T}(α),
+   gradients and full GGN re-estimated at each iterate; and, for comparison, the MAP that Newton's
+   method reaches on the same objective from that merge (the multi-task objective of an MLP can
+   have several minima).
+6. Removal of task r from θ_all = θ_{1:T}(α = 1): θ'_r fine-tuned on D_r from θ_all (Eq. 15),
    Eq. 13 and Koh & Liang in the three structures, against the retrained
    θ_\r = argmin Σ_{t≠r} ℓ̄_t(θ) + (δ/2)‖θ − θ_LLM‖² (from θ_LLM).
 """
@@ -27,6 +31,7 @@ from scipy.stats import spearmanr
 from torch import Tensor
 
 import gradmerge as gm
+from gradmerge import params as P
 from gradmerge.demo import methods
 from gradmerge.demo.config import DemoConfig
 from gradmerge.demo.data import Split, Splits, make_splits
@@ -104,6 +109,7 @@ def run_study(
     }
     rows: list[dict] = []
     eq2: list[dict[str, float]] = []
+    refinement: list[dict] = []
     targets: dict[float, Tensor] = {}
     for alpha in sorted(config.alphas):
         with stage(f"target and merges, alpha={alpha:g}"):
@@ -112,6 +118,28 @@ def run_study(
             targets[alpha] = target_fit.theta
             target = mlp.params(target_fit.theta)
             merged = methods.merge(base, finetuned, curvatures, grams, delta=delta, alphas=alpha)
+        with stage(f"refinement ({config.refine_steps} steps), alpha={alpha:g}"):
+            start = merged["gm_full"]
+            iterates = methods.refine(
+                mlp,
+                start,
+                base,
+                [t.train for t in splits.tasks],
+                gradients,
+                delta=delta,
+                alphas=alpha,
+                steps=config.refine_steps,
+            )
+            local: tuple[Params, float] | None = None
+            if alpha == config.alpha:
+                # the MAP of the same objective that Newton's method reaches from the merge
+                # (where refinement can go), whichever minimum θ_1:T, trained from θ_LLM, is
+                tasks = [(t.train, alpha) for t in splits.tasks]
+                local_fit = finetune(tasks, mlp.flat(start), theta_llm)
+                training[f"local/alpha={alpha:g}"] = local_fit.summary()
+                local = (mlp.params(local_fit.theta), local_fit.objective)
+        with stage(f"measures, alpha={alpha:g}"):
+            merged[methods.REFINED] = iterates[-1]
             merged["target"] = target
             for method, params in merged.items():
                 rows.append(
@@ -119,6 +147,19 @@ def run_study(
                     | {"accuracy": evaluate(mlp.flat(params))}
                 )
             eq2.append(_eq2_check(alpha, merged, base, finetuned, gradients, delta))
+            refinement.append(
+                _refinement(
+                    alpha,
+                    [start, *iterates],
+                    base,
+                    (target, target_fit.objective),
+                    local,
+                    finetuned,
+                    gradients,
+                    delta,
+                    lambda params: _mean(evaluate(mlp.flat(params)), names),
+                )
+            )
 
     with stage("removal"):
         removal = _removal(config, mlp, splits, base, targets, finetune, evaluate)
@@ -133,6 +174,7 @@ def run_study(
         references=references,
         merge=rows,
         eq2=eq2,
+        refinement=refinement,
         removal=removal,
         correlations=_correlations(rows, names),
         timings=timings,
@@ -158,6 +200,72 @@ def _merge_row(
         "relative_distance_to_target": methods.relative_distance(params, target, base),
         "mismatch": mismatch.norms,
         "mismatch_total": mismatch.total,
+    }
+
+
+def _refinement(
+    alpha: float,
+    path: Sequence[Params],
+    base: Params,
+    reference: tuple[Params, float],
+    local: tuple[Params, float] | None,
+    finetuned: Sequence[Params],
+    gradients: Sequence[Callable[[Params], dict[str, Tensor]]],
+    delta: float,
+    mean_accuracy: Callable[[Params], float],
+) -> dict:
+    """The refinement path θ^0 (the full-curvature merge), θ^1, …, θ^k at one α.
+
+    Per iterate: mean held-out accuracy, the share of the accuracy gap to the target closed,
+    (acc(θ^k) − acc(θ^0)) / (acc(θ_1:T) − acc(θ^0)) (None when the merge is not below the
+    target), ‖θ^k − θ_1:T‖/‖θ_1:T − θ_LLM‖, the mismatch Σ_t ‖Δ_t(θ^k)‖ of Eq. 2 and the
+    stationarity residual ‖R(θ^k)‖ = ‖δ(θ^k − θ_LLM) + Σ_t α ∇ℓ̄_t(θ^k)‖ (0 at every MAP of the
+    multi-task objective F). ``reference`` is θ_1:T (trained from θ_LLM) and F there; ``local``
+    (or None) the MAP that Newton's method reaches on F from θ^0 and F there: F can have
+    several minima.
+    """
+    target, target_objective = reference
+    target_accuracy = mean_accuracy(target)
+    start_accuracy = mean_accuracy(path[0])
+    gap = target_accuracy - start_accuracy
+
+    def closed(accuracy: float) -> float | None:
+        return (accuracy - start_accuracy) / gap if gap > 0 else None
+
+    steps = []
+    for k, theta in enumerate(path):
+        residual = P.scale(delta, P.sub(theta, base))
+        for grad in gradients:
+            residual = P.axpy(alpha, grad(theta), residual)
+        accuracy = mean_accuracy(theta)
+        steps.append(
+            {
+                "step": k,
+                "mean_accuracy": accuracy,
+                "gap_closed": closed(accuracy),
+                "relative_distance_to_target": methods.relative_distance(theta, target, base),
+                "mismatch_total": gm.gradient_mismatch(
+                    theta, finetuned, gradients, alphas=alpha
+                ).total,
+                "residual": P.norm(residual),
+            }
+        )
+    local_map = None
+    if local is not None:
+        local_accuracy = mean_accuracy(local[0])
+        local_map = {
+            "mean_accuracy": local_accuracy,
+            "gap_closed": closed(local_accuracy),
+            "relative_distance_to_target": methods.relative_distance(local[0], target, base),
+            "objective": local[1],
+        }
+    return {
+        "alpha": alpha,
+        "start": "gm_full",
+        "target_mean_accuracy": target_accuracy,
+        "target_objective": target_objective,
+        "steps": steps,
+        "local_map": local_map,
     }
 
 
@@ -249,6 +357,11 @@ def _removal(
             f"removal/refinetuned/{config.remove}": refinetune.summary(),
         },
     }
+
+
+def _mean(accuracy: dict[str, float], tasks: Sequence[str]) -> float:
+    """Mean held-out accuracy over ``tasks``."""
+    return sum(accuracy[t] for t in tasks) / len(tasks)
 
 
 def _correlations(rows: list[dict], names: list[str]) -> dict[str, dict[str, float | int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.func import jacrev
@@ -141,3 +143,35 @@ def test_removal_matches_closed_forms_and_alpha_zero_is_the_identity(setting):
     none = gm.influence_remove(everything, g, remaining=rest + DELTA, alpha=0.0)
     for params in (same, none):
         torch.testing.assert_close(mlp.flat(params), e, rtol=0, atol=0)
+
+
+def test_refine_steps_are_gauss_newton_steps_on_the_multitask_objective(setting):
+    """θ^{k+1} = θ^k − s·(δI + Σ α G_t(θ^k))⁻¹ R(θ^k), s a power of ½, G_t brute-force GGNs."""
+    splits, mlp, base, fts, curv, grams = setting
+    alphas = [0.5, 1.0, 0.8]
+    start = methods.merge(base, fts, curv, grams, delta=DELTA, alphas=alphas)["gm_full"]
+    data = [t.train for t in splits.tasks]
+    gradients = [gradient_fn(mlp, d) for d in data]
+    iterates = methods.refine(
+        mlp, start, base, data, gradients, delta=DELTA, alphas=alphas, steps=2
+    )
+    assert len(iterates) == 2
+    b = mlp.flat(base)
+    eye = torch.eye(mlp.num_params, dtype=torch.float64)
+
+    def residual(theta: torch.Tensor) -> torch.Tensor:
+        out = DELTA * (theta - b)
+        for a, d in zip(alphas, data, strict=True):
+            grad = torch.func.grad(lambda t, d=d: mlp.losses(t, d.x, d.y).sum())(theta)
+            out = out + a * grad
+        return out
+
+    previous = mlp.flat(start)
+    for theta in map(mlp.flat, iterates):
+        ggn = sum(a * _ggn(mlp, previous, d) for a, d in zip(alphas, data, strict=True))
+        newton = -torch.linalg.solve(DELTA * eye + ggn, residual(previous))
+        step = theta - previous
+        size = 0.5 ** round(-math.log2(float(step @ newton / (newton @ newton))))
+        torch.testing.assert_close(step, size * newton, rtol=1e-8, atol=1e-10)
+        assert residual(theta).norm() < residual(previous).norm()
+        previous = theta

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import pytest
 
 from gradmerge.demo import DemoConfig, DemoResults
-from gradmerge.demo.methods import MERGE_METHODS, STRUCTURES
+from gradmerge.demo.methods import MERGE_METHODS, REFINED, STRUCTURES
 from gradmerge.demo.mlp import MLP
-from gradmerge.demo.results import METHOD_LABELS
+from gradmerge.demo.results import METHOD_LABELS, label
 
 
 def test_every_method_at_every_alpha(quick_results: DemoResults):
@@ -18,8 +19,8 @@ def test_every_method_at_every_alpha(quick_results: DemoResults):
     assert quick_results.tasks == list(config.tasks)
     for alpha in config.alphas:
         methods = [r["method"] for r in quick_results.rows(alpha)]
-        assert methods == [*MERGE_METHODS, "target"]
-    assert len(quick_results.merge) == len(config.alphas) * (len(MERGE_METHODS) + 1)
+        assert methods == [*MERGE_METHODS, REFINED, "target"]
+    assert len(quick_results.merge) == len(config.alphas) * (len(MERGE_METHODS) + 2)
 
 
 def test_accuracies_distances_and_mismatches_are_in_range(quick_results: DemoResults):
@@ -46,7 +47,7 @@ def test_every_model_is_converged(quick_results: DemoResults):
     config = DemoConfig.quick()
     expected = {"base", "removal/retrained", f"removal/refinetuned/{config.remove}"}
     expected |= {f"finetuned/{t}" for t in config.tasks}
-    expected |= {f"target/alpha={a:g}" for a in config.alphas}
+    expected |= {f"target/alpha={a:g}" for a in config.alphas} | {f"local/alpha={config.alpha:g}"}
     assert set(quick_results.training) == expected
     for record in quick_results.training.values():
         assert record["converged"] and record["grad_norm"] <= 1e-9
@@ -95,14 +96,50 @@ def test_removal_rows(quick_results: DemoResults):
 
 def test_correlations_and_tables(quick_results: DemoResults):
     config = DemoConfig.quick()
-    merged_models = len(MERGE_METHODS) * len(config.alphas)
+    merged_models = (len(MERGE_METHODS) + 1) * len(config.alphas)
     corr = quick_results.correlations
     assert corr["task_error_vs_task_mismatch"]["points"] == merged_models * len(config.tasks)
     assert corr["mean_error_vs_total_mismatch"]["points"] == merged_models
     assert all(-1.0 <= c["spearman"] <= 1.0 for c in corr.values())
     text = quick_results.summary()
-    for label in METHOD_LABELS.values():
-        assert label in text
+    for method in METHOD_LABELS:
+        assert label(method, quick_results.config) in text
+    assert f"refine ({config.refine_steps} steps)" in text
     for line in ("Eq. 13, full", "Koh & Liang, kfac", "retrained", "Spearman"):
         assert line in text
     json.dumps(quick_results.to_dict(), allow_nan=False)  # strict JSON as it is
+
+
+def test_refinement_paths(quick_results: DemoResults):
+    """Each α's path starts at the full-curvature merge, ends at the refined row, and every
+    step lowers the stationarity residual (gm.refine backtracks on it)."""
+    config = DemoConfig.quick()
+    assert [r["alpha"] for r in quick_results.refinement] == sorted(config.alphas)
+    for r in quick_results.refinement:
+        path = r["steps"]
+        assert [p["step"] for p in path] == list(range(config.refine_steps + 1))
+        for p, method in ((path[0], "gm_full"), (path[-1], REFINED)):
+            row = quick_results.row(method, r["alpha"])
+            mean = sum(row["accuracy"][t] for t in config.tasks) / len(config.tasks)
+            assert p["mean_accuracy"] == mean
+            assert p["mismatch_total"] == pytest.approx(row["mismatch_total"], rel=1e-12)
+            assert p["relative_distance_to_target"] == row["relative_distance_to_target"]
+        residuals = [p["residual"] for p in path]
+        assert all(b <= a for a, b in itertools.pairwise(residuals))  # a step is taken or not
+        assert residuals[-1] < residuals[0]
+        target = quick_results.row("target", r["alpha"])
+        assert r["target_mean_accuracy"] == (
+            sum(target["accuracy"][t] for t in config.tasks) / len(config.tasks)
+        )
+        gap = r["target_mean_accuracy"] - path[0]["mean_accuracy"]
+        for p in path:
+            expected = (p["mean_accuracy"] - path[0]["mean_accuracy"]) / gap if gap > 0 else None
+            assert p["gap_closed"] == expected
+        local = r["local_map"]
+        if r["alpha"] == config.alpha:
+            assert local["relative_distance_to_target"] >= 0
+            assert math.isfinite(local["objective"]) and math.isfinite(r["target_objective"])
+            moved = local["mean_accuracy"] - path[0]["mean_accuracy"]
+            assert local["gap_closed"] == (moved / gap if gap > 0 else None)
+        else:
+            assert local is None
