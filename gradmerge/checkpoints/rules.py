@@ -42,8 +42,9 @@ def merge_unit(
     - ``task_arithmetic``: :func:`gm.task_arithmetic` (curvatures unused);
     - ``fisher_average``: :func:`gm.fisher_average` with H_t + damping·I;
     - ``gradient_matching``: :func:`gm.gradient_matching` (Eq. 6) with ``prior`` H_0;
-    - ``regmean``: :func:`gm.regmean` with Gram_t = N_t·A_t (+ damping·I) from each model's K-FAC
-      input factor A_t (a mean over N_t examples: ``num_examples`` in the curvature's metadata);
+    - ``regmean``: :func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each
+      model's K-FAC input factor A_t, a mean over M_t rows (kept positions, or examples: the
+      curvature's ``KFAC.counts``);
       a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
       :func:`gm.fisher_average` with identity curvatures.
     """
@@ -120,20 +121,13 @@ def _regmean(
                 f"regmean merges linear layers; {sorted(k.weight_shapes)} have weights of another "
                 "shape (convolutions): use fisher_average or gradient_matching for them"
             )
-        try:
-            examples = float(c.meta["num_examples"])
-        except (KeyError, ValueError):
-            raise ArgumentError(
-                "regmean needs the number of examples behind each K-FAC factor A_t (a mean), "
-                "stored as num_examples by gm.estimate_curvature; this curvature has none"
-            ) from None
         gram = {}
         for name, terms in k.terms.items():
             if len(terms) != 1:
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            a = examples * terms[0][0]
+            a = _rows(k, name, t, len(finetuned)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
             damped = a + damping * _eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
@@ -145,6 +139,26 @@ def _regmean(
         alphas=list(alphas),
         bias=sorted(kfac.bias),
         transposed=sorted(kfac.transposed),
+    )
+
+
+def _rows(kfac: KFAC, name: str, t: int, tasks: int) -> float:
+    """M, the number of rows (kept positions, or examples) layer ``name``'s A is a mean over.
+
+    Curvature files from before the counts were saved have none. Then only a one-model merge
+    is provably unaffected (RegMean's result does not change when every Gram of a layer is
+    scaled alike); any other is refused: N·A (examples × mean) is the Gram only when every
+    example has exactly one kept position, which the file cannot show.
+    """
+    if name in kfac.counts:
+        return float(kfac.counts[name])
+    if tasks == 1:
+        return 1.0
+    raise ArgumentError(
+        f"regmean needs the number of rows M (kept positions, or examples) that the K-FAC input "
+        f"factor A of {name!r} is a mean over, to form the Gram M·A; models[{t}].curvature does "
+        "not record it (written before gradmerge saved K-FAC counts). Estimate it again with "
+        "`gradmerge curvature` (or gm.estimate_curvature(...).save(path))"
     )
 
 

@@ -182,6 +182,7 @@ def _encode(c: Curvature, prefix: str, tensors: dict[str, Tensor]) -> dict[str, 
             "bias": sorted(c.bias),
             "transposed": sorted(c.transposed),
             "weight_shapes": {k: list(v) for k, v in c.weight_shapes.items()},
+            "counts": dict(c.counts),
         }
     if isinstance(c, (Blocks, Sum)):
         kind = "blocks" if isinstance(c, Blocks) else "sum"
@@ -222,6 +223,7 @@ def _decode(
                 bias=spec["bias"],
                 transposed=spec["transposed"],
                 weight_shapes={k: tuple(v) for k, v in spec["weight_shapes"].items()},
+                counts=spec.get("counts"),  # files from before counts were saved have none
             )
         if kind in ("blocks", "sum"):
             parts = [  # "index": a part's place in the saved file (restricted specs skip parts)
@@ -521,6 +523,7 @@ def _restrict_spec(spec: dict[str, Any], keys: set[str]) -> dict[str, Any] | Non
             "bias": [n for n in spec["bias"] if n in layers],
             "transposed": [n for n in spec["transposed"] if n in layers],
             "weight_shapes": {n: s for n, s in spec["weight_shapes"].items() if n in layers},
+            "counts": {n: m for n, m in spec.get("counts", {}).items() if n in layers},
         }
     parts = []
     for i, part in enumerate(spec["parts"]):

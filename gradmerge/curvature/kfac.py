@@ -63,6 +63,10 @@ class KFAC(Curvature):
         cg_tol: relative residual at which CG stops (more than two terms per layer); default
             1e-10 in float64, 1e-5 in float32.
         cg_maxiter: CG iterations before :class:`NotConvergedError`.
+        counts: module name → M, the number of rows (kept positions, or examples) the layer's
+            A is a mean over, as estimated (``KFACFactors.counts``); M·A = Σ a aᵀ is the raw
+            input Gram that RegMean needs. Kept by ``to`` and ``scaled`` (they leave A alone),
+            saved in curvature files; a sum of terms has no single M and keeps none.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -84,11 +88,13 @@ class KFAC(Curvature):
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
         cg_tol: float | None = None,
         cg_maxiter: int = 1000,
+        counts: Mapping[str, int] | None = None,
     ) -> None:
         if not factors:
             raise StructureError("KFAC needs factors for at least one module")
         self.bias, self.transposed = frozenset(bias), frozenset(transposed)
         self.weight_shapes = {k: tuple(v) for k, v in (weight_shapes or {}).items()}
+        self.counts = _checked_counts(counts or {}, factors)
         for what, names in (("bias", self.bias), ("transposed", self.transposed)):
             unknown = set(names) - set(factors)
             if unknown:
@@ -230,7 +236,7 @@ class KFAC(Curvature):
         return result.x["x"], result.iterations
 
     # ----- algebra -------------------------------------------------------------------------
-    def _new(self, terms: dict[str, list[Term]]) -> KFAC:
+    def _new(self, terms: dict[str, list[Term]], *, keep_counts: bool = False) -> KFAC:
         return KFAC(
             terms,
             bias=self.bias,
@@ -238,6 +244,7 @@ class KFAC(Curvature):
             weight_shapes=self.weight_shapes,
             cg_tol=self.cg_tol,
             cg_maxiter=self.cg_maxiter,
+            counts=self.counts if keep_counts else None,
         )
 
     def to(
@@ -250,11 +257,14 @@ class KFAC(Curvature):
                     for a, g in t
                 ]
                 for n, t in self.terms.items()
-            }
+            },
+            keep_counts=True,
         )
 
     def scaled(self, c: float) -> KFAC:
-        return self._new({n: [(a, c * g) for a, g in t] for n, t in self.terms.items()})
+        return self._new(
+            {n: [(a, c * g) for a, g in t] for n, t in self.terms.items()}, keep_counts=True
+        )
 
     def _add_same(self, other: KFAC) -> KFAC:
         if self.layout != other.layout or (self.bias, self.transposed) != (
@@ -317,6 +327,18 @@ class KFAC(Curvature):
             self._cache[key] = _eigenvalues(m)
         eigenvalues: Tensor = self._cache[key]
         return eigenvalues
+
+
+def _checked_counts(counts: Mapping[str, int], factors: Mapping[str, Any]) -> dict[str, int]:
+    unknown = sorted(set(counts) - set(factors))
+    if unknown:
+        raise StructureError(f"counts names modules without factors: {unknown}")
+    bad = {
+        n: m for n, m in counts.items() if isinstance(m, bool) or not isinstance(m, int) or m < 1
+    }
+    if bad:
+        raise StructureError(f"counts must be positive integers (rows A is a mean over), got {bad}")
+    return dict(counts)
 
 
 def _combine(terms: list[Term], extra: list[Term]) -> list[Term]:

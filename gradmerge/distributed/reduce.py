@@ -129,6 +129,7 @@ def _build(
             weight_shapes=c.weight_shapes,
             cg_tol=c.cg_tol,
             cg_maxiter=c.cg_maxiter,
+            counts={m: counts[m] for m in c.terms if counts[m] > 0},
         )
     if isinstance(c, Blocks):
         return Blocks(

@@ -231,6 +231,7 @@ def kfac_curvature(
                 bias=[m for m in kept if factors.has_bias.get(m)],
                 transposed=[m for m in kept if factors.transposed.get(m)],
                 weight_shapes=shapes,
+                counts={m: factors.counts[m] for m in kept if factors.counts.get(m)},
             )
         )
     if uncovered:
