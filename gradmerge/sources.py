@@ -9,16 +9,23 @@ MODEL is either
 
 - a Hugging Face model folder (``config.json`` naming the class in ``architectures``,
   safetensors weights), loaded offline with that transformers class; or
-- a Python entry point ``module:function`` or ``path/to/file.py:function``: a function of no
-  arguments returning the ``nn.Module`` (the current folder is importable, as with ``python -m``).
+- a Python entry point ``module:function`` or ``path/to/file.py:function``: a function returning
+  the ``nn.Module`` (the current folder is importable, as with ``python -m``), called with the
+  keyword arguments given as ``--model-arg KEY=VALUE`` (none by default).
 
-DATA is either
+DATA is one of
 
-- an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
-  accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``; or
+- text: ``.jsonl``, ``.csv``/``.tsv``, ``.txt`` or a ``datasets`` folder (``save_to_disk``),
+  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
+  or causal language modelling (:mod:`gradmerge.text_data`);
 - a tensor file (``.safetensors``, or ``.pt``/``.pth`` read with ``torch.load(weights_only=True)``)
   holding ``inputs`` and ``targets``, or ``input_ids`` and ``labels`` (optionally
-  ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`).
+  ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`); ``labels``
+  either one per position, or one class per sequence, shape (examples,);
+- an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
+  accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``, called with the
+  keyword arguments given as ``--data-arg KEY=VALUE``, so that one function serves several tasks
+  (``--data-arg task=sentiment``).
 
 Example:
     >>> import torch
@@ -34,6 +41,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -45,6 +53,14 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.text_data import (
+    TEXT_SUFFIXES,
+    TextBatches,
+    TextOptions,
+    load_tokenizer,
+    read_records,
+    token_labels,
+)
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 LM_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids")
@@ -64,17 +80,21 @@ def model_kind(spec: str) -> str:
     )
 
 
-def load_model(spec: str) -> nn.Module:
-    """The ``nn.Module`` MODEL names: a Hugging Face folder or an entry point (module docstring).
+def load_model(spec: str, arguments: Mapping[str, Any] | None = None) -> nn.Module:
+    """The ``nn.Module`` MODEL names: a Hugging Face folder or an entry point (module docstring),
+    the latter called with the keyword ``arguments`` (``--model-arg``).
 
     Raises:
         ArgumentError: neither a folder nor ``module:function``; an entry point that cannot be
-            imported or does not return an ``nn.Module``.
+            imported, does not take ``arguments`` or does not return an ``nn.Module``; arguments
+            for a folder.
         FileFormatError: a folder without a usable ``config.json`` or safetensors weights.
     """
     if model_kind(spec) == "hugging face folder":
+        if arguments:
+            raise ArgumentError(f"MODEL {spec} is a folder; arguments apply to entry points")
         return hugging_face_model(Path(spec))
-    model = entry_point(spec, "MODEL")()
+    model = call_entry_point(spec, "MODEL", arguments)
     if not isinstance(model, nn.Module):
         raise ArgumentError(
             f"MODEL entry point {spec} returned {type(model).__name__}; expected a torch.nn.Module"
@@ -121,42 +141,96 @@ def hugging_face_model(folder: Path) -> nn.Module:
 
 # ----- DATA -----------------------------------------------------------------------------------
 def data_kind(spec: str) -> str:
-    """``"tensor file"`` or ``"entry point"``; :class:`ArgumentError` for anything else."""
-    if spec.endswith(TENSOR_SUFFIXES):
-        if not Path(spec).is_file():
-            raise ArgumentError(f"DATA file {spec} does not exist")
-        return "tensor file"
+    """``"tensor file"``, ``"text file"``, ``"dataset folder"`` or ``"entry point"``;
+    :class:`ArgumentError` for anything else."""
+    for kind, suffixes in (("tensor file", TENSOR_SUFFIXES), ("text file", TEXT_SUFFIXES)):
+        if spec.endswith(suffixes):
+            if not Path(spec).is_file():
+                raise ArgumentError(f"DATA file {spec} does not exist")
+            return kind
+    if Path(spec).is_dir():
+        return "dataset folder"
     if ":" in spec:
         _split_entry_point(spec)
         return "entry point"
     raise ArgumentError(
-        f"DATA {spec!r} is neither a tensor file nor an entry point: expected a .safetensors or "
-        ".pt file, or module:function / path/to/file.py:function returning batches"
+        f"DATA {spec!r} is neither a data file nor an entry point: expected text (.jsonl, .csv, "
+        ".tsv, .txt, a datasets folder), tensors (.safetensors, .pt) or module:function / "
+        "path/to/file.py:function returning batches"
     )
 
 
 def load_data(
-    spec: str, *, batch_size: int = 16, shift_labels: bool = False, ignore_index: int = -100
+    spec: str,
+    *,
+    batch_size: int = 16,
+    shift_labels: bool = False,
+    ignore_index: int = -100,
+    arguments: Mapping[str, Any] | None = None,
+    max_examples: int | None = None,
+    model: nn.Module | None = None,
+    tokenizer: str | None = None,
+    text: TextOptions | None = None,
 ) -> Iterable[Any]:
-    """The batches DATA names: an entry point's iterable, or a tensor file cut into batches.
+    """The batches DATA names (module docstring).
+
+    Args:
+        spec: the DATA argument.
+        batch_size: examples per batch of a tensor or text file.
+        shift_labels: a tensor file's labels follow Hugging Face's causal-LM convention.
+        ignore_index: the label of positions that count for nothing.
+        arguments: keyword arguments of a DATA entry point (``--data-arg``).
+        max_examples: keep the first examples of a tensor or text file only.
+        model: the model the data are for; needed by text, whose task, labels, vocabulary and
+            positions it gives (:class:`gradmerge.text_data.TextBatches`).
+        tokenizer: the Hugging Face folder whose tokenizer tokenises text (MODEL's folder).
+        text: the fields and limits of text data (:class:`gradmerge.text_data.TextOptions`).
 
     Raises:
-        ArgumentError: an entry point that cannot be imported or returns no iterable.
-        FileFormatError: an unreadable tensor file or one with other tensor names.
-        StructureError: tensors whose first (example) dimensions differ.
+        ArgumentError: an entry point that cannot be imported, does not take ``arguments`` or
+            returns no iterable; options that do not apply to this kind of DATA.
+        FileFormatError: an unreadable file, tensors of other names, bad records or labels.
+        StructureError: tensors whose first (example) dimensions differ; tokens or lengths the
+            model cannot take.
     """
-    if data_kind(spec) == "entry point":
-        data = entry_point(spec, "DATA")()
+    kind = data_kind(spec)
+    if arguments and kind != "entry point":
+        raise ArgumentError(f"DATA {spec} is a {kind}; arguments apply to entry points")
+    if kind == "entry point":
+        if max_examples is not None:
+            raise ArgumentError("max_examples applies to files; an entry point yields its batches")
+        data = call_entry_point(spec, "DATA", arguments)
         if not isinstance(data, Iterable) or isinstance(data, (Tensor, str, bytes, Mapping)):
             raise ArgumentError(
                 f"DATA entry point {spec} returned {type(data).__name__}; expected an iterable "
                 "of batches, e.g. a list of (inputs, targets) or a DataLoader"
             )
         return data
-    return TensorBatches(
-        read_tensors(Path(spec)),
+    if kind == "tensor file":
+        tensors = read_tensors(Path(spec))
+        if max_examples is not None:
+            tensors = {k: v[:max_examples] if v.ndim else v for k, v in tensors.items()}
+        return TensorBatches(
+            tensors,
+            batch_size=batch_size,
+            shift_labels=shift_labels,
+            ignore_index=ignore_index,
+            source=spec,
+        )
+    if model is None or tokenizer is None:
+        raise ArgumentError(f"text DATA {spec} needs the model and its tokenizer folder")
+    if shift_labels:
+        raise ArgumentError(
+            f"DATA {spec} is text: a causal LM's labels are its next tokens already; leave out "
+            "--shift-labels"
+        )
+    text = text or TextOptions()
+    return TextBatches(
+        read_records(spec, max_examples),
+        model=model,
+        tokenizer=load_tokenizer(tokenizer),
+        options=text,
         batch_size=batch_size,
-        shift_labels=shift_labels,
         ignore_index=ignore_index,
         source=spec,
     )
@@ -225,7 +299,7 @@ class TensorBatches:
                 and bool(kept.any())
                 and torch.equal(labels[kept], ids[kept])
             )
-            self.tensors = _lm_tensors(tensors, shift_labels, ignore_index, source)
+            self.tensors = token_labels(tensors, shift_labels, ignore_index, source)
         else:
             raise FileFormatError(
                 f"{source} holds tensors {sorted(names)}; expected 'inputs' and 'targets', or "
@@ -249,37 +323,6 @@ class TensorBatches:
                 yield part["inputs"], part["targets"]
             else:
                 yield part
-
-
-def _lm_tensors(
-    tensors: Mapping[str, Tensor], shift: bool, ignore_index: int, source: str
-) -> dict[str, Tensor]:
-    out = dict(tensors)
-    labels, mask = tensors["labels"], tensors.get("attention_mask")
-    if labels.is_floating_point():
-        raise StructureError(
-            f"{source}: labels must be integer token ids, got {labels.dtype}; for regression "
-            "targets store 'inputs' and 'targets' and pass --loss mse"
-        )
-    if mask is not None and mask.shape != labels.shape:
-        raise StructureError(
-            f"{source}: attention_mask {tuple(mask.shape)} and labels {tuple(labels.shape)} "
-            "must have the same shape"
-        )
-    if shift:
-        if labels.ndim != 2:
-            raise StructureError(
-                f"{source}: --shift-labels needs labels of shape (examples, positions), "
-                f"got {tuple(labels.shape)}"
-            )
-        labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
-    if mask is not None:
-        keep = mask != 0
-        if shift:  # position s predicts token s + 1: both must be real tokens
-            keep = keep & torch.cat([keep[:, 1:], torch.zeros_like(keep[:, :1])], dim=1)
-        labels = torch.where(keep, labels, torch.full_like(labels, ignore_index))
-    out["labels"] = labels
-    return out
 
 
 def warn_unshifted(model: nn.Module, data: Iterable[Any], *, shift_labels: bool) -> None:
@@ -310,7 +353,47 @@ def _split_entry_point(spec: str) -> tuple[str, str]:
     return module, attr
 
 
-def entry_point(spec: str, what: str) -> Callable[[], Any]:
+def parse_argument(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` (``--model-arg``/``--data-arg``) as ``(key, value)``: the value read as JSON
+    when it is (``3``, ``0.5``, ``true``, ``[1, 2]``, ``"a b"``), else kept as text.
+
+    Example:
+        >>> parse_argument("task=b"), parse_argument("n=3"), parse_argument("ids=[1, 2]")
+        (('task', 'b'), ('n', 3), ('ids', [1, 2]))
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise ArgumentError(
+            f"expected KEY=VALUE with a Python identifier as KEY (e.g. task=sentiment), got {text!r}"
+        )
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def call_entry_point(spec: str, what: str, arguments: Mapping[str, Any] | None = None) -> Any:
+    """Call the function ``spec`` names (:func:`entry_point`) with the keyword ``arguments``.
+
+    Raises:
+        ArgumentError: what :func:`entry_point` raises; arguments the function does not take.
+    """
+    function = entry_point(spec, what)
+    arguments = dict(arguments or {})
+    try:
+        inspect.signature(function).bind(**arguments)
+    except TypeError as err:
+        given = ", ".join(f"{k}={v!r}" for k, v in arguments.items()) or "no arguments"
+        raise ArgumentError(
+            f"{what} entry point {spec} cannot be called with {given} ({err}); its signature is "
+            f"{spec.rpartition(':')[2]}{inspect.signature(function)}"
+        ) from err
+    except ValueError:  # no signature (some builtins): let the call decide
+        pass
+    return function(**arguments)
+
+
+def entry_point(spec: str, what: str) -> Callable[..., Any]:
     """The function ``module:function`` or ``path/to/file.py:function`` names.
 
     The current folder is importable (as with ``python -m``); a file's own folder is importable
@@ -339,9 +422,9 @@ def entry_point(spec: str, what: str) -> Callable[[], Any]:
     if not callable(function):
         raise ArgumentError(
             f"{what} entry point {spec}: {attr!r} is a {type(function).__name__}; expected a "
-            "function of no arguments"
+            "function"
         )
-    return cast(Callable[[], Any], function)
+    return cast(Callable[..., Any], function)
 
 
 def _module_from_file(path: Path, what: str) -> Any:
@@ -384,6 +467,9 @@ def provenance(
     ignore_index: int,
     batch_size: int,
     shift_labels: bool,
+    model_arguments: Mapping[str, Any] | None = None,
+    data_arguments: Mapping[str, Any] | None = None,
+    max_examples: int | None = None,
 ) -> dict[str, str]:
     """What a curvature file's metadata records about how it was made (``source.*`` keys).
 
@@ -403,9 +489,16 @@ def provenance(
         "source.gradmerge": gradmerge.__version__,
         "source.torch": torch.__version__,
     }
-    if data_kind_ == "tensor file":
+    for key, arguments in (("model", model_arguments), ("data", data_arguments)):
+        if arguments:
+            meta[f"source.{key}_arguments"] = json.dumps(dict(arguments), sort_keys=True)
+    if data_kind_ in ("tensor file", "text file"):
         meta["source.data_sha256"] = file_sha256(Path(data))
+    if data_kind_ != "entry point":
         meta["source.batch_size"] = str(batch_size)
+        if max_examples is not None:
+            meta["source.max_examples"] = str(max_examples)
+    if data_kind_ == "tensor file":
         meta["source.shift_labels"] = str(bool(shift_labels))
     return meta
 

@@ -17,6 +17,7 @@ The model is put in evaluation mode (no dropout), so the estimate is that of the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gradmerge import sources
 from gradmerge.distributed.errors import DistributedError
@@ -36,9 +38,21 @@ from gradmerge.distributed.launch import init_from_env, rank_device, save_on_ran
 from gradmerge.distributed.shard import shard
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate.kfac import MAX_FACTOR_SIDE
+from gradmerge.text_data import TextBatches, TextOptions
 
 EXAMPLES = """\
 examples:
+  # a Hugging Face classifier and a JSONL file ({"text": ..., "label": "positive"} per line),
+  # tokenised with the folder's own tokenizer; labels are names of config.json's label2id or ids
+  gradmerge curvature runs/ft-sentiment data/sentiment.jsonl sentiment.curvature.safetensors \
+      --structure kfac --max-length 128
+  # a causal LM and plain text, one example per line (targets: the next tokens)
+  gradmerge curvature runs/ft-lm data/corpus.txt lm.curvature.safetensors --max-examples 1000
+  # CSV with other column names, sentence pairs; a datasets folder (save_to_disk) works the same
+  gradmerge curvature runs/ft-nli data/nli.csv nli.curvature.safetensors \
+      --text-field premise --text-pair-field hypothesis --label-field gold
+  # one data function for several tasks: keyword arguments of entry points
+  gradmerge curvature runs/ft-a ./data.py:batches a.curvature.safetensors --data-arg task=a
   # a Hugging Face folder and a token file (input_ids, labels[, attention_mask])
   gradmerge curvature runs/ft-task-a data/task_a.safetensors task_a.curvature.safetensors \\
       --structure kfac --fisher empirical --batch-size 8 --shift-labels
@@ -82,7 +96,12 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES + "\n" + DISTRIBUTED_EPILOG,
     )
     p.add_argument("model", metavar="MODEL", help="Hugging Face folder or module:function")
-    p.add_argument("data", metavar="DATA", help="tensor file (.safetensors/.pt) or module:function")
+    p.add_argument(
+        "data",
+        metavar="DATA",
+        help="text (.jsonl/.csv/.tsv/.txt, datasets folder), tensors (.safetensors/.pt) or "
+        "module:function",
+    )
     p.add_argument("out", metavar="OUT", help="curvature file to write (.safetensors)")
     p.add_argument("--structure", choices=["diag", "kfac", "full"], default="diag")
     p.add_argument(
@@ -95,8 +114,47 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--loss", choices=["cross_entropy", "mse"], default="cross_entropy")
     p.add_argument("--mc-samples", type=int, default=1, help="labels drawn per example (mc)")
     p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
+    text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
+    text.add_argument("--text-field", default="text", help="field of the text (default: text)")
+    text.add_argument(
+        "--text-pair-field", default=None, help="field of a second text (sentence pairs)"
+    )
+    text.add_argument(
+        "--label-field",
+        default="label",
+        help="field of the label, a name of the config's label2id or an id (classification; "
+        "default: label)",
+    )
+    text.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="truncate longer sequences to this many tokens (default: none; longer than the "
+        "model's positions is an error)",
+    )
+    text.add_argument(
+        "--tokenizer", default=None, metavar="FOLDER", help="tokenizer folder (default: MODEL)"
+    )
     p.add_argument(
-        "--batch-size", type=int, default=None, help="rows per batch of a tensor file (16)"
+        "--max-examples",
+        type=int,
+        default=None,
+        help="use the first N examples of a text or tensor file",
+    )
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument of a MODEL entry point (repeatable; VALUE read as JSON if it is)",
+    )
+    p.add_argument(
+        "--data-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--kfac-approx", choices=["expand", "reduce"], default="expand")
@@ -154,14 +212,40 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no CUDA device is available; use --device cpu")
     try:
-        sources.model_kind(args.model)
+        model_kind = sources.model_kind(args.model)
         data_kind = sources.data_kind(args.data)
     except ArgumentError as err:
         parser.error(str(err))
-    if data_kind == "entry point" and args.batch_size is not None:
-        parser.error("--batch-size applies to tensor files; an entry point yields its own batches")
-    if data_kind == "entry point" and args.shift_labels:
-        parser.error("--shift-labels applies to tensor files; shift the labels in your data code")
+    if data_kind == "entry point":
+        for flag, value in (
+            ("--batch-size", args.batch_size),
+            ("--max-examples", args.max_examples),
+        ):
+            if value is not None:
+                parser.error(f"{flag} applies to files; an entry point yields its own batches")
+    if data_kind != "tensor file" and args.shift_labels:
+        parser.error(
+            "--shift-labels applies to tensor files (text is shifted already; an entry point "
+            "shifts in your data code)"
+        )
+    if data_kind not in ("text file", "dataset folder"):
+        used = [flag for flag, value, default in _text_flags(args) if value != default]
+        if used:
+            parser.error(f"{', '.join(used)} apply to text DATA; {args.data} is a {data_kind}")
+    for flag, value in (("--max-length", args.max_length), ("--max-examples", args.max_examples)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    try:
+        for flag, values, kind in (
+            ("--model-arg", args.model_arg, model_kind),
+            ("--data-arg", args.data_arg, data_kind),
+        ):
+            if values and kind != "entry point":
+                parser.error(f"{flag} applies to entry points; {flag[2:6].upper()} is a {kind}")
+            for value in values:
+                sources.parse_argument(value)
+    except ArgumentError as err:
+        parser.error(str(err))
     out = Path(args.out)
     if out.is_dir():
         parser.error(f"OUT {out} is a folder; give a file name such as task.curvature.safetensors")
@@ -193,17 +277,10 @@ def execute(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
-    model = sources.load_model(args.model).to(device).eval()
-    data = sources.load_data(
-        args.data,
-        batch_size=args.batch_size or 16,
-        shift_labels=args.shift_labels,
-        ignore_index=args.ignore_index,
-    )
-    sources.warn_unshifted(model, data, shift_labels=args.shift_labels)
+    model, data = load(args, device, announce=True)
     batches = data if args.no_progress else progress(data, f"{args.structure} {args.fisher}")
     curvature = gm.estimate_curvature(model, batches, **estimate_options(args))
-    curvature.meta.update(provenance(args, device))
+    curvature.meta.update(provenance(args, device, data))
     path = curvature.save(args.out)
     covered = sum(
         int(torch.Size(shape).numel()) for _, shape in curvature.layout or ()
@@ -215,9 +292,54 @@ def execute(args: argparse.Namespace) -> int:
     return 0
 
 
-def provenance(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
-    """What the file's metadata records about how it was made (:func:`gradmerge.sources.provenance`)."""
-    return sources.provenance(
+def load(
+    args: argparse.Namespace, device: torch.device, *, announce: bool
+) -> tuple[nn.Module, Iterable[Any]]:
+    """MODEL (on ``device``, in evaluation mode) and DATA's batches; with ``announce``, what was
+    read (text: examples, tokens, truncation) and a warning about unshifted labels, on stderr."""
+    model_arguments = dict(map(sources.parse_argument, args.model_arg))
+    model = sources.load_model(args.model, model_arguments).to(device).eval()
+    data = sources.load_data(
+        args.data,
+        batch_size=args.batch_size or 16,
+        shift_labels=args.shift_labels,
+        ignore_index=args.ignore_index,
+        arguments=dict(map(sources.parse_argument, args.data_arg)),
+        max_examples=args.max_examples,
+        model=model,
+        tokenizer=args.tokenizer or args.model,
+        text=TextOptions(**{key: value for key, _, value in _text_options(args)}),
+    )
+    if announce:
+        if isinstance(data, TextBatches):
+            print(f"{args.data}: {data.summary()}", file=sys.stderr)
+        sources.warn_unshifted(model, data, shift_labels=args.shift_labels)
+    return model, data
+
+
+def _text_options(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
+    """(TextOptions field, flag, value) of the text-only flags."""
+    return [
+        ("text_field", "--text-field", args.text_field),
+        ("text_pair_field", "--text-pair-field", args.text_pair_field),
+        ("label_field", "--label-field", args.label_field),
+        ("max_length", "--max-length", args.max_length),
+    ]
+
+
+def _text_flags(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
+    """(flag, value, default) of the flags that apply to text DATA only."""
+    defaults = TextOptions()
+    flags = [(flag, value, getattr(defaults, key)) for key, flag, value in _text_options(args)]
+    return [*flags, ("--tokenizer", args.tokenizer, None)]
+
+
+def provenance(
+    args: argparse.Namespace, device: torch.device, data: Iterable[Any] | None = None
+) -> dict[str, str]:
+    """What the file's metadata records about how it was made (:func:`gradmerge.sources.provenance`,
+    and for text the examples, tokens and truncation of :meth:`TextBatches.metadata`)."""
+    meta = sources.provenance(
         args.model,
         args.data,
         device=device,
@@ -226,7 +348,16 @@ def provenance(args: argparse.Namespace, device: torch.device) -> dict[str, str]
         ignore_index=args.ignore_index,
         batch_size=args.batch_size or 16,
         shift_labels=args.shift_labels,
+        model_arguments=dict(map(sources.parse_argument, args.model_arg)),
+        data_arguments=dict(map(sources.parse_argument, args.data_arg)),
+        max_examples=args.max_examples,
     )
+    if isinstance(data, TextBatches):
+        meta.update(data.metadata())
+        options = {key: value for key, _, value in _text_options(args) if value is not None}
+        meta["source.text_options"] = json.dumps(options, sort_keys=True)
+        meta["source.tokenizer"] = str(Path(args.tokenizer or args.model).resolve())
+    return meta
 
 
 # ----- --distributed (under torchrun) -------------------------------------------------------
@@ -311,16 +442,8 @@ def run_distributed(args: argparse.Namespace) -> int:
     created = init_from_env(args.backend, device, args.timeout)  # check(): under torchrun
     rank = dist.get_rank()
     try:
-        model = sources.load_model(args.model).to(device).eval()
-        data: Any = sources.load_data(
-            args.data,
-            batch_size=args.batch_size or 16,
-            shift_labels=args.shift_labels,
-            ignore_index=args.ignore_index,
-        )
-        if rank == 0:
-            sources.warn_unshifted(model, data, shift_labels=args.shift_labels)
-        data = shard(data)
+        model, loaded = load(args, device, announce=rank == 0)
+        data: Any = shard(loaded)
         if rank == 0 and not args.no_progress:
             data = progress(data, f"{args.structure} {args.fisher} (rank 0)")
         curvature = distributed_estimate(
@@ -330,7 +453,7 @@ def run_distributed(args: argparse.Namespace) -> int:
             expected_examples=args.expected_examples,
             **estimate_options(args),
         )
-        curvature.meta.update(provenance(args, device))
+        curvature.meta.update(provenance(args, device, loaded))
         save_on_rank0(curvature, args.out, args.timeout)
     except DistributedError as err:
         print(f"gradmerge.distributed: rank {rank}: error: {err}", file=sys.stderr)

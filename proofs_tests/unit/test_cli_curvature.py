@@ -255,7 +255,8 @@ def test_bad_options_are_argparse_errors(workdir, capsys, extra, message):
     [
         ("missing_folder", "cls.pt", [], "MODEL 'missing_folder' is neither a folder nor"),
         ("gm_test_entry.py:mlp", "missing.pt", [], "DATA file missing.pt does not exist"),
-        ("gm_test_entry.py:mlp", "data.csv", [], "is neither a tensor file nor an entry point"),
+        ("gm_test_entry.py:mlp", "data.xlsx", [], "is neither a data file nor an entry point"),
+        ("gm_test_entry.py:mlp", "data.csv", [], "DATA file data.csv does not exist"),
         ("gm_test_entry.py:1mlp", "cls.pt", [], "is not an entry point"),
         (
             "gm_test_entry.py:mlp",
