@@ -52,6 +52,11 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         raise ArgumentError("δ·I covers no particular parameters; there is nothing to save")
     tensors: dict[str, Tensor] = {}
     spec = _encode(curvature, "", tensors)
+    if _depth(spec) > MAX_SPEC_DEPTH:
+        raise ArgumentError(
+            f"this curvature nests Blocks/Sums more than {MAX_SPEC_DEPTH} levels deep, more than "
+            "a curvature file may hold: flatten it (gm.Blocks of the innermost blocks)"
+        )
     seen: set[tuple[int, int]] = set()
     for key, value in tensors.items():  # safetensors refuses tensors that share memory
         ident = (value.untyped_storage().data_ptr(), int(value.storage_offset()))
@@ -124,7 +129,13 @@ def load_curvature(
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
     try:
-        curvature = _decode(json.loads(meta["spec"]), tensors)
+        spec = _parse_spec(meta["spec"], source)
+    except (KeyError, ValueError) as err:
+        if isinstance(err, FileFormatError):
+            raise
+        raise FileFormatError(f"{source}: damaged curvature metadata ({err})") from err
+    try:
+        curvature = _decode(spec, tensors)
         stored = meta["fingerprint"]
     except GradmergeError as err:  # e.g. NaN/Inf values: the tensors are wrong, not the metadata
         raise type(err)(f"{source}: {err}") from err
@@ -137,6 +148,42 @@ def load_curvature(
     if like is not None:
         _check_fits(curvature, like, source)
     return curvature
+
+
+MAX_SPEC_DEPTH = 32
+"""Nesting levels a curvature file's structure may have (Blocks of Sums of ...): real ones have
+a few; a deeper one is refused before anything recurses over it."""
+
+
+def _parse_spec(text: str, source: Path) -> dict[str, Any]:
+    """The ``spec`` metadata of a curvature file, refused when its structures nest deeper than
+    :data:`MAX_SPEC_DEPTH` (a 50,000-deep one overflowed Python's recursion limit while being
+    parsed; a few hundred levels would overflow it in the decoding that recurses over parts)."""
+    try:
+        spec = json.loads(text)
+    except RecursionError:
+        spec = None
+    if spec is not None and not isinstance(spec, dict):
+        raise ValueError(f"the structure is a {type(spec).__name__}, not an object")
+    if spec is None or _depth(spec) > MAX_SPEC_DEPTH:
+        raise FileFormatError(
+            f"{source}: damaged curvature metadata: its structure nests more than "
+            f"{MAX_SPEC_DEPTH} levels deep; write the curvature again with C.save(path)"
+        )
+    return spec
+
+
+def _depth(spec: dict[str, Any]) -> int:
+    """Nesting levels of structures in ``spec`` (1 for a flat one), counted without recursion
+    (the input is untrusted) and only up to just past :data:`MAX_SPEC_DEPTH`."""
+    stack, deepest = [(spec, 1)], 0
+    while stack and deepest <= MAX_SPEC_DEPTH:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        parts = node.get("parts") if isinstance(node, dict) else None
+        if isinstance(parts, list):
+            stack.extend((p, depth + 1) for p in parts)
+    return deepest
 
 
 def _check_fits(curvature: Curvature, like: nn.Module | Params, source: Path) -> None:
@@ -289,13 +336,15 @@ class CurvatureFile:
                 f"expected {FORMAT!r}); write curvatures with C.save(path)"
             )
         try:
-            self.spec: dict[str, Any] = json.loads(meta["spec"])
+            self.spec: dict[str, Any] = _parse_spec(meta["spec"], self.path)
             self.layout: Layout = tuple(
                 (str(k), torch.Size(s)) for k, s in json.loads(meta["layout"])
             )
             self.fingerprint = meta["fingerprint"]
             self.structure = meta["structure"]
             groups = _couplings(self.spec)
+        except FileFormatError:
+            raise
         except (KeyError, ValueError, TypeError) as err:
             raise FileFormatError(f"{self.path}: damaged curvature metadata ({err!r})") from err
         if fingerprint(self.layout) != self.fingerprint:
