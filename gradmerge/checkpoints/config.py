@@ -26,8 +26,10 @@ Removal (``gradmerge remove CONFIG OUT_DIR``), Eq. 13 or Koh & Liang::
 
 Both also take ``compute_dtype`` (float32 | float64: the precision of the arithmetic),
 ``passthrough`` (globs of float tensors copied from the base unmerged), ``max_shard_size``
-(bytes, or "5GB", "500MB", "2GiB") and ``allow_mixed_dtypes`` (let float tensors of one name
-differ in dtype between inputs). Relative paths are relative to the YAML file's folder. Unknown
+(bytes, or "5GB", "500MB", "2GiB"), ``allow_mixed_dtypes`` (let float tensors of one name
+differ in dtype between inputs) and ``curvature_weights`` (warn | refuse | ignore: what to do
+when a curvature file was estimated at other weights than both the model it is paired with and
+the base, judged by a sample hash of the weights recorded at estimation; default warn). Relative paths are relative to the YAML file's folder. Unknown
 keys, missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and
 missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
 shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
@@ -99,6 +101,7 @@ class Options:
     passthrough: tuple[str, ...] = ()
     max_shard_size: int = 5 * 10**9
     allow_mixed_dtypes: bool = False
+    curvature_weights: str = "warn"
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -283,7 +286,9 @@ _OPTION_KEYS = (
     "passthrough",
     "max_shard_size",
     "allow_mixed_dtypes",
+    "curvature_weights",
 )
+CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
 
 
 def _options(r: _Reader) -> dict[str, Any]:
@@ -295,6 +300,7 @@ def _options(r: _Reader) -> dict[str, Any]:
         "passthrough": r.strings("passthrough"),
         "max_shard_size": r.size("max_shard_size", default=5 * 10**9),
         "allow_mixed_dtypes": r.flag("allow_mixed_dtypes", default=False),
+        "curvature_weights": r.choice("curvature_weights", CURVATURE_WEIGHTS, default="warn"),
     }
 
 

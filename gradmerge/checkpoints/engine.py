@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmerge import _fused
+from gradmerge import _fused, _weight_sample
 from gradmerge._text import key_list
 from gradmerge.checkpoints import rules
 from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
@@ -53,6 +54,7 @@ from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     ArgumentError,
     GradmergeError,
+    InputWarning,
     NotPositiveDefiniteError,
     ResultOverflowError,
 )
@@ -320,6 +322,14 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         out_dtype=config.out_dtype,
         allow_mixed_dtypes=config.allow_mixed_dtypes,
     )
+    pairs = [
+        (f"models[{i}].curvature", c, [(f"models[{i}].model", models[i]), ("base_model", base)])
+        for i, c in enumerate(curvs)
+        if c is not None
+    ]
+    if prior_file is not None:
+        pairs.append(("prior.curvature", prior_file, [("base_model", base)]))
+    _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas = config.alphas
 
@@ -388,6 +398,11 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         allow_mixed_dtypes=config.allow_mixed_dtypes,
         gradient=("gradient", gradient) if gradient is not None else None,
     )
+    at_base: list[tuple[str, Checkpoint]] = [("base_model", base)]
+    pairs = [(n, f, at_base) for n, f in files.items() if n != "curvature"]
+    if curv is not None and model is not None:
+        pairs.append(("curvature", curv, [("model", model), *at_base]))
+    _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
 
     def compute(unit: Unit) -> dict[str, Tensor]:
@@ -424,6 +439,35 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     return Job(
         "remove", plan, base, compute, device, checkpoints, files, hint, dtype, config.source
     )
+
+
+def _check_curvature_weights(
+    policy: str, pairs: Sequence[tuple[str, CurvatureFile, Sequence[tuple[str, Checkpoint]]]]
+) -> None:
+    """Warn (``policy`` "warn") or refuse ("refuse") a curvature file whose recorded sample hash
+    of the weights it was estimated at (:mod:`gradmerge._weight_sample`) matches none of the
+    checkpoints it may describe: its own model's, or the base's. Files without a hash (written
+    by hand, or before it was recorded) are not judged."""
+    if policy == "ignore":
+        return
+    for name, file, candidates in pairs:
+        stored = file.info.get(_weight_sample.META_KEY)
+        keys = [k for k, _ in file.layout]
+        usable = [(n, c) for n, c in candidates if all(k in c for k in keys)]
+        if stored is None or not usable:
+            continue
+        if any(_weight_sample.sample_hash_from(keys, c.shape, c.rows) == stored for _, c in usable):
+            continue
+        which = " or ".join(f"`{n}`" for n, _ in usable)
+        message = (
+            f"`{name}` ({file.path}) was estimated at other weights than {which} (the sample hash "
+            "of the weights it recorded at estimation matches none of them): the merge would pair "
+            f"it with weights it does not describe. Estimate it at {'`' + usable[0][0] + '`'} "
+            "with `gradmerge curvature`, or set `curvature_weights: ignore` if this is meant"
+        )
+        if policy == "refuse":
+            raise ConfigError(message)
+        warnings.warn(message, InputWarning, stacklevel=4)
 
 
 def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | None:

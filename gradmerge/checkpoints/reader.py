@@ -187,6 +187,17 @@ class Checkpoint:
             tensor = tensor.to(device=device, dtype=dtype)
         return tensor
 
+    def rows(self, key: str, indices: list[int]) -> Tensor:
+        """Rows ``indices`` of tensor ``key`` (along its first dimension), reading only those
+        rows; the whole (0-dim) value when ``indices`` is empty."""
+        index = self._entry(key)[0]
+        if not self._handles:
+            raise ValueError(f"{self.path} is closed")
+        if not indices:
+            return self.get(key)
+        part = self._handles[index].get_slice(key)
+        return torch.cat([part[i : i + 1] for i in indices])
+
     def assets(self) -> list[Path]:
         """Config and tokenizer files beside the weights (empty when ``path`` is a file)."""
         if self.folder is None:

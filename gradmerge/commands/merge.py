@@ -25,6 +25,8 @@ configuration (YAML; relative paths are relative to the YAML file):
   device: auto                    # auto (CUDA if available) | cpu | cuda | cuda:N
   passthrough: [lm_head.weight]   # globs of float tensors copied from the base, unmerged
   max_shard_size: 5GB             # output shard size
+  curvature_weights: warn         # warn | refuse | ignore: a curvature estimated at other weights
+                                  # than its model's and the base's (a sample hash tells)
 
 methods:
   task_arithmetic    θ_LLM + Σ α_t (θ_t − θ_LLM); no curvature, no prior

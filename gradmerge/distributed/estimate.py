@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from gradmerge import _weight_sample
 from gradmerge.curvature import Curvature
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
@@ -297,6 +298,7 @@ def _estimate_local(
             "kfac_approx": options["kfac_approx"],
         }
     )
+    _weight_sample.record(curvature, dict(module.named_parameters()))
     diagonal_a = {m for m, (a, _) in factors.factors.items() if a.ndim == 1}
     return _Local(curvature, factors.num_examples, dict(factors.counts), diagonal_a)
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, cast
 
 from torch import Tensor, nn
 
+from gradmerge import _weight_sample
 from gradmerge.curvature import KFAC, Blocks, Curvature
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import FisherName, num_examples, split_batch
@@ -179,6 +180,7 @@ def estimate_curvature(
     )
     if structure == "kfac":
         curvature.meta["kfac_approx"] = kfac_approx
+    _weight_sample.record(curvature, dict(model.named_parameters()))
     return curvature
 
 
