@@ -48,7 +48,7 @@ from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, Re
 from gradmerge.checkpoints.errors import ConfigError
 from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
-from gradmerge.checkpoints.writer import ShardedWriter, staged_output
+from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.curvature import Curvature
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
@@ -75,6 +75,9 @@ class MergeReport:
         bytes_written: bytes of the safetensors shards.
         seconds: wall time of the run.
         device: where the arithmetic ran.
+        stale_removed: hidden staging folders of ``out_dir`` left by killed runs, removed.
+        stale_left: such folders whose owner cannot be known (another host, an older
+            gradmerge), left in place.
     """
 
     out_dir: Path
@@ -87,6 +90,8 @@ class MergeReport:
     bytes_written: int
     seconds: float
     device: str
+    stale_removed: tuple[Path, ...] = ()
+    stale_left: tuple[Path, ...] = ()
 
 
 def run_merge(
@@ -507,6 +512,7 @@ def _execute(
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
     bar = _progress(progress, plan.out_bytes(), job.command)
     numels = [math.prod(plan.shapes[k]) for k in plan.merged]
+    removed, left = remove_stale_stages(target)
     with staged_output(target, overwrite=overwrite) as stage, _fused.job(numels):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
@@ -539,6 +545,8 @@ def _execute(
         bytes_written=writer.bytes_written,
         seconds=time.perf_counter() - start,
         device=str(job.device),
+        stale_removed=tuple(removed),
+        stale_left=tuple(left),
     )
 
 

@@ -8,7 +8,8 @@ Hugging Face layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensor
 
 :func:`staged_output` builds the output in a hidden sibling folder and renames it into place only
 when everything succeeded: a failing or interrupted run leaves no output folder, never a
-half-written one (a killed process can leave the hidden ``.OUT.gradmerge-*`` folder behind).
+half-written one. A killed process can leave the hidden ``.OUT.gradmerge-*`` folder behind; its
+name records the owning process, and :func:`remove_stale_stages` removes it once that is gone.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import BinaryIO
 import torch
 from torch import Tensor
 
-from gradmerge._files import temp_dir_beside
+from gradmerge._files import remove_stale_dirs_beside, temp_dir_beside
 from gradmerge.checkpoints.errors import OutputExistsError
 from gradmerge.checkpoints.reader import SAFETENSORS_DTYPES
 from gradmerge.errors import ArgumentError
@@ -179,7 +180,9 @@ def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -
     """A temporary sibling of ``out_dir`` that becomes ``out_dir`` if the block succeeds.
 
     On an exception (or ``KeyboardInterrupt``) the temporary folder is removed and ``out_dir`` is
-    left as it was. With ``overwrite``, an existing ``out_dir`` is replaced only at the end.
+    left as it was. With ``overwrite``, an existing ``out_dir`` is replaced only at the end. The
+    temporary folder's name records its owner; one left behind by a killed process is removed by
+    the next run into ``out_dir`` (:func:`remove_stale_stages`).
 
     Raises:
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is false (checked before the
@@ -201,6 +204,20 @@ def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -
             except OSError:
                 break
         raise
+
+
+def remove_stale_stages(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
+    """Remove the hidden staging folders of ``out_dir`` left by processes that are gone (killed
+    mid-run); returns (removed, left alone because their owner cannot be known).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     remove_stale_stages(Path(d) / "out")
+        ([], [])
+    """
+    return remove_stale_dirs_beside(Path(out_dir).absolute(), "gradmerge")
 
 
 def publish_stage(stage: Path, target: Path, overwrite: bool) -> None:

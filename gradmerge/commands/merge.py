@@ -111,6 +111,13 @@ def run_command(
         f"read {_size(report.bytes_read)}, wrote {_size(report.bytes_written)} in "
         f"{report.seconds:.2f} s on {report.device}"
     )
+    for path in report.stale_removed:
+        print(f"removed {path.name}, a staging folder left by a run that was killed")
+    for path in report.stale_left:
+        print(
+            f"left {path.name} in place: a staging folder of an unknown process; remove it if no "
+            "gradmerge run writes there"
+        )
     return 0
 
 
