@@ -42,7 +42,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StructureError,
 )
-from gradmerge.estimate import estimate_curvature
+from gradmerge.estimate import estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.merge import (
     fisher_average,
@@ -79,6 +79,7 @@ __all__ = [
     "load_curvature",
     # curvature estimation (SUMS over examples)
     "estimate_curvature",
+    "gradient_fn",
     # diagnostics (Eq. 2)
     "gradient_mismatch",
     "GradientMismatch",

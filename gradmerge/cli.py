@@ -5,6 +5,7 @@ gradmerge curvature MODEL DATA OUT  estimate a curvature (a SUM over examples) a
 gradmerge convert-curvature SRC OUT convert a diagonal Fisher of the paper's official code
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
+gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
 gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table, JSON, plots
 """
 
@@ -14,10 +15,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gradmerge.commands import convert_curvature, curvature, demo, merge, remove, verify
+from gradmerge.commands import convert_curvature, curvature, demo, merge, refine, remove, verify
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
-COMMANDS = [verify, curvature, convert_curvature, merge, remove, demo]
+COMMANDS = [verify, curvature, convert_curvature, merge, remove, refine, demo]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import FisherName, num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
 from gradmerge.estimate.diagonal import estimate_diagonal
+from gradmerge.estimate.gradient import gradient_fn
 from gradmerge.estimate.kfac import (
     MAX_FACTOR_SIDE,
     KFACFactors,
@@ -295,5 +296,6 @@ __all__ = [
     "estimate_dense",
     "estimate_diagonal",
     "estimate_kfac_factors",
+    "gradient_fn",
     "kfac_curvature",
 ]

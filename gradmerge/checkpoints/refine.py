@@ -1,0 +1,517 @@
+r"""Refinement of a merged checkpoint on the tasks' data: ``gradmerge refine CONFIG OUT_DIR``.
+
+Iterative refinement (Sec. 1.5 of the appendix, :func:`gradmerge.refine`) takes a merge θ^0 and
+steps towards the multi-task MAP θ_{1:T} = argmin Σ_t α_t ℓ̄_t(θ) + ½‖θ − θ_LLM‖²_{H_0}:
+
+.. math::
+
+    \theta^{k+1} = \theta^k - \big(H_0 + \sum_t \alpha_t H_t(\theta^k)\big)^{-1}
+        \Big[H_0(\theta^k - \theta_{LLM}) + \sum_t \alpha_t \nabla\bar\ell_t(\theta^k)\Big],
+
+with each task's gradient and curvature (SUMS over D_t) re-estimated at the iterate θ^k (and a
+backtracking on the norm of the bracket, the stationarity residual R). Configuration (YAML;
+relative paths are relative to its folder)::
+
+    start: merged/                      # θ^0: a Hugging Face folder (e.g. `gradmerge merge`'s output)
+    base_model: path/to/base            # θ_LLM
+    models:
+      - model: path/to/finetuned_a      # θ_t (for the gradient mismatch of Eq. 2)
+        data: task_a.safetensors        # D_t: a tensor file or module:function (as `curvature`)
+        alpha: 1.0                      # α_t
+      - {model: path/to/finetuned_b, data: mypkg.data:task_b}
+    prior: {delta: 1.0e-3}              # H_0 = δI (+ scale · curvature file)
+    steps: 2                            # k ≥ 1
+    structure: kfac                     # H_t at each iterate: diag | kfac | full
+    fisher: empirical                   # empirical | mc | ggn | hessian (full only)
+    loss: cross_entropy                 # cross_entropy | mse
+    batch_size: 16                      # rows per batch of a tensor file
+    shift_labels: false                 # causal-LM labels = input_ids (see `gradmerge curvature`)
+    ignore_index: -100
+    seed: 0                             # Monte-Carlo labels (fisher: mc)
+    device: auto                        # auto | cpu | cuda | cuda:N
+    text: {text_field: text, label_field: label, max_length: 128}   # text DATA (as `curvature`)
+
+MODEL entries (``start``, ``base_model``, ``models[].model``) are Hugging Face folders or
+``module:function`` entry points, DATA entries text (``.jsonl``, ``.csv``/``.tsv``, ``.txt``, a
+``datasets`` folder; tokenised with the ``start`` folder's tokenizer), tensor files or entry
+points, as for ``gradmerge curvature`` (:mod:`gradmerge.sources`); ``text`` takes the keys of
+:class:`gradmerge.text_data.TextOptions`. Every model must have the parameters of
+``start`` (names and shapes). Unlike a merge, refinement is not streamed: it holds T + 2 copies of
+the parameters (θ^k, θ_LLM, θ_1 … θ_T), the model, and one curvature at a time in memory.
+
+The output folder appears only when everything succeeded (:func:`~gradmerge.checkpoints.writer.
+staged_output`): θ^k saved as the start model was (``save_pretrained`` for a Hugging Face model,
+with the start folder's tokenizer files; ``model.safetensors`` otherwise) and
+``gradmerge_refine.json``: the configuration, and per step k = 0 … K the gradient mismatch
+‖∇ℓ̄_t(θ^k) − ∇ℓ̄_t(θ_t)‖ per task (Eq. 2), its sum and ‖R(θ^k)‖.
+
+Example:
+    >>> from gradmerge.checkpoints.refine import RefineConfig
+    >>> cfg = RefineConfig.from_dict({"start": ".", "base_model": ".", "steps": 2,
+    ...     "models": [{"model": ".", "data": "a.safetensors"}], "prior": {"delta": 0.1}},
+    ...     check_files=False)
+    >>> cfg.steps, cfg.structure, cfg.alphas
+    (2, 'kfac', [1.0])
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradmerge import params as P
+from gradmerge import sources
+from gradmerge._text import key_list
+from gradmerge.checkpoints.config import (
+    _REQUIRED,
+    CurvatureTerm,
+    _load_yaml,
+    _plain,
+    _Reader,
+    _shown,
+    _term,
+)
+from gradmerge.checkpoints.engine import resolve_device
+from gradmerge.checkpoints.errors import ConfigError, MissingInputError
+from gradmerge.checkpoints.reader import ASSET_PATTERNS
+from gradmerge.checkpoints.writer import refuse_existing, staged_output
+from gradmerge.curvature import Curvature, load_curvature
+from gradmerge.diagnostics import gradient_mismatch
+from gradmerge.errors import StructureError
+from gradmerge.estimate import estimate_curvature, gradient_fn
+from gradmerge.merge import refine
+from gradmerge.params import Params
+from gradmerge.text_data import TEXT_SUFFIXES, TextOptions
+
+STRUCTURES = ("diag", "kfac", "full")
+FISHERS = ("empirical", "mc", "ggn", "hessian")
+LOSSES = ("cross_entropy", "mse")
+RECORD = "gradmerge_refine.json"
+
+
+@dataclass(frozen=True)
+class TaskInput:
+    """One task: its fine-tuned model θ_t (MODEL), its data D_t (DATA) and its weight α_t."""
+
+    model: str
+    data: str
+    alpha: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefineConfig:
+    """A refinement: k steps of :func:`gradmerge.refine` from ``start`` (module docstring)."""
+
+    start: str
+    base_model: str
+    models: tuple[TaskInput, ...]
+    prior: CurvatureTerm
+    steps: int
+    structure: str = "kfac"
+    fisher: str = "empirical"
+    loss: str = "cross_entropy"
+    batch_size: int = 16
+    shift_labels: bool = False
+    ignore_index: int = -100
+    seed: int = 0
+    device: str = "auto"
+    text: TextOptions = field(default_factory=TextOptions)
+    source: Path | None = field(default=None, compare=False)
+
+    @property
+    def alphas(self) -> list[float]:
+        """α_t, in the order of ``models``."""
+        return [m.alpha for m in self.models]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain JSON values (paths absolute), for the run's record."""
+        skip = ("source", "models", "text")
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
+        return out | {"models": [asdict(m) for m in self.models], "text": asdict(self.text)}
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> RefineConfig:
+        """Read a refinement configuration; relative paths are relative to the file's folder."""
+        data, root = _load_yaml(path)
+        return cls.from_dict(data, root=root, source=Path(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        *,
+        root: str | os.PathLike[str] | None = None,
+        source: Path | None = None,
+        check_files: bool = True,
+    ) -> RefineConfig:
+        """Validate a refinement configuration given as a dict (``root``: base of relative paths).
+
+        Raises:
+            ConfigError: an unknown, missing or unusable key (named), ``steps`` < 1.
+            MissingInputError: a model folder or data file that does not exist.
+        """
+        r = _Reader(data, "the refine config", Path(root or "."), check_files)
+        r.allow(
+            "start",
+            "base_model",
+            "models",
+            "prior",
+            "steps",
+            "structure",
+            "fisher",
+            "loss",
+            "batch_size",
+            "shift_labels",
+            "ignore_index",
+            "seed",
+            "device",
+            "text",
+        )
+        models = []
+        for i, entry in enumerate(r.entries("models")):
+            m = r.sub(entry, f"models[{i}]")
+            m.allow("model", "data", "alpha")
+            models.append(
+                TaskInput(
+                    model=_spec(m, "model", "MODEL"),
+                    data=_spec(m, "data", "DATA"),
+                    alpha=m.number("alpha", 1.0),
+                )
+            )
+        prior = _term(r, "prior", required=True)
+        assert prior is not None  # required=True raises instead
+        structure = r.choice("structure", STRUCTURES, default="kfac")
+        fisher = r.choice("fisher", FISHERS, default="empirical")
+        if fisher == "hessian" and structure != "full":
+            raise ConfigError("`fisher: hessian` needs `structure: full` (diag and kfac are GGNs)")
+        return cls(
+            start=_spec(r, "start", "MODEL"),
+            base_model=_spec(r, "base_model", "MODEL"),
+            models=tuple(models),
+            prior=prior,
+            steps=_integer(r, "steps", _REQUIRED, minimum=1),
+            structure=structure,
+            fisher=fisher,
+            loss=r.choice("loss", LOSSES, default="cross_entropy"),
+            batch_size=_integer(r, "batch_size", 16, minimum=1),
+            shift_labels=r.flag("shift_labels", default=False),
+            ignore_index=_integer(r, "ignore_index", -100),
+            seed=_integer(r, "seed", 0),
+            device=r.device("device"),
+            text=_text_options(r),
+            source=source,
+        )
+
+
+@dataclass(frozen=True)
+class RefineReport:
+    """What ``run_refine`` wrote: the folder, its files, and the record's ``steps``."""
+
+    out_dir: Path
+    files: tuple[Path, ...]
+    steps: list[dict[str, Any]]
+    seconds: float
+    device: str
+
+
+def run_refine(
+    config: RefineConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> RefineReport:
+    """Run ``config.steps`` refinement steps from ``config.start`` and write θ^k to ``out_dir``.
+
+    Args:
+        config: the refinement (:class:`RefineConfig`).
+        out_dir: the output folder; it must not exist unless ``overwrite``.
+        overwrite: replace an existing ``out_dir`` (only once the new output is complete).
+        log: receives one line per step (mismatch and ‖R‖).
+
+    Raises:
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
+        ConfigError: ``out_dir`` is, or holds, one of the inputs.
+        StructureError: a model whose parameters differ from the start's (named).
+        ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.sources`).
+        NotPositiveDefiniteError, NonFiniteError: from the solve or the data.
+    """
+    begin = time.perf_counter()
+    target = Path(out_dir).absolute()
+    refuse_existing(target, overwrite)
+    _refuse_input_inside(target, config)
+    device = resolve_device(config.device)
+    say = log if log is not None else (lambda line: None)
+
+    model = sources.load_model(config.start).to(device).eval()
+    theta0 = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    if not theta0:
+        raise StructureError(f"start {config.start}: the model has no trainable parameters")
+    base = _parameters(config.base_model, "base_model", theta0, device)
+    finetuned = [
+        _parameters(m.model, f"models[{i}].model", theta0, device)
+        for i, m in enumerate(config.models)
+    ]
+    data = [_batches(m.data, config, model) for m in config.models]
+    names = list(theta0)
+    gradients = [
+        _cached(
+            gradient_fn(
+                model,
+                d,
+                loss=config.loss,  # type: ignore[arg-type]
+                ignore_index=config.ignore_index,
+                params=names,
+            ),
+            ft,
+        )
+        for d, ft in zip(data, finetuned, strict=True)
+    ]
+    curvatures = [_curvature_at(model, d, config) for d in data]
+    prior: float | Curvature = config.prior.delta
+    if config.prior.curvature is not None:
+        c = load_curvature(config.prior.curvature, like=theta0)
+        prior = config.prior.scale * c + config.prior.delta
+
+    iterates = refine(
+        theta0,
+        base,
+        gradients,
+        curvatures,
+        prior=prior,
+        alphas=config.alphas,
+        steps=config.steps,
+    )
+    steps = []
+    for k, theta in enumerate([theta0, *iterates]):
+        mismatch = gradient_mismatch(theta, finetuned, gradients, alphas=config.alphas)
+        residual = _residual(theta, base, gradients, prior, config.alphas)
+        steps.append(
+            {
+                "step": k,
+                "mismatch": mismatch.norms,
+                "mismatch_total": mismatch.total,
+                "residual": residual,
+            }
+        )
+        say(f"step {k}: mismatch Σ‖Δ_t‖ = {mismatch.total:.6g}, ‖R‖ = {residual:.6g}")
+
+    with torch.no_grad():
+        for key, value in iterates[-1].items():
+            model.get_parameter(key).copy_(value)
+    with staged_output(target, overwrite=overwrite) as stage:
+        written = _save(model, stage, config.start)
+        seconds = time.perf_counter() - begin
+        record = {
+            "gradmerge_version": _version(),
+            "torch_version": torch.__version__,
+            "command": "refine",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device),
+            "config": config.to_dict(),
+            "steps": steps,
+            "seconds": seconds,
+        }
+        (stage / RECORD).write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+        names_out = [*written, RECORD]
+    return RefineReport(
+        out_dir=target,
+        files=tuple(target / n for n in names_out),
+        steps=steps,
+        seconds=seconds,
+        device=str(device),
+    )
+
+
+# ----- inputs ---------------------------------------------------------------------------------
+def _spec(r: _Reader, key: str, what: str) -> str:
+    """A MODEL or DATA entry: a path (made absolute against the config's folder; it must exist)
+    or a ``module:function`` / ``file.py:function`` entry point (a relative file likewise)."""
+    value = r.data.get(key)
+    if value is None:
+        raise ConfigError(f"{r.where} needs `{key}`")
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"`{key}` in {r.where} must be a path or module:function, got {_shown(value)}"
+        )
+    is_file = what == "DATA" and value.endswith((*sources.TENSOR_SUFFIXES, *TEXT_SUFFIXES))
+    path = (r.root / Path(value).expanduser()).absolute()
+    if ":" in value and not is_file and not path.exists():
+        module, _, attr = value.rpartition(":")
+        if module.endswith(".py") and not Path(module).is_absolute():
+            module = str((r.root / module).absolute())
+        return f"{module}:{attr}"
+    if r.check_files and not (path.is_file() if is_file else path.exists()):
+        raise MissingInputError(
+            f"`{key}` in {r.where}: no {'file' if is_file else 'folder'} at {path}"
+        )
+    return str(path)
+
+
+def _text_options(r: _Reader) -> TextOptions:
+    """The ``text`` mapping: fields and limits of text DATA (:class:`TextOptions`)."""
+    if "text" not in r.data:
+        return TextOptions()
+    t = r.sub(r.data["text"], "text")
+    names = [f.name for f in fields(TextOptions)]
+    t.allow(*names)
+    values: dict[str, Any] = {}
+    for name in names:
+        if name not in t.data:
+            continue
+        if name in ("max_length", "max_examples"):
+            values[name] = _integer(t, name, None, minimum=1)
+        elif not isinstance(t.data[name], str) or not t.data[name]:
+            raise ConfigError(f"`text.{name}` must be a field name, got {_shown(t.data[name])}")
+        else:
+            values[name] = t.data[name]
+    return TextOptions(**values)
+
+
+def _integer(r: _Reader, key: str, default: Any, *, minimum: int | None = None) -> int:
+    value = r.data.get(key, default)
+    if value is _REQUIRED:
+        raise ConfigError(f"{r.where} needs `{key}`")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"`{key}` must be an integer, got {_shown(value)}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"`{key}` must be at least {minimum}, got {value}")
+    return value
+
+
+def _refuse_input_inside(target: Path, config: RefineConfig) -> None:
+    """A ConfigError if writing ``target`` would replace or delete an input."""
+    inputs = [config.start, config.base_model]
+    inputs += [s for m in config.models for s in (m.model, m.data)]
+    if config.prior.curvature is not None:
+        inputs.append(str(config.prior.curvature))
+    if config.source is not None:
+        inputs.append(str(config.source))
+    out = target.resolve()
+    for spec in inputs:
+        path = Path(spec.rpartition(":")[0] if _is_entry_point(spec) else spec)
+        resolved = path.resolve()
+        if resolved == out or out in resolved.parents:
+            raise ConfigError(
+                f"the output folder {target} holds an input ({spec}), which writing it would "
+                "replace or delete; write to another folder"
+            )
+
+
+def _is_entry_point(spec: str) -> bool:
+    return ":" in spec and not Path(spec).exists()
+
+
+def _parameters(spec: str, key: str, like: Params, device: torch.device) -> dict[str, Tensor]:
+    """The parameters of the model ``spec`` that ``like`` (the start's) names, checked to match."""
+    model = sources.load_model(spec)
+    own = {k: v for k, v in model.named_parameters() if v.requires_grad}
+    missing = [k for k in like if k not in own]
+    if missing or len(own) != len(like):
+        extra = [k for k in own if k not in like]
+        raise StructureError(
+            f"`{key}` ({spec}) does not have the parameters of `start`: "
+            + (f"missing {key_list(missing, 4)}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not in start {key_list(extra, 4)}" if extra else "")
+            + ". Every model must be the same architecture as the merge"
+        )
+    out = {k: own[k].detach().to(device=device, dtype=like[k].dtype) for k in like}
+    P.check_compatible(like, out, ref_name="start", name=f"`{key}`")
+    return out
+
+
+def _batches(spec: str, config: RefineConfig, model: nn.Module) -> list[Any]:
+    """DATA as a list of batches (refinement passes over it many times); text is tokenised
+    with the start folder's tokenizer."""
+    tokenizer = config.start if Path(config.start).is_dir() else None
+    data: Iterable[Any] = sources.load_data(
+        spec,
+        batch_size=config.batch_size,
+        shift_labels=config.shift_labels,
+        ignore_index=config.ignore_index,
+        max_examples=config.text.max_examples,
+        model=model,
+        tokenizer=tokenizer,
+        text=config.text,
+    )
+    return list(data)
+
+
+def _cached(
+    gradient: Callable[[Params], dict[str, Tensor]], finetuned: Params
+) -> Callable[[Params], dict[str, Tensor]]:
+    """``gradient``, computed once at θ_t (the same dict object every mismatch passes)."""
+    at_finetuned = gradient(finetuned)
+    return lambda theta: at_finetuned if theta is finetuned else gradient(theta)
+
+
+def _curvature_at(
+    model: nn.Module, data: list[Any], config: RefineConfig
+) -> Callable[[Params], Curvature]:
+    """θ ↦ H_t(θ): the model's weights set to θ, then ``gm.estimate_curvature`` on D_t."""
+
+    def at(theta: Params) -> Curvature:
+        with torch.no_grad():
+            for key, value in theta.items():
+                model.get_parameter(key).copy_(value)
+        return estimate_curvature(
+            model,
+            data,
+            structure=config.structure,  # type: ignore[arg-type]
+            fisher=config.fisher,  # type: ignore[arg-type]
+            loss=config.loss,  # type: ignore[arg-type]
+            seed=config.seed,
+            ignore_index=config.ignore_index,
+        )
+
+    return at
+
+
+def _residual(
+    theta: Params,
+    base: Params,
+    gradients: Sequence[Callable[[Params], dict[str, Tensor]]],
+    prior: float | Curvature,
+    alphas: Sequence[float],
+) -> float:
+    """‖R(θ)‖ = ‖H_0(θ − θ_LLM) + Σ_t α_t ∇ℓ̄_t(θ)‖, zero at the multi-task MAP."""
+    diff = P.sub(theta, base)
+    out = P.scale(prior, diff) if isinstance(prior, float) else prior.mv(diff)
+    for alpha, grad in zip(alphas, gradients, strict=True):
+        out = P.axpy(alpha, grad(theta), out)
+    return P.norm(out)
+
+
+# ----- output ---------------------------------------------------------------------------------
+def _save(model: nn.Module, stage: Path, start: str) -> list[str]:
+    """Save the refined model into ``stage`` as the start model was; returns the file names."""
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained) and Path(start).is_dir():
+        save_pretrained(stage, safe_serialization=True)
+        for asset in sorted(Path(start).iterdir()):  # tokenizer files, not written above
+            fresh = asset.is_file() and not (stage / asset.name).exists()
+            if fresh and any(fnmatch.fnmatch(asset.name, p) for p in ASSET_PATTERNS):
+                shutil.copyfile(asset, stage / asset.name)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(stage / "model.safetensors"))
+    return sorted(p.name for p in stage.iterdir())
+
+
+def _version() -> str:
+    from gradmerge import __version__
+
+    return __version__
