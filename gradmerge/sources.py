@@ -58,8 +58,10 @@ from gradmerge.text_data import (
     TextBatches,
     TextOptions,
     load_tokenizer,
+    positions_of,
     read_records,
     token_labels,
+    vocabulary_of,
 )
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
@@ -80,20 +82,27 @@ def model_kind(spec: str) -> str:
     )
 
 
-def load_model(spec: str, arguments: Mapping[str, Any] | None = None) -> nn.Module:
+def load_model(
+    spec: str, arguments: Mapping[str, Any] | None = None, *, allow_new_weights: bool = False
+) -> nn.Module:
     """The ``nn.Module`` MODEL names: a Hugging Face folder or an entry point (module docstring),
     the latter called with the keyword ``arguments`` (``--model-arg``).
+
+    ``allow_new_weights``: let a folder's model have parameters its weights files lack (randomly
+    initialised: an intentionally new head) or hold tensors it does not use
+    (``--allow-new-weights``); see :func:`hugging_face_model`.
 
     Raises:
         ArgumentError: neither a folder nor ``module:function``; an entry point that cannot be
             imported, does not take ``arguments`` or does not return an ``nn.Module``; arguments
             for a folder.
-        FileFormatError: a folder without a usable ``config.json`` or safetensors weights.
+        FileFormatError: a folder without a usable ``config.json`` or safetensors weights, or
+            with weights that do not fit its model.
     """
     if model_kind(spec) == "hugging face folder":
         if arguments:
             raise ArgumentError(f"MODEL {spec} is a folder; arguments apply to entry points")
-        return hugging_face_model(Path(spec))
+        return hugging_face_model(Path(spec), allow_new_weights=allow_new_weights)
     model = call_entry_point(spec, "MODEL", arguments)
     if not isinstance(model, nn.Module):
         raise ArgumentError(
@@ -102,8 +111,18 @@ def load_model(spec: str, arguments: Mapping[str, Any] | None = None) -> nn.Modu
     return model
 
 
-def hugging_face_model(folder: Path) -> nn.Module:
-    """The model of a Hugging Face folder, built offline by the class its config names."""
+def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.Module:
+    """The model of a Hugging Face folder, built offline by the class its config names.
+
+    Every parameter must come from the folder's weights and every stored tensor must be used
+    (transformers' loading report): a model with randomly initialised parts would give a
+    curvature of a random model, different at every run. ``allow_new_weights`` accepts them (a
+    new head, on purpose) and names them on stderr.
+
+    Raises:
+        FileFormatError: no ``config.json``, no class, no safetensors weights; weights missing,
+            unexpected or of another shape (named, with the fix).
+    """
     import transformers
 
     config_file = folder / "config.json"
@@ -133,10 +152,39 @@ def hugging_face_model(folder: Path) -> nn.Module:
             f"{folder} holds no safetensors weights (model.safetensors or shards with an index); "
             "save with model.save_pretrained(folder) (safetensors is its default)"
         )
-    model = cls.from_pretrained(folder, local_files_only=True, use_safetensors=True)
+    model, info = cls.from_pretrained(
+        folder, local_files_only=True, use_safetensors=True, output_loading_info=True
+    )
     if not isinstance(model, nn.Module):  # pragma: no cover - transformers models are modules
         raise FileFormatError(f"{folder}: {architectures[0]} is not a torch model")
+    _check_loading(folder, architectures[0], info, allow_new_weights)
     return model
+
+
+def _check_loading(folder: Path, name: str, info: Mapping[str, Any], allow: bool) -> None:
+    """Refuse (or, with ``allow``, report) what transformers' loading report lists."""
+    from gradmerge._text import key_list
+
+    parts = []
+    for key, what in (
+        ("missing_keys", "missing from the weights (they would be initialised randomly)"),
+        ("unexpected_keys", "stored but not used by the model"),
+        ("mismatched_keys", "stored with another shape (they would be initialised randomly)"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            parts.append(f"{len(names)} tensor(s) {what}: {key_list(names)}")
+    if not parts:
+        return
+    text = f"MODEL {folder} ({name}): " + "; ".join(parts)
+    if allow:
+        print(f"warning: {text} (accepted: --allow-new-weights)", file=sys.stderr)
+        return
+    raise FileFormatError(
+        f"{text}. The weights files do not fit the config's model: save the complete model "
+        "with model.save_pretrained(folder), or pass --allow-new-weights if a new head is meant "
+        "to start from random values"
+    )
 
 
 # ----- DATA -----------------------------------------------------------------------------------
@@ -210,13 +258,16 @@ def load_data(
         tensors = read_tensors(Path(spec))
         if max_examples is not None:
             tensors = {k: v[:max_examples] if v.ndim else v for k, v in tensors.items()}
-        return TensorBatches(
+        batches = TensorBatches(
             tensors,
             batch_size=batch_size,
             shift_labels=shift_labels,
             ignore_index=ignore_index,
             source=spec,
         )
+        if model is not None:
+            check_tokens(batches.tensors, model, spec)
+        return batches
     if model is None or tokenizer is None:
         raise ArgumentError(f"text DATA {spec} needs the model and its tokenizer folder")
     if shift_labels:
@@ -323,6 +374,38 @@ class TensorBatches:
                 yield part["inputs"], part["targets"]
             else:
                 yield part
+
+
+def check_tokens(tensors: Mapping[str, Tensor], model: nn.Module, source: str) -> None:
+    """Check ``input_ids`` against the model's vocabulary and positions (before any forward
+    pass, which would fail with a bare ``IndexError``).
+
+    Raises:
+        StructureError: a token id below 0 or at or above the vocabulary, or sequences longer
+            than the model's positions (the first offending example is named).
+    """
+    ids = tensors.get("input_ids")
+    if ids is None or ids.numel() == 0:
+        return
+    vocabulary, positions = vocabulary_of(model), positions_of(model)
+    if ids.is_floating_point():
+        raise StructureError(f"{source}: input_ids are {ids.dtype}; token ids must be integers")
+    if vocabulary is not None:
+        bad = (ids < 0) | (ids >= vocabulary)
+        if bool(bad.any()):
+            row = int(bad.reshape(ids.shape[0], -1).any(dim=1).nonzero()[0])
+            value = int(ids[row][bad[row]].reshape(-1)[0])
+            raise StructureError(
+                f"{source}, example {row}: token id {value} is outside the model's vocabulary "
+                f"of {vocabulary} (ids 0 to {vocabulary - 1}); the data were tokenised for "
+                "another model: tokenise them with MODEL's own tokenizer"
+            )
+    if positions is not None and ids.ndim >= 2 and ids.shape[1] > positions:
+        raise StructureError(
+            f"{source}: sequences of {ids.shape[1]} tokens, but the model has {positions} "
+            f"positions; cut input_ids, labels and attention_mask to at most {positions} tokens "
+            "(or give text DATA with --max-length)"
+        )
 
 
 def warn_unshifted(model: nn.Module, data: Iterable[Any], *, shift_labels: bool) -> None:

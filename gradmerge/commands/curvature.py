@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
@@ -177,6 +178,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-params", type=int, default=20_000, help="largest model --structure full takes"
     )
+    p.add_argument(
+        "--allow-new-weights",
+        action="store_true",
+        help="MODEL folder: accept parameters its weights lack (randomly initialised, e.g. a "
+        "new head) and stored tensors it does not use; by default they are an error",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_distributed_options(p)  # --distributed, --timeout, --expected-examples, --backend
@@ -249,8 +256,50 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.is_dir():
         parser.error(f"OUT {out} is a folder; give a file name such as task.curvature.safetensors")
+    for flag, path in _inputs(args, model_kind, data_kind):
+        inside = path.resolve()
+        if out.resolve() == inside or inside in out.resolve().parents:
+            parser.error(
+                f"OUT {out} is, or is inside, {flag} ({path}): writing it would replace or add to "
+                "an input; write the curvature elsewhere"
+            )
     if out.exists() and not args.overwrite:
         parser.error(f"OUT {out} exists; pass --overwrite to replace it")
+    problem = _not_writable(out)
+    if problem:
+        parser.error(f"OUT {out} cannot be written ({problem}): choose another path")
+
+
+def _inputs(args: argparse.Namespace, model_kind: str, data_kind: str) -> list[tuple[str, Path]]:
+    """The files and folders the run reads: OUT must be none of them nor inside one."""
+    inputs = []
+    for flag, spec, kind in (("MODEL", args.model, model_kind), ("DATA", args.data, data_kind)):
+        if kind == "entry point":
+            module = spec.rpartition(":")[0]
+            if module.endswith(".py") or "/" in module:
+                inputs.append((flag, Path(module)))
+        else:
+            inputs.append((flag, Path(spec)))
+    if args.tokenizer:
+        inputs.append(("--tokenizer", Path(args.tokenizer)))
+    return inputs
+
+
+def _not_writable(out: Path) -> str | None:
+    """Why no file can be created in OUT's folder (probed with a temporary file in its nearest
+    existing ancestor: the folders below it are made when OUT is written), or ``None``."""
+    folder = out.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gradmerge-probe-", dir=folder)
+    except OSError as err:
+        return f"{folder}: {err.strerror or err}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,7 +347,10 @@ def load(
     """MODEL (on ``device``, in evaluation mode) and DATA's batches; with ``announce``, what was
     read (text: examples, tokens, truncation) and a warning about unshifted labels, on stderr."""
     model_arguments = dict(map(sources.parse_argument, args.model_arg))
-    model = sources.load_model(args.model, model_arguments).to(device).eval()
+    model = sources.load_model(
+        args.model, model_arguments, allow_new_weights=args.allow_new_weights
+    )
+    model = model.to(device).eval()
     data = sources.load_data(
         args.data,
         batch_size=args.batch_size or 16,

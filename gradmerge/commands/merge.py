@@ -125,7 +125,8 @@ def describe_plan(plan: Any, config: Any) -> str:
     """A short description of a plan, for ``--dry-run``."""
     largest = list(plan.largest_unit.keys)
     return (
-        f"{config.method}: inputs fit together.\n"
+        f"{config.method}: inputs fit together (names, shapes, dtypes; their values — NaN/Inf, "
+        "definiteness, overflow — are checked only by the real run).\n"
         f"{len(plan.shapes)} tensors: {len(plan.merged)} merged in {sum(u.merged for u in plan.units)} "
         f"groups, {len(plan.copied)} copied from the base; output {_size(plan.out_bytes())}\n"
         f"largest group: {largest[:4]}{' ...' if len(largest) > 4 else ''} ({len(largest)} tensors)"
