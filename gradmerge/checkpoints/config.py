@@ -22,6 +22,7 @@ Removal (``gradmerge remove CONFIG OUT_DIR``), Eq. 13 or Koh & Liang::
     prior: {delta: 1.0e-6}             # H_0 used when fine-tuning θ_t (remove only)
     gradient: grad.safetensors         # ∇ℓ̄_t(θ_LLM) as a parameter dict (influence_remove only)
     remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}   # H̄_\\t = δI + s·C
+    # C may be several files, summed: curvature: [a.curvature.safetensors, c.curvature.safetensors]
     alpha: 1.0                         # α_t
 
 Both also take ``compute_dtype`` (float32 | float64: the precision of the arithmetic),
@@ -84,11 +85,22 @@ class ModelInput:
 
 @dataclass(frozen=True)
 class CurvatureTerm:
-    """A precision δ·I + scale·C: a prior H_0, or the remaining curvature H̄_\\t of a removal."""
+    """A precision δ·I + scale·C: a prior H_0, or the remaining curvature H̄_\\t of a removal.
+
+    ``curvature`` is one file, or several whose SUM is C (YAML: a list), e.g. the per-task
+    curvatures of the tasks that stay in a merge when one is removed.
+    """
 
     delta: float = 0.0
-    curvature: Path | None = None
+    curvature: Path | tuple[Path, ...] | None = None
     scale: float = 1.0
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The curvature files whose sum is C (none, one or several)."""
+        if self.curvature is None:
+            return ()
+        return self.curvature if isinstance(self.curvature, tuple) else (self.curvature,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,9 +357,22 @@ def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
         return None
     t = r.sub(r.data[key], key)
     t.allow("delta", "curvature", "scale")
+    listed = t.data.get("curvature")
+    curvature: Path | tuple[Path, ...] | None
+    if isinstance(listed, list):
+        if not listed:
+            raise ConfigError(
+                f"`{t._name('curvature')}` is an empty list: give a curvature file, or a list of "
+                "files whose sum is the curvature"
+            )
+        curvature = tuple(
+            t.sub({"": v}, f"curvature[{i}]").path("", kind="file") for i, v in enumerate(listed)
+        )
+    else:
+        curvature = t.path("curvature", kind="file", default=None)
     term = CurvatureTerm(
         delta=t.number("delta", 0.0, minimum=0.0),
-        curvature=t.path("curvature", kind="file", default=None),
+        curvature=curvature,
         scale=t.number("scale", 1.0, minimum=0.0),
     )
     if term.delta == 0.0 and (term.curvature is None or term.scale == 0.0):
@@ -372,6 +397,9 @@ class _Reader:
         return _Reader(data, f"{prefix}{where}", self.root, self.check_files)
 
     def _name(self, key: str) -> str:
+        """The key as the YAML file spells it (``remaining.delta``); "" names ``where`` itself."""
+        if not key:
+            return self.where
         return key if self.where.startswith("the ") else f"{self.where}.{key}"
 
     def allow(self, *keys: str) -> None:

@@ -31,7 +31,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -307,10 +307,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         stack.enter_context(open_curvature(m.curvature)) if m.curvature is not None else None
         for m in config.models
     ]
-    prior_file = _open_term(config.prior, stack)
+    prior_files = _open_term(config.prior, "prior", stack)
     files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
-    if prior_file is not None:
-        files["prior.curvature"] = prior_file
+    files.update(prior_files)
     coverage: Coverage = (
         "none"
         if config.method == "task_arithmetic"
@@ -332,8 +331,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         for i, c in enumerate(curvs)
         if c is not None
     ]
-    if prior_file is not None:
-        pairs.append(("prior.curvature", prior_file, [("base_model", base)]))
+    pairs += [(name, f, [("base_model", base)]) for name, f in prior_files.items()]
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas = config.alphas
@@ -343,10 +341,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         theta = _read(base, keys, device, dtype)
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype) for c in curvs]
-        prior = None
-        if config.prior is not None:
-            part = _restrict(prior_file, keys, device, dtype)
-            prior = rules.precision(config.prior.delta, config.prior.scale, part)
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
         return rules.merge_unit(
             config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
         )
@@ -382,17 +377,11 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     model = stack.enter_context(open_checkpoint(config.model)) if config.model else None
     gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
     curv = stack.enter_context(open_curvature(config.curvature)) if config.curvature else None
-    prior_file = _open_term(config.prior, stack)
-    rest_file = _open_term(config.remaining, stack)
-    files = {
-        name: f
-        for name, f in (
-            ("curvature", curv),
-            ("prior.curvature", prior_file),
-            ("remaining.curvature", rest_file),
-        )
-        if f is not None
-    }
+    prior_files = _open_term(config.prior, "prior", stack)
+    rest_files = _open_term(config.remaining, "remaining", stack)
+    files = {"curvature": curv} if curv is not None else {}
+    files.update(prior_files)
+    files.update(rest_files)
     plan = build_plan(
         base,
         [("model", model)] if model is not None else [],
@@ -413,12 +402,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
 
-        def term(t: CurvatureTerm | None, f: CurvatureFile | None) -> rules.Precision | None:
-            if t is None:
-                return None
-            return rules.precision(t.delta, t.scale, _restrict(f, keys, device, dtype))
-
-        remaining = term(config.remaining, rest_file)
+        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype)
         assert remaining is not None  # `remaining` is required by RemoveConfig
         return rules.remove_unit(
             config.method,
@@ -427,7 +411,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             alpha=config.alpha,
             finetuned=_read(model, keys, device, dtype) if model is not None else None,
             curvature=_restrict(curv, keys, device, dtype),
-            prior=term(config.prior, prior_file),
+            prior=_term_precision(config.prior, prior_files, keys, device, dtype),
             gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
         )
 
@@ -475,10 +459,30 @@ def _check_curvature_weights(
         warnings.warn(message, InputWarning, stacklevel=4)
 
 
-def _open_term(term: CurvatureTerm | None, stack: ExitStack) -> CurvatureFile | None:
-    if term is None or term.curvature is None:
+def _open_term(term: CurvatureTerm | None, name: str, stack: ExitStack) -> dict[str, CurvatureFile]:
+    """The files of a term, by input name (``prior.curvature``, ``remaining.curvature[1]``)."""
+    if term is None:
+        return {}
+    if not isinstance(term.curvature, tuple):
+        return {f"{name}.curvature": stack.enter_context(open_curvature(p)) for p in term.files}
+    return {
+        f"{name}.curvature[{i}]": stack.enter_context(open_curvature(p))
+        for i, p in enumerate(term.files)
+    }
+
+
+def _term_precision(
+    term: CurvatureTerm | None,
+    files: Mapping[str, CurvatureFile],
+    keys: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> rules.Precision | None:
+    """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts)."""
+    if term is None:
         return None
-    return stack.enter_context(open_curvature(term.curvature))
+    parts = [c for f in files.values() if (c := _restrict(f, keys, device, dtype)) is not None]
+    return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
 def _restrict(

@@ -280,9 +280,9 @@ def run_refine(
     ]
     curvatures = [_curvature_at(model, d, config) for d in data]
     prior: float | Curvature = config.prior.delta
-    if config.prior.curvature is not None:
-        c = load_curvature(config.prior.curvature, like=theta0)
-        prior = config.prior.scale * c + config.prior.delta
+    if config.prior.files:  # one file, or several whose sum is the curvature
+        parts = [load_curvature(path, like=theta0) for path in config.prior.files]
+        prior = config.prior.scale * sum(parts[1:], parts[0]) + config.prior.delta
 
     iterates = refine(
         theta0,
@@ -394,8 +394,7 @@ def _refuse_input_inside(target: Path, config: RefineConfig) -> None:
     """A ConfigError if writing ``target`` would replace or delete an input."""
     inputs = [config.start, config.base_model]
     inputs += [s for m in config.models for s in (m.model, m.data)]
-    if config.prior.curvature is not None:
-        inputs.append(str(config.prior.curvature))
+    inputs += [str(path) for path in config.prior.files]
     if config.source is not None:
         inputs.append(str(config.source))
     out = target.resolve()

@@ -19,6 +19,7 @@ configuration (YAML; relative paths are relative to the YAML file):
   remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors, scale: 1.0}
                                      # H̄_\\t = δI + s·C: curvature at θ_LLM of the data that
                                      # stays, with the base model's own regulariser δ
+                                     # C may be a list of files, summed (per-task curvatures)
   alpha: 1.0                         # α_t, the weight D_t had in θ_LLM's training loss
 
   # Koh & Liang (2017): θ_\\t = θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM)
@@ -36,6 +37,16 @@ configuration (YAML; relative paths are relative to the YAML file):
 H̄_\\t must be positive definite: a removal that fails with "not positive definite" needs
 `remaining: {delta: ...}` (the base model's prior precision). OUT_DIR appears only when the
 removal succeeded, with the base's config/tokenizer files and gradmerge_remove.json.
+
+remove a task from a merge (tasks a, b, c merged by gradient_matching into merged/):
+  method: remove
+  base_model: merged/
+  model: ft_b/
+  curvature: b.curvature.safetensors
+  prior: {delta: δ}
+  remaining: {delta: δ, curvature: [a.curvature.safetensors, c.curvature.safetensors]}
+  This is Eq. 13 from the merged weights; it differs from merging a and c again by
+  H̄_\\b⁻¹ H_0 (θ_merged − θ_base of the merge), small when δ is small next to the curvatures.
 
 examples:
   gradmerge remove remove.yaml unlearned/
