@@ -545,19 +545,21 @@ def provenance(
     data: str,
     *,
     device: torch.device,
-    seed: int,
-    mc_samples: int,
     ignore_index: int,
     batch_size: int,
     shift_labels: bool,
     model_arguments: Mapping[str, Any] | None = None,
     data_arguments: Mapping[str, Any] | None = None,
     max_examples: int | None = None,
+    seed: int | None = None,
+    mc_samples: int | None = None,
 ) -> dict[str, str]:
-    """What a curvature file's metadata records about how it was made (``source.*`` keys).
+    """What a curvature (or gradient) file's metadata records about how it was made
+    (``source.*`` keys).
 
     ``model`` and ``data`` are the MODEL and DATA arguments; a tensor file's SHA-256 and how it
-    was batched are recorded too, so that the estimate can be traced to its exact inputs.
+    was batched are recorded too, so that the estimate can be traced to its exact inputs;
+    ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given.
     """
     import gradmerge
 
@@ -565,13 +567,14 @@ def provenance(
     meta = {
         "source.model": describe_source(model, model_kind(model)),
         "source.data": describe_source(data, data_kind_),
-        "source.seed": str(seed),
-        "source.mc_samples": str(mc_samples),
         "source.ignore_index": str(ignore_index),
         "source.device": str(device),
         "source.gradmerge": gradmerge.__version__,
         "source.torch": torch.__version__,
     }
+    for key, value in (("seed", seed), ("mc_samples", mc_samples)):
+        if value is not None:
+            meta[f"source.{key}"] = str(value)
     for key, arguments in (("model", model_arguments), ("data", data_arguments)):
         if arguments:
             meta[f"source.{key}_arguments"] = json.dumps(dict(arguments), sort_keys=True)
