@@ -2,6 +2,7 @@
 
 gradmerge verify              check every derivation of the appendix; exit 1 if one fails
 gradmerge curvature MODEL DATA OUT  estimate a curvature (a SUM over examples) and save it
+gradmerge gradient MODEL DATA OUT   the SUM of per-example loss gradients (Koh & Liang)
 gradmerge convert-curvature SRC OUT convert a diagonal Fisher of the paper's official code
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
@@ -15,10 +16,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gradmerge.commands import convert_curvature, curvature, demo, merge, refine, remove, verify
+from gradmerge.commands import (
+    convert_curvature,
+    curvature,
+    demo,
+    gradient,
+    merge,
+    refine,
+    remove,
+    verify,
+)
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
-COMMANDS = [verify, curvature, convert_curvature, merge, remove, refine, demo]
+COMMANDS = [verify, curvature, gradient, convert_curvature, merge, remove, refine, demo]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,9 @@ configuration (YAML; relative paths are relative to the YAML file):
   # Koh & Liang (2017): θ_\\t = θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM)
   method: influence_remove
   base_model: path/to/base
-  gradient: grad_Dt.safetensors      # ∇ℓ̄_t(θ_LLM), saved under the parameters' names, e.g.
+  gradient: grad_Dt.safetensors      # ∇ℓ̄_t(θ_LLM) = Σ_i ∇ℓ_i, a SUM over D_t's examples:
+                                     # gradmerge gradient BASE D_t.jsonl grad_Dt.safetensors
+                                     # or, under the parameters' names,
                                      # safetensors.torch.save_file({n: p.grad for n, p in
                                      #   model.named_parameters()}, "grad_Dt.safetensors")
   remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}

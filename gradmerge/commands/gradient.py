@@ -1,0 +1,137 @@
+"""``gradmerge gradient MODEL DATA OUT``: the SUM of the per-example loss gradients, saved.
+
+g = ∇ℓ̄(θ) = Σ_i ∇ℓ_i(θ), a SUM over the examples of DATA (the convention of every curvature:
+a sequence's loss sums its tokens, ignored positions count for nothing) at the weights θ of MODEL,
+computed by :func:`gradmerge.gradient_fn` and written as a safetensors file under the parameters'
+names — the ``gradient:`` of a Koh & Liang removal (``method: influence_remove`` in
+``gradmerge remove``), where MODEL is θ_LLM and DATA the data D_t to remove. Divide by the
+``num_examples`` of the file's metadata for the mean gradient.
+
+MODEL and DATA are read as by ``gradmerge curvature`` (text, tensor files, entry points; see its
+``--help``). The model is put in evaluation mode (no dropout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradmerge.commands._inputs import (
+    add_source_arguments,
+    check_sources,
+    load,
+    progress,
+    provenance,
+)
+
+FORMAT = "gradmerge-gradient/1"
+EXAMPLES = """\
+examples:
+  # the gradient of the data to remove, at the model to remove it from (θ_LLM)
+  gradmerge gradient runs/base data/task_b.jsonl grad_b.safetensors
+  # then, in remove.yaml:  method: influence_remove, base_model: runs/base,
+  #   gradient: grad_b.safetensors, remaining: {delta: ..., curvature: [...]}
+  gradmerge remove remove.yaml unlearned/
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``gradmerge gradient``."""
+    p = sub.add_parser(
+        "gradient",
+        help="the SUM of per-example loss gradients of a model on data (for Koh & Liang removal)",
+        description=(__doc__ or "").split("\n\n", 1)[1].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+    )
+    add_source_arguments(p, "gradient file to write (.safetensors)")
+    p.set_defaults(run=run, check=check)
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
+    check_sources(parser, args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``gradmerge gradient``: 0 on success, 1 on bad input (one line of stderr)."""
+    from gradmerge.errors import GradmergeError
+
+    try:
+        return execute(args)
+    except (GradmergeError, OSError) as err:
+        print(f"gradmerge gradient: error: {err}", file=sys.stderr)
+        return 1
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Load, differentiate, save atomically; print one summary line."""
+    import gradmerge as gm
+    from gradmerge.errors import NonFiniteError
+
+    start = time.perf_counter()
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    model, data = load(args, device, announce=True)
+    counted = _Counted(data if args.no_progress else progress(data, "gradient"))
+    theta = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    gradient = gm.gradient_fn(model, counted, loss=args.loss, ignore_index=args.ignore_index)(theta)
+    bad = [k for k, v in gradient.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise NonFiniteError(
+            f"the gradient of {bad[:3]} holds NaN/Inf values: check the model's weights and "
+            "the data (labels in range, no NaN inputs)"
+        )
+    meta = {
+        "format": FORMAT,
+        "reduction": "sum",
+        "num_examples": str(counted.examples),
+        "loss": args.loss,
+        **provenance(args, device, data),
+    }
+    path = save_gradient(gradient, Path(args.out), meta)
+    print(
+        f"wrote {path}: the gradient of {sum(v.numel() for v in gradient.values()):,} parameters, "
+        f"a sum over {counted.examples} examples ({time.perf_counter() - start:.1f} s)"
+    )
+    return 0
+
+
+def save_gradient(gradient: dict[str, Tensor], out: Path, meta: dict[str, str]) -> Path:
+    """Write the tensors and metadata to ``out`` atomically (a temporary file, then renamed)."""
+    from safetensors.torch import save_file
+
+    from gradmerge._files import publish, temp_file_beside
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_file_beside(out)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in gradient.items()}, tmp, meta)
+        publish(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+class _Counted:
+    """Re-iterable batches that count their examples (rows) on each pass."""
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        self.data, self.examples = data, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        from gradmerge.estimate._data import split_batch
+
+        self.examples = 0
+        for index, batch in enumerate(self.data):
+            _, targets = split_batch(batch, index)
+            self.examples += int(targets.shape[0]) if targets.ndim else 1
+            yield batch
