@@ -52,3 +52,7 @@ class NotConvergedError(GradmergeError, RuntimeError):
 class InputWarning(UserWarning):
     """Inputs that are accepted but are probably not what was meant (a model listed twice in a
     merge, a curvature estimated at other weights than the model it is paired with)."""
+
+
+class StepTooLargeError(GradmergeError, ValueError):
+    """A removal step far larger than what it undoes: a near-zero curvature direction exploded."""

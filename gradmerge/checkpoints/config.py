@@ -223,7 +223,10 @@ class RemoveConfig(Options):
       safetensors file holding ∇ℓ̄_t(θ_LLM) under the parameters' names.
 
     ``remaining`` must include the base model's own regulariser δ·I (``delta``) and be positive
-    definite.
+    definite. The step's size ‖θ_\\t − θ_LLM‖ is measured against ‖θ_t − θ_LLM‖ (``remove``) or
+    ‖θ_LLM‖ (``influence_remove``); above ``max_relative_step`` (default 100 and 1), where a
+    near-zero curvature direction has exploded, ``step_check`` refuses (default), warns or
+    ignores it.
     """
 
     method: str
@@ -234,6 +237,8 @@ class RemoveConfig(Options):
     curvature: Path | None = None
     prior: CurvatureTerm | None = None
     gradient: Path | None = None
+    step_check: str = "refuse"
+    max_relative_step: float = 100.0
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> RemoveConfig:
@@ -262,6 +267,8 @@ class RemoveConfig(Options):
             "gradient",
             "remaining",
             "alpha",
+            "step_check",
+            "max_relative_step",
             *_OPTION_KEYS,
         )
         model = curvature = gradient = None
@@ -286,6 +293,8 @@ class RemoveConfig(Options):
             prior=prior,
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
+            step_check=r.choice("step_check", STEP_CHECKS, default="refuse"),
+            max_relative_step=_positive(r, "max_relative_step", MAX_RELATIVE_STEP[method]),
             source=source,
             **_options(r),
         )
@@ -301,6 +310,17 @@ _OPTION_KEYS = (
     "curvature_weights",
 )
 CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
+STEP_CHECKS = ("refuse", "warn", "ignore")
+MAX_RELATIVE_STEP = {"remove": 100.0, "influence_remove": 1.0}
+"""Default largest ‖θ_\\t − θ_LLM‖ relative to ‖θ_t − θ_LLM‖ (remove) or to ‖θ_LLM‖
+(influence_remove, which has no task vector)."""
+
+
+def _positive(r: _Reader, key: str, default: float) -> float:
+    value = r.number(key, default=default)
+    if value <= 0:
+        raise ConfigError(f"`{r._name(key)}` must be > 0, got {_shown(value)}")
+    return value
 
 
 def _options(r: _Reader) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from gradmerge.errors import (
     InputWarning,
     NotPositiveDefiniteError,
     ResultOverflowError,
+    StepTooLargeError,
 )
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -78,6 +79,7 @@ class MergeReport:
         stale_removed: hidden staging folders of ``out_dir`` left by killed runs, removed.
         stale_left: such folders whose owner cannot be known (another host, an older
             gradmerge), left in place.
+        notes: lines for the user, e.g. a removal's step size (:class:`StepSize`).
     """
 
     out_dir: Path
@@ -92,6 +94,7 @@ class MergeReport:
     device: str
     stale_removed: tuple[Path, ...] = ()
     stale_left: tuple[Path, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 def run_merge(
@@ -185,6 +188,62 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+@dataclass
+class StepSize:
+    """‖θ_\\t − θ_LLM‖ of a removal against a reference norm, summed unit by unit.
+
+    The reference is the task vector ‖θ_t − θ_LLM‖ (Eq. 13) or the weights ‖θ_LLM‖ (Koh &
+    Liang). A ratio far above 1 means a direction where the remaining curvature H̄_\\t is near
+    zero has exploded (H̄_\\t⁻¹ multiplies by up to 1/δ there).
+
+    Example:
+        >>> import torch
+        >>> s = StepSize("the task vector ‖θ_t − θ_LLM‖")
+        >>> s.add({"w": torch.tensor([3.0, 4.0])}, {"w": torch.tensor([0.0, 1.0])})
+        >>> s.ratio
+        5.0
+    """
+
+    reference: str
+    step_sq: float = 0.0
+    reference_sq: float = 0.0
+
+    def add(self, step: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> None:
+        """Add one unit's step and reference tensors (same keys)."""
+        for k, v in step.items():
+            self.step_sq += float(v.double().square().sum())
+            self.reference_sq += float(reference[k].double().square().sum())
+
+    @property
+    def ratio(self) -> float:
+        """‖step‖ / ‖reference‖ (inf for a non-zero step against a zero reference)."""
+        if self.reference_sq == 0.0:
+            return 0.0 if self.step_sq == 0.0 else math.inf
+        return math.sqrt(self.step_sq / self.reference_sq)
+
+    def describe(self) -> str:
+        """One line: the step's norm, and its ratio to the reference."""
+        return (
+            f"removal step ‖θ_\\t − θ_LLM‖ = {math.sqrt(self.step_sq):.4g}, {self.ratio:.3g}× "
+            f"{self.reference} ({math.sqrt(self.reference_sq):.4g})"
+        )
+
+    def check(self, policy: str, limit: float) -> None:
+        """Refuse (``policy`` "refuse": :class:`StepTooLargeError`) or warn ("warn") when the
+        ratio exceeds ``limit``; "ignore" does neither."""
+        if policy == "ignore" or self.ratio <= limit:
+            return
+        message = (
+            f"the {self.describe()} exceeds `max_relative_step: {limit:g}`: a direction where "
+            "the remaining curvature H̄_\\t is near zero exploded. Raise `remaining: {delta: "
+            "...}` (the base model's prior precision), add the curvature of the data that stays "
+            "to `remaining.curvature`, or set `step_check: warn` to write it anyway"
+        )
+        if policy == "refuse":
+            raise StepTooLargeError(message)
+        warnings.warn(message, InputWarning, stacklevel=3)
+
+
 # ----- jobs: opened inputs, a plan, and how to compute one unit ----------------------------------
 @dataclass
 class Job:
@@ -238,6 +297,7 @@ class Job:
     hint: str
     math_dtype: torch.dtype = torch.float32
     source: Path | None = None
+    step: StepSize | None = None
 
     @property
     def wide(self) -> bool:
@@ -404,16 +464,23 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
 
         remaining = _term_precision(config.remaining, rest_files, keys, device, dtype)
         assert remaining is not None  # `remaining` is required by RemoveConfig
-        return rules.remove_unit(
+        theta = _read(base, keys, device, dtype)
+        finetuned = _read(model, keys, device, dtype) if model is not None else None
+        out = rules.remove_unit(
             config.method,
-            _read(base, keys, device, dtype),
+            theta,
             remaining=remaining,
             alpha=config.alpha,
-            finetuned=_read(model, keys, device, dtype) if model is not None else None,
+            finetuned=finetuned,
             curvature=_restrict(curv, keys, device, dtype),
             prior=_term_precision(config.prior, prior_files, keys, device, dtype),
             gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
         )
+        reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
+        step.add({k: out[k] - theta[k] for k in keys}, reference)
+        return out
+
+    step = StepSize("the weights ‖θ_LLM‖" if model is None else "the task vector ‖θ_t − θ_LLM‖")
 
     checkpoints = {"base_model": base}
     if model is not None:
@@ -426,7 +493,17 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         "data that stays"
     )
     return Job(
-        "remove", plan, base, compute, device, checkpoints, files, hint, dtype, config.source
+        "remove",
+        plan,
+        base,
+        compute,
+        device,
+        checkpoints,
+        files,
+        hint,
+        dtype,
+        config.source,
+        step,
     )
 
 
@@ -532,6 +609,10 @@ def _execute(
             writer.abort()
             if bar is not None:
                 bar.close()
+        notes: tuple[str, ...] = ()
+        if job.step is not None and isinstance(config, RemoveConfig):
+            job.step.check(config.step_check, config.max_relative_step)  # before publishing
+            notes = (job.step.describe(),)
         assets = job.copy_assets(stage, config.dtype)
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
@@ -551,6 +632,7 @@ def _execute(
         device=str(job.device),
         stale_removed=tuple(removed),
         stale_left=tuple(left),
+        notes=notes,
     )
 
 
@@ -686,5 +768,11 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         "largest_unit": list(plan.largest_unit.keys),
     }
     record["compute"] = {"device": str(job.device), "dtype": config.compute_dtype}
+    if job.step is not None:
+        record["step"] = {
+            "norm": math.sqrt(job.step.step_sq),
+            "relative_to": job.step.reference,
+            "ratio": job.step.ratio if math.isfinite(job.step.ratio) else None,
+        }
     record["seconds"] = round(seconds, 3)
     return record

@@ -111,6 +111,8 @@ def run_command(
         f"read {_size(report.bytes_read)}, wrote {_size(report.bytes_written)} in "
         f"{report.seconds:.2f} s on {report.device}"
     )
+    for note in report.notes:
+        print(note)
     for path in report.stale_removed:
         print(f"removed {path.name}, a staging folder left by a run that was killed")
     for path in report.stale_left:

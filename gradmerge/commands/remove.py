@@ -36,6 +36,11 @@ configuration (YAML; relative paths are relative to the YAML file):
   Both also take dtype, compute_dtype, device, passthrough and max_shard_size, as in
   `gradmerge merge --help`.
 
+The step's size ‖θ_\\t − θ_LLM‖ is printed against the task vector ‖θ_t − θ_LLM‖ (remove) or the
+weights ‖θ_LLM‖ (influence_remove); above `max_relative_step` (default 100 and 1) — a direction
+where H̄_\\t is near zero exploded — `step_check: refuse` (default) writes nothing, `warn` writes
+with a warning, `ignore` neither.
+
 H̄_\\t must be positive definite: a removal that fails with "not positive definite" needs
 `remaining: {delta: ...}` (the base model's prior precision). OUT_DIR appears only when the
 removal succeeded, with the base's config/tokenizer files and gradmerge_remove.json.
