@@ -50,6 +50,7 @@ from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.curvature import Curvature
+from gradmerge.curvature.base import PD_FIX
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     ArgumentError,
@@ -643,7 +644,13 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         delta = err.suggested_delta
         example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
         hint = job.hint.format(example=example)
-        raise NotPositiveDefiniteError(f"{err} While computing {_describe(unit)}: {hint}.") from err
+        what = str(err).split(f" {PD_FIX}")[0]  # the Python keywords' fix gives way to the YAML's
+        new = NotPositiveDefiniteError(
+            f"{what} While computing {_describe(unit)}: {hint} (`gradmerge {job.command} "
+            "--dry-run` lists every unit that needs it)."
+        )
+        new.suggested_delta = delta
+        raise new from err
     except ResultOverflowError as err:
         raise ResultOverflowError(
             f"{err} (while computing {_describe(unit)}; in the config: smaller `alpha`/`scale`, "

@@ -98,7 +98,7 @@ def run_command(
         config = load(args.config)
         if args.dry_run:
             print(describe_plan(plan(config), config))
-            return 0
+            return describe_systems(config)
         report = execute(
             config, args.out_dir, overwrite=args.overwrite, progress=not args.no_progress
         )
@@ -121,6 +121,28 @@ def run_command(
             "gradmerge run writes there"
         )
     return 0
+
+
+def describe_systems(config: Any) -> int:
+    """``--dry-run``: check every unit's linear system (:mod:`gradmerge.checkpoints.conditioning`)
+    and, for gradient matching, δ against the curvatures; print what needs damping. 1 if a solve
+    would fail, else 0."""
+    from gradmerge.checkpoints import MergeConfig
+    from gradmerge.checkpoints.conditioning import check_systems, delta_note
+
+    checks = check_systems(config)
+    bad = [c for c in checks if not c.ok]
+    if checks:
+        print(f"systems: {len(checks) - len(bad)} of {len(checks)} units solvable as configured")
+    for check in bad:
+        print(f"  {check.describe()}")
+    if bad:
+        needed = max(c.needed for c in bad)
+        print(f"set `{bad[0].key}` to at least {needed:.2g} (the largest above) and run again")
+    note = delta_note(config) if isinstance(config, MergeConfig) else None
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def describe_plan(plan: Any, config: Any) -> str:
