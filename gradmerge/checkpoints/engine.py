@@ -28,7 +28,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +41,7 @@ import torch
 from torch import Tensor
 
 from gradmerge import _fused, _weight_sample
+from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge.checkpoints import rules
 from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
@@ -592,7 +592,7 @@ def _execute(
     _refuse_input_inside(target, job)
     plan = job.plan
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
-    bar = _progress(progress, plan.out_bytes(), job.command)
+    bar = _progress(progress, plan.out_bytes(), job.command, len(entries))
     numels = [math.prod(plan.shapes[k]) for k in plan.merged]
     removed, left = remove_stale_stages(target)
     with staged_output(target, overwrite=overwrite) as stage, _fused.job(numels):
@@ -603,7 +603,7 @@ def _execute(
                 for k in unit.keys:
                     writer.write(k, out[k])
                     if bar is not None:
-                        bar.update(_nbytes(out[k]))
+                        bar.update(_nbytes(out[k]), items=1)
                 del out
             shards = writer.finish()
         finally:
@@ -688,14 +688,11 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _progress(enabled: bool, total: int, command: str) -> Any:
-    if not enabled or not sys.stderr.isatty():
+def _progress(enabled: bool, total: int, command: str, tensors: int) -> Progress | None:
+    """Bytes and tensors written: a bar on a terminal, timed log lines elsewhere."""
+    if not enabled:
         return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total, unit="B", unit_scale=True, desc=f"gradmerge {command}", file=sys.stderr
-    )
+    return Progress(f"gradmerge {command}", total, unit="B", items="tensors", items_total=tensors)
 
 
 def _refuse_input_inside(target: Path, job: Job) -> None:

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,29 +259,48 @@ def provenance(
     return meta
 
 
-def progress(data: Iterable[Any], label: str) -> Iterable[Any]:
-    """``data`` with a progress bar (tqdm, on stderr) over each pass.
+def progress(data: Iterable[Any], label: str, passes: Sequence[str] = ()) -> Iterable[Any]:
+    """``data`` reporting each pass over it (:class:`gradmerge._progress.Progress`: a bar on a
+    terminal, timed log lines with examples/s and ETA elsewhere). ``passes`` names the passes
+    an estimator is known to make, shown in each pass's label.
 
     A one-shot iterator stays one, so that estimators needing two passes can refuse it.
     """
     if isinstance(data, Iterator):
-        return _bar(data, label, None)
-    return _Passes(data, label)
+        return _counted(data, label, _examples(data))
+    return _Passes(data, label, passes)
 
 
 class _Passes:
-    def __init__(self, data: Iterable[Any], label: str) -> None:
-        self.data, self.label, self.passes = data, label, 0
+    def __init__(self, data: Iterable[Any], label: str, passes: Sequence[str]) -> None:
+        self.data, self.label, self.names, self.passes = data, label, passes, 0
 
     def __iter__(self) -> Iterator[Any]:
         self.passes += 1
-        label = self.label if self.passes == 1 else f"{self.label} (pass {self.passes})"
-        total = len(self.data) if isinstance(self.data, Sized) else None
-        return _bar(self.data, label, total)
+        if self.passes <= len(self.names):
+            label = f"{self.label} ({self.names[self.passes - 1]})"
+        else:
+            label = self.label if self.passes == 1 else f"{self.label} (pass {self.passes})"
+        return _counted(self.data, label, _examples(self.data))
 
 
-def _bar(data: Iterable[Any], label: str, total: int | None) -> Iterator[Any]:
-    from tqdm import tqdm
+def _examples(data: Iterable[Any]) -> int | None:
+    """How many examples ``data`` holds, when it knows (tensor and text files)."""
+    if isinstance(data, TextBatches):
+        return len(data.examples)
+    rows = getattr(data, "rows", None)
+    return rows if isinstance(rows, int) else None
 
-    with tqdm(data, desc=label, total=total, unit="batch", file=sys.stderr) as bar:
-        yield from bar
+
+def _counted(data: Iterable[Any], label: str, total: int | None) -> Iterator[Any]:
+    from gradmerge._progress import Progress
+    from gradmerge.estimate._data import split_batch
+
+    bar = Progress(label, total, unit="examples")
+    try:
+        for index, batch in enumerate(data):
+            yield batch
+            _, targets = split_batch(batch, index)
+            bar.update(int(targets.shape[0]) if targets.ndim else 1)
+    finally:
+        bar.close()

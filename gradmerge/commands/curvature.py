@@ -70,6 +70,15 @@ examples:
 """
 
 
+PASSES = {
+    "kfac": (
+        "pass 1 of up to 2: the Kronecker factors",
+        "pass 2 of 2: a diagonal block for the parameters K-FAC leaves out",
+    )
+}
+"""The passes over DATA an estimate makes, by structure (announced up front; one otherwise)."""
+
+
 def max_side(text: str) -> int | None:
     """``--kfac-max-side``: a positive int, or ``none`` for no limit."""
     if text.strip().lower() == "none":
@@ -176,7 +185,14 @@ def execute(args: argparse.Namespace) -> int:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     model, data = load(args, device, announce=True)
-    batches = data if args.no_progress else progress(data, f"{args.structure} {args.fisher}")
+    passes = PASSES.get(args.structure, ())
+    if len(passes) > 1:
+        print(
+            f"{args.structure}: up to {len(passes)} passes over DATA ({'; '.join(passes)})",
+            file=sys.stderr,
+        )
+    label = f"curvature {args.structure} {args.fisher}"
+    batches = data if args.no_progress else progress(data, label, passes)
     curvature = gm.estimate_curvature(model, batches, **estimate_options(args))
     curvature.meta.update(provenance(args, device, data))
     path = curvature.save(args.out)
@@ -275,7 +291,8 @@ def run_distributed(args: argparse.Namespace) -> int:
         model, loaded = load(args, device, announce=rank == 0)
         data: Any = shard(loaded)
         if rank == 0 and not args.no_progress:
-            data = progress(data, f"{args.structure} {args.fisher} (rank 0)")
+            label = f"curvature {args.structure} {args.fisher} (rank 0)"
+            data = progress(data, label, PASSES.get(args.structure, ()))
         curvature = distributed_estimate(
             model,
             data,

@@ -343,8 +343,8 @@ def _select_layers(
     if too_large:
         warnings.warn(
             f"K-FAC gives no Kronecker factors to {', '.join(too_large)}: a factor side above "
-            f"the limit of {max_factor_size}; their parameters are left uncovered (a diagonal "
-            "block in gm.estimate_curvature). To keep them on K-FAC, raise the limit "
+            f"the limit of {max_factor_size}; gm.estimate_curvature covers their parameters "
+            "with a diagonal block. To keep them on K-FAC, raise the limit "
             "(gm.estimate_curvature's kfac_max_factor_side; None for no limit).",
             stacklevel=3,
         )
@@ -848,7 +848,11 @@ def estimate_kfac_factors(
             handle.remove()
         recorder.masks = None
     for name, reason in recorder.left_out().items():
-        warnings.warn(f"K-FAC leaves {name!r} uncovered: {reason}", stacklevel=2)
+        warnings.warn(
+            f"K-FAC gives no Kronecker factors to {name!r} ({reason}); gm.estimate_curvature "
+            "covers its parameters with a diagonal block",
+            stacklevel=2,
+        )
         left_out[name] = reason
         del layers[name]
     return KFACFactors(
