@@ -813,8 +813,8 @@ def kfac_layer(out_dim: int, in_dim: int, tasks: int, dense: bool, repeats: int)
         "dtype": "float32",
     }
     if terms > 2 and small and isinstance(precision, gm.KFAC):
-        info = precision.solve_info(_ones(base))[1]
-        row["cg_iterations"], row["cg_residual"] = info.iterations["fc"], info.residual["fc"]
+        part = precision.solve_info(_ones(base)).parts["fc"]
+        row["cg_iterations"], row["cg_residual"] = part.iterations, part.residual
     times = timed(lambda: kfac_merge(torch.float32), repeats if small else 1, warmup=small)
     row["kfac_seconds"] = statistics.median(times)
     row["dense_matrix_bytes"] = (out_dim * in_dim) ** 2 * 4

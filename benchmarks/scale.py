@@ -304,7 +304,7 @@ def cg_iterations(config: Any, plan: Any) -> dict[str, int]:
 
     def spy(self: KFAC, v: Any) -> Any:
         out = original(self, v)
-        seen.update(out[1].iterations)
+        seen.update({name: part.iterations for name, part in out.parts.items()})
         return out
 
     KFAC.solve_info = spy  # type: ignore[method-assign]

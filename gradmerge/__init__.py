@@ -24,7 +24,6 @@ from gradmerge.curvature import (
     Dense,
     Diagonal,
     ScaledIdentity,
-    SolveInfo,
     Sum,
     load_curvature,
 )
@@ -53,6 +52,7 @@ from gradmerge.merge import (
     remove,
     task_arithmetic,
 )
+from gradmerge.solvers import Solution
 
 __version__ = "0.1.0"
 
@@ -75,7 +75,7 @@ __all__ = [
     "Blocks",
     "Sum",
     "MatrixFree",
-    "SolveInfo",
+    "Solution",
     "load_curvature",
     # curvature estimation (SUMS over examples)
     "estimate_curvature",

@@ -33,7 +33,7 @@ from torch import Tensor
 from gradmerge import _fused, _memory
 from gradmerge import params as P
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
-from gradmerge.curvature.base import not_pd
+from gradmerge.errors import not_pd
 from gradmerge.params import Params
 
 CHUNK = 1 << 16

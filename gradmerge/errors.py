@@ -56,3 +56,23 @@ class InputWarning(UserWarning):
 
 class StepTooLargeError(GradmergeError, ValueError):
     """A removal step far larger than what it undoes: a near-zero curvature direction exploded."""
+
+
+def not_pd(what: str, detail: str, *, delta: float | None = None) -> NotPositiveDefiniteError:
+    """The error for a system that cannot be solved, with the usual fix in its message.
+
+    ``delta``: a damping δ that would lift the system clear of round-off (e.g. 10× the floor it
+    fell below), suggested instead of the generic 1e-6 and kept as the error's
+    ``suggested_delta``.
+    """
+    example = f"δ ≥ {delta:.1e}" if delta is not None else "δ > 0 (prior=1e-6 or curvature + 1e-6)"
+    err = NotPositiveDefiniteError(
+        f"{what} is singular or not positive definite ({detail}). {PD_FIX} {example}, or check "
+        "that the curvatures are PSD."
+    )
+    err.suggested_delta = delta
+    return err
+
+
+PD_FIX = "Add damping, e.g. a prior δ·I with"
+"""The start of :func:`not_pd`'s fix, which callers with a better one replace."""

@@ -37,9 +37,10 @@ from torch import Tensor
 from gradmerge import _elementwise
 from gradmerge import params as P
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
-from gradmerge.curvature.base import PD_FIX, coarsest_dtype, not_pd
-from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
+from gradmerge.curvature.base import coarsest_dtype
+from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError, not_pd
 from gradmerge.params import Params
+from gradmerge.solvers import solution
 
 CurvatureLike = Curvature | float
 """A curvature operator, or a float δ meaning δ·I."""
@@ -338,7 +339,7 @@ def _generic_merge(
         # α_t times the term, then added (two roundings, not the fused y + α·x of P.axpy): the
         # elementwise paths (_elementwise, _fused) round the same way, so all agree bit for bit
         rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
-    merged = P.add(base, merged_precision.solve(rhs))  # Eq. 6
+    merged = P.add(base, _solve(merged_precision, rhs))  # Eq. 6
     P.check_result_finite(merged, what="merged", alphas=weights)
     return merged
 
@@ -385,7 +386,7 @@ def remove(
     h0 = _curvature(prior, base, name="prior")
     ht = _curvature(curvature, base, name="curvature")
     rest = _curvature(remaining, base, name="remaining")
-    correction = rest.solve(P.add(h0.mv(tau), ht.mv(tau)))
+    correction = _solve(rest, P.add(h0.mv(tau), ht.mv(tau)))
     removed = P.axpy(-weight, correction, base)  # Eq. 13
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
     return removed
@@ -415,12 +416,19 @@ def influence_remove(
     base, gradient = P.detached(base), P.detached(gradient)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     rest = _curvature(remaining, base, name="remaining")
-    removed = P.axpy(weight, rest.solve(gradient), base)
+    removed = P.axpy(weight, _solve(rest, gradient), base)
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
     return removed
 
 
 # ----- input handling shared by the rules ------------------------------------------------------
+def _solve(precision: Curvature, rhs: Params) -> dict[str, Tensor]:
+    """precision⁻¹ rhs, its report handed to :func:`gradmerge.solvers.solution.collect`."""
+    solved = precision.solve_info(rhs)
+    solution.publish(solved)
+    return solved.value
+
+
 def _alphas(
     alphas: float | Sequence[float],
     tasks: int,

@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -50,9 +50,9 @@ from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.curvature import Curvature
-from gradmerge.curvature.base import PD_FIX
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
+    PD_FIX,
     ArgumentError,
     GradmergeError,
     InputWarning,
@@ -60,6 +60,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StepTooLargeError,
 )
+from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
 
@@ -81,6 +82,10 @@ class MergeReport:
         stale_left: such folders whose owner cannot be known (another host, an older
             gradmerge), left in place.
         notes: lines for the user, e.g. a removal's step size (:class:`StepSize`).
+        solves: per solved block (a K-FAC layer, or a unit's name), how its system was solved:
+            ``{"method", "iterations", "residual"}`` (also in the record, under ``"solves"``).
+        max_residual: the largest relative residual ‖b − Kx‖/‖b‖ measured over ``solves``
+            (0.0 when no solve measured one, e.g. elementwise merges).
     """
 
     out_dir: Path
@@ -96,6 +101,8 @@ class MergeReport:
     stale_removed: tuple[Path, ...] = ()
     stale_left: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
+    solves: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_residual: float = 0.0
 
 
 def run_merge(
@@ -299,6 +306,14 @@ class Job:
     math_dtype: torch.dtype = torch.float32
     source: Path | None = None
     step: StepSize | None = None
+    solves: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
+
+    @property
+    def max_residual(self) -> float:
+        """The largest measured relative residual over :attr:`solves` (0.0 if none)."""
+        values = [r for v in self.solves.values() if (r := v["residual"]) == r]
+        return max(values, default=0.0)
 
     @property
     def wide(self) -> bool:
@@ -316,7 +331,15 @@ class Job:
             ResultOverflowError: a result that overflows the compute or the output dtype.
             GradmergeError: any other error of the rule, naming the unit.
         """
-        return _run_unit(self, unit) if unit.merged else _copy_unit(self, unit)
+        if not unit.merged:
+            return _copy_unit(self, unit)
+        with solution.collect() as solved:
+            out = _run_unit(self, unit)
+        for report in solved:
+            for name, part in (report.parts or {_describe(unit): report}).items():
+                if part.residual == part.residual:  # measured solves only
+                    self.solves[name] = part.summary()
+        return out
 
     def check_output(self, out_dir: str | os.PathLike[str]) -> None:
         """Refuse an output folder that is, or holds, one of the inputs or the configuration file.
@@ -634,6 +657,8 @@ def _execute(
         stale_removed=tuple(removed),
         stale_left=tuple(left),
         notes=notes,
+        solves=dict(job.solves),
+        max_residual=job.max_residual,
     )
 
 
@@ -778,5 +803,8 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
             "relative_to": job.step.reference,
             "ratio": job.step.ratio if math.isfinite(job.step.ratio) else None,
         }
+    if job.solves:  # each solved block's method, CG iterations and relative residual
+        record["max_residual"] = job.max_residual
+        record["solves"] = job.solves
     record["seconds"] = round(seconds, 3)
     return record

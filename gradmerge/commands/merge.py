@@ -113,6 +113,13 @@ def run_command(
     )
     for note in report.notes:
         print(note)
+    if report.solves:
+        worst = max(report.solves, key=lambda k: report.solves[k]["residual"])
+        iterations = sum(v["iterations"] for v in report.solves.values())
+        print(
+            f"solved {len(report.solves)} systems ({iterations} CG iterations); largest relative "
+            f"residual {report.max_residual:.1e} ({worst}; every one in gradmerge_{command}.json)"
+        )
     for path in report.stale_removed:
         print(f"removed {path.name}, a staging folder left by a run that was killed")
     for path in report.stale_left:

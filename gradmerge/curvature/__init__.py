@@ -6,7 +6,7 @@ from gradmerge.curvature.dense import Dense
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.curvature.io import load_curvature, save_curvature
-from gradmerge.curvature.kfac import KFAC, SolveInfo
+from gradmerge.curvature.kfac import KFAC
 from gradmerge.curvature.lazy import Sum
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "Dense",
     "Diagonal",
     "ScaledIdentity",
-    "SolveInfo",
     "Sum",
     "load_curvature",
     "save_curvature",

@@ -33,6 +33,7 @@ from torch import Tensor
 from gradmerge import params as P
 from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Layout, Params
+from gradmerge.solvers.solution import Solution
 
 
 class IncompatibleStructures(TypeError):
@@ -82,6 +83,12 @@ class Curvature(ABC):
         Raises:
             NotPositiveDefiniteError: ``C`` is singular or not positive definite.
         """
+
+    def solve_info(self, v: Params) -> Solution:
+        """:meth:`solve` with its report (:class:`gradmerge.Solution`): method, iterations,
+        residual and per-block parts. Direct solves of elementwise and dense structures report
+        the method only (their residual is round-off); K-FAC and CG solves measure theirs."""
+        return Solution(self.solve(v), f"exact ({type(self).__name__})")
 
     @abstractmethod
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Any:
@@ -272,23 +279,3 @@ def _describe(layout: Layout) -> str:
     keys = [k for k, _ in layout]
     head = ", ".join(repr(k) for k in keys[:3])
     return f"[{head}{', ...' if len(keys) > 3 else ''}] ({len(keys)} tensors)"
-
-
-def not_pd(what: str, detail: str, *, delta: float | None = None) -> NotPositiveDefiniteError:
-    """The error for a system that cannot be solved, with the usual fix in its message.
-
-    ``delta``: a damping δ that would lift the system clear of round-off (e.g. 10× the floor it
-    fell below), suggested instead of the generic 1e-6 and kept as the error's
-    ``suggested_delta``.
-    """
-    example = f"δ ≥ {delta:.1e}" if delta is not None else "δ > 0 (prior=1e-6 or curvature + 1e-6)"
-    err = NotPositiveDefiniteError(
-        f"{what} is singular or not positive definite ({detail}). {PD_FIX} {example}, or check "
-        "that the curvatures are PSD."
-    )
-    err.suggested_delta = delta
-    return err
-
-
-PD_FIX = "Add damping, e.g. a prior δ·I with"
-"""The start of :func:`not_pd`'s fix, which callers with a better one replace."""

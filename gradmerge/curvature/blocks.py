@@ -17,6 +17,7 @@ from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
+from gradmerge.solvers.solution import Solution
 
 
 class Blocks(Curvature):
@@ -79,10 +80,25 @@ class Blocks(Curvature):
         return out
 
     def solve(self, v: Params) -> dict[str, Tensor]:
+        return self.solve_info(v).value
+
+    def solve_info(self, v: Params) -> Solution:
+        """Each block's :meth:`solve_info`; the parts are the blocks' own parts (e.g. K-FAC
+        layers), or the block itself under its index."""
         out: dict[str, Tensor] = {}
-        for block, part in zip(self.blocks, self._parts(v), strict=True):
-            out.update(block.solve(part))
-        return out
+        parts: dict[str, Solution] = {}
+        for i, (block, part) in enumerate(zip(self.blocks, self._parts(v), strict=True)):
+            solution = block.solve_info(part)
+            out.update(solution.value)
+            parts.update(solution.parts or {f"block{i}": solution})
+        return Solution(
+            out,
+            "per block",
+            iterations=sum(p.iterations for p in parts.values()),
+            residual=max((p.residual for p in parts.values()), default=float("nan")),
+            success=all(p.success for p in parts.values()),
+            parts=parts,
+        )
 
     def verify_finite(self, *, name: str) -> None:
         for block in self.blocks:

@@ -6,10 +6,10 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature.base import Curvature, IncompatibleStructures, not_pd
+from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
-from gradmerge.errors import ArgumentError, StructureError
+from gradmerge.errors import ArgumentError, StructureError, not_pd
 from gradmerge.params import Layout, Params
 
 

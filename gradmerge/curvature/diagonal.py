@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature.base import Curvature, IncompatibleStructures, not_pd
+from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
+from gradmerge.errors import not_pd
 from gradmerge.params import Layout, Params
 
 

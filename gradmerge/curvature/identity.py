@@ -7,8 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from gradmerge.curvature.base import Curvature, not_pd
-from gradmerge.errors import NonFiniteError
+from gradmerge.curvature.base import Curvature
+from gradmerge.errors import NonFiniteError, not_pd
 from gradmerge.params import Layout, Params
 
 

@@ -6,13 +6,17 @@ being the LAST input column. A term A ⊗ G acts as [V | b] ↦ G [V | b] A, wit
 out². The operator covers ``f"{m}.weight"`` and, for layers in ``bias``, ``f"{m}.bias"``.
 
 Sums stay exact: ``K1 + K2`` keeps both Kronecker terms per layer (it never sums the factors,
-which would be a different, approximate operator); ``K + δ`` adds the term I ⊗ δI. Solves:
+which would be a different, approximate operator); ``K + δ`` adds the term I ⊗ δI. Solves
+(:mod:`gradmerge.solvers`), per layer:
 
-- one term: eigendecompositions of A and G, exactly;
-- two terms: a simultaneous diagonalisation (A₂ in the A₁-metric, G₂ in the G₁-metric), exactly;
-- more terms: conjugate gradients preconditioned with exact two-term solves (see
-  :func:`_preconditioner` for the choice and its spectral bounds) — reported in ``solve_info``
-  and raising if it does not converge.
+- δ·I plus any number of terms (every merge and removal with a prior): CG in the eigenbasis of
+  the collapsed factors, preconditioned by the exact diagonal there, exact at once for one term
+  (:mod:`gradmerge.solvers.kfac_cg`), the residual certified in float64;
+- one or two terms without δ·I: exact eigendecompositions (:mod:`gradmerge.solvers.kronecker`);
+- three or more terms without δ·I: the CG of the first case with δ = 0.
+
+``solve_info`` reports each layer's method, iterations and residual (:class:`Solution`); a
+solve that does not reach its tolerance raises.
 
 Terms with an identity factor are folded exactly before any of this: A₁ ⊗ c₁I + A₂ ⊗ c₂I =
 (c₁A₁ + c₂A₂) ⊗ I and c₁I ⊗ G₁ + c₂I ⊗ G₂ = I ⊗ (c₁G₁ + c₂G₂), so δ·I joins such a term.
@@ -21,33 +25,20 @@ Terms with an identity factor are folded exactly before any of this: A₁ ⊗ c�
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge.curvature.base import Curvature, IncompatibleStructures, not_pd
+from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
-from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
+from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
-from gradmerge.solve import solve_or_raise
-
-Term = tuple[Tensor, Tensor]
-
-
-@dataclass(frozen=True)
-class SolveInfo:
-    """How a K-FAC solve went, per layer: method, iterations, relative residual ‖b − Kx‖/‖b‖."""
-
-    method: dict[str, str]
-    iterations: dict[str, int]
-    residual: dict[str, float]
-
-    @property
-    def max_residual(self) -> float:
-        return max(self.residual.values(), default=0.0)
+from gradmerge.solvers import kfac_cg, kronecker
+from gradmerge.solvers.cg import default_tol
+from gradmerge.solvers.kronecker import Term, eye_like, identity_multiple
+from gradmerge.solvers.solution import Solution
 
 
 class KFAC(Curvature):
@@ -60,9 +51,9 @@ class KFAC(Curvature):
             ``Conv1D`` and ``nn.Embedding`` (y = onehot(x) W) — and is transposed to (out, in).
         weight_shapes: the stored weight shape of modules whose weight is not a matrix, e.g. a
             ``Conv2d`` weight (out, in, kh, kw), which is viewed as (out, in·kh·kw).
-        cg_tol: relative residual at which CG stops (more than two terms per layer); default
+        cg_tol: the relative residual every solve must reach (certified in float64); default
             1e-10 in float64, 1e-5 in float32.
-        cg_maxiter: CG iterations before :class:`NotConvergedError`.
+        cg_maxiter: CG iterations per round before :class:`NotConvergedError`.
         counts: module name → M, the number of rows (kept positions, or examples) the layer's
             A is a mean over, as estimated (``KFACFactors.counts``); M·A = Σ a aᵀ is the raw
             input Gram that RegMean needs. Kept by ``to`` and ``scaled`` (they leave A alone),
@@ -104,7 +95,6 @@ class KFAC(Curvature):
             terms = list(value) if isinstance(value, list) else [value]
             self.terms[name] = [self._check_term(name, a, g) for a, g in terms]
         self.cg_tol, self.cg_maxiter = cg_tol, cg_maxiter
-        self.last_solve: SolveInfo | None = None
         self._cache: dict[str, Any] = {}
 
     # ----- construction checks ------------------------------------------------------------
@@ -176,64 +166,49 @@ class KFAC(Curvature):
         return out
 
     def solve(self, v: Params) -> dict[str, Tensor]:
-        return self.solve_info(v)[0]
+        return self.solve_info(v).value
 
-    def solve_info(self, v: Params) -> tuple[dict[str, Tensor], SolveInfo]:
-        """The solution of K x = v, and how each layer's system was solved."""
+    def solve_info(self, v: Params) -> Solution:
+        """The solution of K x = v with, per layer, the method, CG iterations and the relative
+        residual ‖b − Kx‖/‖b‖ (recomputed in float64 for coarser dtypes); raises
+        :class:`NotConvergedError` where a layer misses ``cg_tol``."""
         self.check_covers(v, name="the vector", ref_name="the vector")
         out: dict[str, Tensor] = {}
-        method, iters, resid = {}, {}, {}
+        parts: dict[str, Solution] = {}
         for name, terms in self.terms.items():
             b = self._matrix(name, v)
-            if len(terms) <= 2:
-                x = self._direct(name, terms, b)
-                method[name], iters[name] = f"{len(terms)}-term eigendecomposition", 0
+            delta, rest = kfac_cg.split_identity(terms)
+            if delta == 0 and len(rest) <= 2:
+                layer = self._direct(name, rest, b)
             else:
-                x, iters[name] = self._cg(name, terms, b)
-                method[name] = f"{len(terms)}-term preconditioned CG"
-            r = b - sum((g @ x @ a for a, g in terms), torch.zeros_like(b))
-            bn = float(torch.linalg.norm(b))
-            resid[name] = float(torch.linalg.norm(r)) / bn if bn > 0 else 0.0
-            self._split(name, x, out)
-        self.last_solve = SolveInfo(method, iters, resid)
-        return out, self.last_solve
+                layer = kfac_cg.solve(
+                    name, delta, rest, b, tol=self.cg_tol, maxiter=self.cg_maxiter
+                )
+            values: dict[str, Tensor] = {}
+            self._split(name, layer.x, values)
+            out.update(values)
+            parts[name] = Solution(values, layer.method, layer.iterations, layer.residual)
+        return Solution(
+            out,
+            "K-FAC per layer",
+            iterations=sum(p.iterations for p in parts.values()),
+            residual=max((p.residual for p in parts.values()), default=0.0),
+            parts=parts,
+        )
 
-    # ----- exact solves for one or two Kronecker terms ------------------------------------------
-    def _direct(self, name: str, terms: list[Term], b: Tensor) -> Tensor:
+    def _direct(self, name: str, terms: list[Term], b: Tensor) -> kfac_cg.LayerSolve:
+        """One or two Kronecker terms, exactly (:func:`kronecker.factorise`, kept per layer)."""
         key = f"{name}:direct"
         if key not in self._cache:
-            self._cache[key] = _two_term_factorisation(name, terms)
-        qa, qg, denom, (ta, tg) = self._cache[key]
-        # K = (T_A ⊗ T_G)(Q_A ⊗ Q_G) diag(denom) (...)ᵀ: x = T_G⁻ᵀ... written with the factors:
-        y = qg.T @ tg.T @ b @ ta @ qa
-        return tg @ qg @ (y / denom) @ qa.T @ ta.T
-
-    def _cg(self, name: str, terms: list[Term], b: Tensor) -> tuple[Tensor, int]:
-        """CG preconditioned with :func:`_preconditioner` (exact Kronecker solves)."""
-        key = f"{name}:cg"
-        if key not in self._cache:
-            self._cache[key] = _preconditioner(name, terms)
-        parts = self._cache[key]
-
-        def apply(v: Params) -> dict[str, Tensor]:
-            return {"x": sum((g @ v["x"] @ a for a, g in terms), torch.zeros_like(v["x"]))}
-
-        def precondition(v: Params) -> dict[str, Tensor]:
-            out = torch.zeros_like(v["x"])
-            for qa, qg, denom, (ta, tg) in parts:
-                y = qg.T @ tg.T @ v["x"] @ ta @ qa
-                out = out + tg @ qg @ (y / denom) @ qa.T @ ta.T
-            return {"x": out}
-
-        result = solve_or_raise(
-            apply,
-            {"x": b},
-            precondition=precondition,
-            tol=self.cg_tol,
-            maxiter=self.cg_maxiter,
-            what=f"the K-FAC system of {name!r}",
-        )
-        return result.x["x"], result.iterations
+            self._cache[key] = kronecker.factorise(name, terms)
+        x = kronecker.apply_inverse(self._cache[key], b)
+        bnorm = float(torch.linalg.norm(b.to(torch.float64)))
+        r = float(torch.linalg.norm(kfac_cg.residual(0.0, terms, b, x)))
+        residual = r / bnorm if bnorm > 0 else 0.0
+        tol = default_tol(b.dtype) if self.cg_tol is None else self.cg_tol
+        if residual > tol:
+            raise kfac_cg.not_converged(name, residual, tol, b.dtype, "an exact solve")
+        return kfac_cg.LayerSolve(x, f"{len(terms)}-term eigendecomposition", 0, residual)
 
     # ----- algebra -------------------------------------------------------------------------
     def _new(self, terms: dict[str, list[Term]], *, keep_counts: bool = False) -> KFAC:
@@ -262,9 +237,14 @@ class KFAC(Curvature):
         )
 
     def scaled(self, c: float) -> KFAC:
-        return self._new(
-            {n: [(a, c * g) for a, g in t] for n, t in self.terms.items()}, keep_counts=True
-        )
+        terms: dict[str, list[Term]] = {}
+        for n, t in self.terms.items():
+            terms[n] = []
+            for a, g in t:
+                scaled = c * g
+                kronecker.derive_scaled(scaled, g, c)  # its eigendecomposition, if g's is known
+                terms[n].append((a, scaled))
+        return self._new(terms, keep_counts=True)
 
     def _add_same(self, other: KFAC) -> KFAC:
         if self.layout != other.layout or (self.bias, self.transposed) != (
@@ -283,10 +263,7 @@ class KFAC(Curvature):
         terms = {}
         for name, t in self.terms.items():
             a, g = t[0]
-            eye_a = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-            terms[name] = [
-                (eye_a, other.delta * torch.eye(g.shape[0], dtype=g.dtype, device=g.device))
-            ]
+            terms[name] = [(eye_like(a), other.delta * eye_like(g))]
         return self._new(terms)
 
     def min_eigenvalue(self) -> float:
@@ -320,11 +297,13 @@ class KFAC(Curvature):
         )
 
     def _eigenvalues(self, m: Tensor) -> Tensor:
-        """:func:`_eigenvalues` of one of this operator's factors, computed once (a PSD check
-        asks for them twice: the smallest eigenvalue, and the scale of its tolerance)."""
+        """Eigenvalues of one of this operator's factors, ascending: from the process-wide
+        eigendecomposition when one is known (a solve will need it anyway), else computed once
+        per operator without eigenvectors (a PSD check asks twice: the smallest eigenvalue, and
+        the scale of its tolerance)."""
         key = f"eigenvalues/{id(m)}"
         if key not in self._cache:
-            self._cache[key] = _eigenvalues(m)
+            self._cache[key] = kronecker.eigenvalues(m)
         eigenvalues: Tensor = self._cache[key]
         return eigenvalues
 
@@ -348,238 +327,14 @@ def _combine(terms: list[Term], extra: list[Term]) -> list[Term]:
     (summing factors would be approximate)."""
     out = list(terms)
     for a, g in extra:
-        ca, cg = _identity_multiple(a), _identity_multiple(g)
+        ca, cg = identity_multiple(a), identity_multiple(g)
         for i, (a_i, g_i) in enumerate(out):
-            if cg is not None and (cg_i := _identity_multiple(g_i)) is not None:
-                out[i] = (cg_i * a_i + cg * a, _eye_like(g))
+            if cg is not None and (cg_i := identity_multiple(g_i)) is not None:
+                out[i] = (cg_i * a_i + cg * a, eye_like(g))
                 break
-            if ca is not None and (ca_i := _identity_multiple(a_i)) is not None:
-                out[i] = (_eye_like(a), ca_i * g_i + ca * g)
+            if ca is not None and (ca_i := identity_multiple(a_i)) is not None:
+                out[i] = (eye_like(a), ca_i * g_i + ca * g)
                 break
         else:
             out.append((a, g))
     return out
-
-
-def _eye_like(m: Tensor) -> Tensor:
-    return torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
-
-
-def _preconditioner_terms(terms: list[Term]) -> list[Term]:
-    r"""Two Kronecker terms P = A₀ ⊗ G₀ + Ā ⊗ Ḡ approximating K = Σ_{k=0}^{m} A_k ⊗ G_k (m ≥ 2),
-    whose solve is exact (:func:`_two_term_factorisation`), for preconditioned CG.
-
-    * The anchor A₀ ⊗ G₀ is the best-conditioned term, kept EXACTLY. In a merge that is the
-      prior δ·I = I ⊗ δI (or δ·I folded into RegMean's A ⊗ I): its conditioning is 1.
-    * The other m terms (the tasks) become one Kronecker product: the scale of each term is moved
-      to one side, Â_k = A_k/‖A_k‖_F, Ĝ_k = ‖A_k‖_F G_k (so Â_k ⊗ Ĝ_k = A_k ⊗ G_k), and
-      Ā ⊗ Ḡ = (Σ_k Â_k / m) ⊗ (Σ_k Ĝ_k) — or the same with the roles of A and G swapped,
-      whichever side's normalised factors are more alike (larger least Frobenius cosine).
-
-    Spectrum of P⁻¹K for PSD factors. Ā ⊗ Ḡ = S/m + C with S = Σ_k A_k ⊗ G_k and the PSD cross
-    terms C = (1/m) Σ_{i≠j} Â_i ⊗ Ĝ_j. So:
-
-    * K ⪯ m P, because S ⪯ (Σ_k Â_k) ⊗ (Σ_k Ĝ_k) = m Ā ⊗ Ḡ (the cross terms are PSD);
-    * P ⪯ K + C ⪯ (1 + ρ) K, ρ = λ_max(K^{-1/2} C K^{-1/2}) ≤ ‖C‖ / λ_min(K) (≤ ‖C‖/δ with
-      a prior δ·I);
-
-    hence λ(P⁻¹K) ∈ [1/(1 + ρ), m] and κ(P⁻¹K) ≤ m (1 + ρ): ρ measures how differently the
-    tasks' factors are shaped. When the averaged side is shared up to scale (Â_k all equal: tasks
-    with the same input statistics at this layer, or the same output-gradient statistics),
-    Ā ⊗ Ḡ = S exactly, P = K, and CG stops at its start x₀ = P⁻¹b.
-
-    P alone degrades as the tasks' factors differ (ρ up to ‖C‖/δ): for δ·I + two tasks
-    :func:`_preconditioner` adds the π-damped pair, whose bound does not depend on the tasks. The
-    Frobenius-nearest Kronecker product of S measured the same as Ā ⊗ Ḡ on GPT-2 factors but can
-    drop a task whose factors are orthogonal to the others' (weight 0), voiding K ⪯ m P.
-
-    Example:
-        >>> import torch
-        >>> a, g1 = torch.diag(torch.tensor([2.0, 1.0])), torch.eye(2)
-        >>> g2 = torch.tensor([[2.0, 1.0], [1.0, 2.0]])  # tasks sharing A up to scale: P = K
-        >>> p = _preconditioner_terms([(torch.eye(2), 0.1 * torch.eye(2)), (a, g1), (3 * a, g2)])
-        >>> torch.allclose(torch.kron(p[1][0], p[1][1]), torch.kron(a, g1) + torch.kron(3 * a, g2))
-        True
-    """
-    anchor = max(range(len(terms)), key=lambda i: _conditioning(terms[i]))
-    rest = [t for i, t in enumerate(terms) if i != anchor]
-    swap = _least_cosine([g for _, g in rest]) > _least_cosine([a for a, _ in rest])
-    if swap:  # average the G side: Ā ⊗ Ḡ = (Σ_k Ǎ_k) ⊗ (Σ_k Ğ_k / m)
-        rest = [(g, a) for a, g in rest]
-    norms = [float(torch.linalg.matrix_norm(a)) for a, _ in rest]
-    keep = [(a / n, n * g) for (a, g), n in zip(rest, norms, strict=True) if n > 0]
-    if not keep:  # every other term is zero
-        keep = rest[:1]
-    x_bar = sum((a for a, _ in keep), torch.zeros_like(keep[0][0])) / len(keep)
-    y_bar = sum((g for _, g in keep), torch.zeros_like(keep[0][1]))
-    return [terms[anchor], (y_bar, x_bar) if swap else (x_bar, y_bar)]
-
-
-def _least_cosine(ms: list[Tensor]) -> float:
-    """min over pairs of ⟨M_i, M_j⟩_F / (‖M_i‖_F ‖M_j‖_F) (1 for identical shapes up to scale)."""
-    flat = torch.stack([m.reshape(-1) for m in ms])
-    n = torch.linalg.vector_norm(flat, dim=1).clamp_min(torch.finfo(flat.dtype).tiny)
-    return float(((flat @ flat.T) / torch.outer(n, n)).min())
-
-
-def _pi_damped_terms(terms: list[Term]) -> list[Term] | None:
-    r"""For K = δ·I + A₁ ⊗ G₁ + A₂ ⊗ G₂ (δ·I being a term I ⊗ δI), the π-damped pair
-    P_π = Σ_k (A_k + π_k s I) ⊗ (G_k + s/π_k I), s = √(δ/2), π_k² = (tr A_k/n_A)/(tr G_k/n_G)
-    (Martens & Grosse 2015); None for any other shape of K.
-
-    Each term satisfies A ⊗ G + s² I ⪯ (A + πsI) ⊗ (G + s/π I) ⪯ r (A ⊗ G + s² I), with r the
-    largest (a + πs)(g + s/π)/(ag + s²) over the eigenvalues a of A and g of G (the factors
-    commute with the identity). So λ(P_π⁻¹K) ∈ [1/r_max, 1], whatever the tasks' eigenbases.
-    """
-    if len(terms) != 3:
-        return None
-    ident = [i for i, (a, g) in enumerate(terms) if _identity_multiple(a) is not None]
-    ident = [i for i in ident if _identity_multiple(terms[i][1]) is not None]
-    if len(ident) != 1:
-        return None
-    a0, g0 = terms[ident[0]]
-    delta = float(a0[0, 0]) * float(g0[0, 0])
-    if delta <= 0:
-        return None
-    s = (delta / 2) ** 0.5
-    out = []
-    for i, (a, g) in enumerate(terms):
-        if i == ident[0]:
-            continue
-        ta, tg = float(a.trace()) / a.shape[0], float(g.trace()) / g.shape[0]
-        if ta <= 0 or tg <= 0:
-            return None
-        pi = (ta / tg) ** 0.5
-        out.append((a + pi * s * _eye_like(a), g + (s / pi) * _eye_like(g)))
-    return out
-
-
-def _preconditioner(name: str, terms: list[Term]) -> list[tuple[Tensor, Tensor, Tensor, tuple]]:
-    r"""The factorised preconditioner M⁻¹ = Σ_j P_j⁻¹, each P_j two Kronecker terms solved exactly.
-
-    * P_a of :func:`_preconditioner_terms` always: λ(P_a⁻¹K) ∈ [1/(1 + ρ), m].
-    * For δ·I + two tasks, also P_π of :func:`_pi_damped_terms`: λ(P_π⁻¹K) ∈ [1/r_max, 1].
-      M⁻¹K = P_a⁻¹K + P_π⁻¹K is self-adjoint in the K inner product and each summand is PSD
-      there, so its Rayleigh quotients are at least the sum of the two minima and at most the
-      sum of the maxima: λ(M⁻¹K) ∈ [1/(1 + ρ) + 1/r_max, m + 1], so
-      κ(M⁻¹K) ≤ 3 · min(1 + ρ, r_max). P_a is the better one when the tasks' factors are alike
-      (ρ small; P_a = K when one side is shared up to scale), P_π when they are unrelated (ρ
-      up to ‖C‖/δ, while r_max grows like √(‖A‖‖G‖/δ)). Measured (benchmarks/kfac_solve.py):
-      on GPT-2 factors P_π alone needs 3–20× the iterations of P_a; on random factors with
-      unrelated eigenbases P_a alone does not converge in 2000 iterations at δ = 1e-6 relative;
-      the sum needs at most ~1.5× the iterations of the better of the two, for one more
-      two-term solve per iteration and a second factorisation.
-
-    When the anchor of P_a is not positive definite (e.g. no damping and every factor singular),
-    the one term (Σ_k A_k / K) ⊗ (Σ_k G_k) with its small eigenvalues clamped. All are SPD; CG
-    checks the real system.
-    """
-    try:
-        parts = [_two_term_factorisation(name, _preconditioner_terms(terms), preconditioner=True)]
-    except NotPositiveDefiniteError:
-        mean_a = sum((a for a, _ in terms), torch.zeros_like(terms[0][0])) / len(terms)
-        sum_g = sum((g for _, g in terms), torch.zeros_like(terms[0][1]))
-        return [_two_term_factorisation(name, [(mean_a, sum_g)], preconditioner=True)]
-    pi_terms = _pi_damped_terms(terms)
-    if pi_terms is not None:
-        parts.append(_two_term_factorisation(name, pi_terms, preconditioner=True))
-    return parts
-
-
-def _eigenvalues(m: Tensor) -> Tensor:
-    """Eigenvalues of the symmetric factor ``m``, ascending; read off for c·I (RegMean's G,
-    δ·I's factors) instead of an eigendecomposition."""
-    c = _identity_multiple(m)
-    return torch.full_like(m[0], c) if c is not None else torch.linalg.eigvalsh(m)
-
-
-def _identity_multiple(g: Tensor) -> float | None:
-    """c if G = c·I exactly, else None."""
-    c = float(g[0, 0])
-    return c if torch.equal(g, c * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)) else None
-
-
-def _sym_eig(m: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition of the symmetric part of ``m``, computed on ``m`` scaled to unit size
-    (LAPACK can fail to converge on matrices of subnormal numbers, e.g. δ·I with a tiny δ)."""
-    sym = (m + m.T) / 2
-    scale = sym.abs().max()
-    if not bool(scale > 0):
-        return torch.linalg.eigh(sym)
-    lam, q = torch.linalg.eigh(sym / scale)
-    return lam * scale, q
-
-
-def _two_term_factorisation(
-    name: str, terms: list[Term], *, preconditioner: bool = False
-) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor]]:
-    """Diagonalise A₁ ⊗ G₁ (+ A₂ ⊗ G₂) as (T_A Q_A ⊗ T_G Q_G)⁻ᵀ diag(denom) (...)⁻¹.
-
-    One term: T = I, Q the eigenvectors, denom = λ_G λ_Aᵀ. Two terms: with A₁ = L_A L_Aᵀ (L from
-    the eigendecomposition, pseudo-inverse-free: A₁ must be PD), T_A = L_A⁻ᵀ, and Q_A the
-    eigenvectors of T_Aᵀ A₂ T_A (likewise G): denom = 1 + μ_G μ_Aᵀ. The solve is
-    x = T_G Q_G [(Q_Gᵀ T_Gᵀ b T_A Q_A) / denom] Q_Aᵀ T_Aᵀ.
-
-    A system is numerically singular when its smallest eigenvalue is below max(n_A, n_G, 10)·ε
-    times its largest (the size of round-off in eigenvalues of an n × n matrix). As a CG
-    preconditioner (``preconditioner=True``) the operator only needs to be positive: small
-    eigenvalues are clamped to that floor instead of refused (CG checks the real system).
-    """
-    if len(terms) == 1:
-        (a, g) = terms[0]
-        la, qa = _sym_eig(a)
-        lg, qg = _sym_eig(g)
-        denom = torch.outer(lg, la)
-        eye_a = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        eye_g = torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
-        trans = (eye_a, eye_g)
-    elif len(terms) == 2:
-        # the better-conditioned term defines the metric (it must be positive definite), unless
-        # it is negligible next to the other (a tiny δ·I): its inverse would overflow
-        ordered = sorted(terms, key=_conditioning, reverse=True)
-        size_of = [float(a.abs().max()) * float(g.abs().max()) for a, g in ordered]
-        tiny = size_of[0] < torch.finfo(ordered[0][0].dtype).eps * size_of[1]
-        if tiny and _conditioning(ordered[1]) > 0:
-            ordered.reverse()
-        (a1, g1), (a2, g2) = ordered
-        # factors scaled to unit size (s_A, s_G): T_Aᵀ A₁ T_A = s_A I, so denom carries s_A s_G
-        sa, sg = a1.abs().max(), g1.abs().max()
-        ta, tg = _inv_sqrt(name, a1 / sa), _inv_sqrt(name, g1 / sg)
-        ma, qa = _sym_eig(ta.T @ (a2 / sa) @ ta)
-        mg, qg = _sym_eig(tg.T @ (g2 / sg) @ tg)
-        denom = (sa * sg) * (1.0 + torch.outer(mg, ma))
-        trans = (ta, tg)
-    else:  # pragma: no cover - callers dispatch
-        raise ArgumentError("direct K-FAC solves take one or two terms")
-    scale = float(denom.abs().max())
-    size = max(denom.shape[0], denom.shape[1], 10)
-    floor = size * torch.finfo(denom.dtype).eps * max(scale, 1e-300)
-    if preconditioner:
-        return qa, qg, denom.clamp(min=floor), trans
-    if float(denom.min()) <= floor:
-        raise not_pd(
-            f"K-FAC system of {name!r}",
-            f"smallest eigenvalue {float(denom.min()):.3e}, not above the round-off floor "
-            f"{floor:.3e} of a system whose largest is {scale:.3e}",
-            delta=10 * floor,
-        )
-    return qa, qg, denom, trans
-
-
-def _conditioning(term: Term) -> float:
-    """λ_min/λ_max of A ⊗ G (≤ 0 when a factor is singular or indefinite)."""
-    ea, eg = (torch.linalg.eigvalsh((m + m.T) / 2) for m in term)
-    top = float(ea.abs().max() * eg.abs().max())
-    return float(ea[0] * eg[0]) / top if ea[0] > 0 and eg[0] > 0 and top > 0 else -1.0
-
-
-def _inv_sqrt(name: str, m: Tensor) -> Tensor:
-    """T with Tᵀ M T = I, from the eigendecomposition of the SPD matrix M."""
-    lam, q = _sym_eig(m)
-    if float(lam.min()) <= 0:
-        raise not_pd(
-            f"K-FAC factor of {name!r}",
-            f"smallest eigenvalue {float(lam.min()):.3e}; a two-term solve needs the first "
-            "term's factors positive definite (damping δ makes the I ⊗ δI term a good first term)",
-        )
-    return q / lam.sqrt()

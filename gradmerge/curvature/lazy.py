@@ -3,7 +3,7 @@
 Structures that can absorb each other sum exactly into one structure (δ·I into anything, a
 diagonal into a dense matrix, K-FAC terms into K-FAC). Any other pair — K-FAC plus a diagonal,
 a dense matrix plus a matrix-free Hessian — becomes a :class:`Sum`: ``mv`` adds the terms'
-products, ``solve`` runs CG (:func:`gradmerge.solve.conjugate_gradient`) and raises if it does
+products, ``solve`` runs CG (:func:`gradmerge.solvers.cg.conjugate_gradient`) and raises if it does
 not reach ``tol``; ``solve_info`` returns the CG report.
 """
 
@@ -16,7 +16,8 @@ from gradmerge import params as P
 from gradmerge.curvature.base import Curvature
 from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
-from gradmerge.solve import CGResult, solve_or_raise
+from gradmerge.solvers.cg import solve_or_raise
+from gradmerge.solvers.solution import Solution
 
 
 class Sum(Curvature):
@@ -47,7 +48,6 @@ class Sum(Curvature):
             )
         self.terms = list(terms)
         self.tol, self.maxiter = tol, maxiter
-        self.last_solve: CGResult | None = None
 
     def __repr__(self) -> str:
         return f"Sum({' + '.join(repr(t) for t in self.terms)})"
@@ -74,19 +74,18 @@ class Sum(Curvature):
             out = P.add(out, term.mv(v))
         return out
 
-    def solve_info(self, v: Params) -> CGResult:
+    def solve_info(self, v: Params) -> Solution:
         """CG on Σ_k C_k x = v (unpreconditioned); raises :class:`NotConvergedError` if it fails.
 
         ``tol=None`` (default) aims for 1e-10 in float64 and 1e-5 in float32.
         """
         self.check_covers(v, name="the vector", ref_name="the vector")
-        self.last_solve = solve_or_raise(
+        return solve_or_raise(
             self.mv, v, tol=self.tol, maxiter=self.maxiter, what="a sum of curvatures"
         )
-        return self.last_solve
 
     def solve(self, v: Params) -> dict[str, Tensor]:
-        return self.solve_info(v).x
+        return self.solve_info(v).value
 
     def verify_finite(self, *, name: str) -> None:
         for term in self.terms:

@@ -24,7 +24,8 @@ from gradmerge.estimate._data import Inputs, Loss, batches, forward, per_example
 from gradmerge.estimate._functional import _Bound, trainable
 from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.params import Layout, Params
-from gradmerge.solve import CGResult, solve_or_raise
+from gradmerge.solvers.cg import solve_or_raise
+from gradmerge.solvers.solution import Solution
 
 
 class MatrixFree(Curvature):
@@ -69,7 +70,6 @@ class MatrixFree(Curvature):
         self.data = list(batches(data, device=device))  # validated once, on the model's device
         self.tol, self.maxiter = tol, maxiter
         self.coefficient = 1.0  # c in c·H (scalar multiples stay matrix-free)
-        self.last_solve: CGResult | None = None
 
     def __repr__(self) -> str:
         return (
@@ -114,15 +114,14 @@ class MatrixFree(Curvature):
         pullback = vjp(lambda p: self._outputs(p, inputs), self.params)[1]
         return pullback(OutputHessian(out, targets, self.loss).mv(jv))[0]  # Jᵀ Λ J v
 
-    def solve_info(self, v: Params) -> CGResult:
+    def solve_info(self, v: Params) -> Solution:
         """CG on this operator; raises :class:`NotConvergedError` if it does not converge."""
-        self.last_solve = solve_or_raise(
+        return solve_or_raise(
             self.mv, v, tol=self.tol, maxiter=self.maxiter, what=f"the {self.kind}"
         )
-        return self.last_solve
 
     def solve(self, v: Params) -> dict[str, Tensor]:
-        return self.solve_info(v).x
+        return self.solve_info(v).value
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Any:
         raise ArgumentError(
@@ -132,7 +131,6 @@ class MatrixFree(Curvature):
     def scaled(self, c: float) -> MatrixFree:
         out = copy.copy(self)
         out.coefficient = self.coefficient * c
-        out.last_solve = None
         return out
 
     def min_eigenvalue(self) -> float:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import gradmerge as gm
 from gradmerge import params as P
-from gradmerge.solve import conjugate_gradient
+from gradmerge.solvers.cg import conjugate_gradient
 from proofs_tests.reference import like_params, random_layout, random_spd
 
 
@@ -22,9 +22,9 @@ def test_cg_matches_dense_solve(seed, log_cond, precondition):
     b = like_params(like, rng.standard_normal(n))
     diag = gm.Diagonal(like_params(like, np.diag(m).copy()))
     result = conjugate_gradient(op.mv, b, precondition=diag.solve if precondition else None)
-    assert result.converged and result.residual <= 1e-10
+    assert result.success and result.residual <= 1e-10
     expected = np.linalg.solve(m, P.flatten(b).numpy())
-    np.testing.assert_allclose(P.flatten(result.x).numpy(), expected, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(P.flatten(result.value).numpy(), expected, rtol=1e-6, atol=1e-9)
 
 
 def test_cg_reports_non_convergence_and_negative_curvature():
@@ -33,9 +33,9 @@ def test_cg_reports_non_convergence_and_negative_curvature():
     op = gm.Dense(torch.as_tensor(m), like)
     b = {"w": torch.ones(50, dtype=torch.float64)}
     result = conjugate_gradient(op.mv, b, maxiter=3)
-    assert not result.converged and result.iterations == 3 and result.residual > 1e-10
+    assert not result.success and result.iterations == 3 and result.residual > 1e-10
     neg = gm.Dense(torch.as_tensor(-np.eye(50)), like)
     with pytest.raises(gm.NotPositiveDefiniteError, match="pᵀKp"):
         conjugate_gradient(neg.mv, b)
     zero = conjugate_gradient(op.mv, {"w": torch.zeros(50, dtype=torch.float64)})
-    assert zero.converged and zero.iterations == 0
+    assert zero.success and zero.iterations == 0

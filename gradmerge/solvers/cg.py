@@ -8,7 +8,6 @@ It never returns a silently wrong answer: ``solve`` methods raise when CG does n
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -16,25 +15,9 @@ from torch import Tensor
 from gradmerge import params as P
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
 from gradmerge.params import Params
+from gradmerge.solvers.solution import Solution
 
 Operator = Callable[[Params], dict[str, Tensor]]
-
-
-@dataclass(frozen=True)
-class CGResult:
-    """The outcome of a CG solve of K x = b.
-
-    Attributes:
-        x: the last iterate.
-        converged: whether ‖b − Kx‖ ≤ tol·‖b‖ was reached.
-        iterations: CG iterations taken.
-        residual: the relative residual ‖b − Kx‖ / ‖b‖ (recomputed from x, not the recursion).
-    """
-
-    x: dict[str, Tensor]
-    converged: bool
-    iterations: int
-    residual: float
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -51,7 +34,7 @@ def solve_or_raise(
     maxiter: int,
     what: str,
     precondition: Operator | None = None,
-) -> CGResult:
+) -> Solution:
     """:func:`conjugate_gradient`, raising :class:`NotConvergedError` if it does not converge.
 
     ``tol=None`` takes :func:`default_tol` of ``b``'s dtype.
@@ -61,7 +44,7 @@ def solve_or_raise(
     result = conjugate_gradient(
         apply, b, precondition=precondition, tol=tol, maxiter=maxiter, what=what
     )
-    if not result.converged:
+    if not result.success:
         raise NotConvergedError(
             f"CG on {what} stopped at relative residual {result.residual:.2e} after "
             f"{result.iterations} iterations (tol {tol:.0e}, {dtype}); the system is "
@@ -79,7 +62,7 @@ def conjugate_gradient(
     tol: float = 1e-10,
     maxiter: int = 1000,
     what: str = "the system",
-) -> CGResult:
+) -> Solution:
     """Solve K x = b for a symmetric positive definite K given as ``apply(v) = K v``.
 
     Args:
@@ -98,7 +81,7 @@ def conjugate_gradient(
     prec = precondition if precondition is not None else (lambda v: dict(v))
     bnorm = P.norm(b)
     if bnorm == 0:
-        return CGResult(P.zeros_like(b), True, 0, 0.0)
+        return Solution(P.zeros_like(b), "CG", 0, 0.0, True)
     x = dict(x0) if x0 is not None else (prec(b) if precondition is not None else P.zeros_like(b))
     iterations, residual = 0, float("inf")
     # restart from the true residual whenever the recursive one has converged but drifted
@@ -126,4 +109,5 @@ def conjugate_gradient(
             rz = rz_next
             iterations += 1
     residual = P.norm(P.sub(b, apply(x))) / bnorm
-    return CGResult(x, residual <= tol, iterations, residual)
+    method = "preconditioned CG" if precondition is not None else "CG"
+    return Solution(x, method, iterations, residual, residual <= tol)

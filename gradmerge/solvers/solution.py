@@ -1,0 +1,89 @@
+"""The result of a solve K x = b: one type for every curvature structure."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Solution:
+    """How a solve K x = b went.
+
+    Attributes:
+        value: x, a parameter dict (for a part: that block's tensors).
+        method: how it was solved, e.g. ``"exact (diagonal)"``, ``"preconditioned CG"``.
+        iterations: CG iterations (0 for direct solves; the sum over parts).
+        residual: the relative residual ‖b − Kx‖ / ‖b‖ (the largest over parts), recomputed from
+            x, not from a recursion; ``nan`` where it was not measured (direct exact solves of
+            elementwise structures, whose residual is round-off).
+        success: whether every part reached its tolerance (direct solves: True).
+        parts: per block (e.g. per K-FAC layer), the same report for that block alone.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> K = gm.KFAC({"fc": (torch.diag(torch.tensor([1.0, 3.0])), 2 * torch.eye(2))}) + 2.0
+        >>> s = K.solve_info({"fc.weight": torch.ones(2, 2)})
+        >>> s.success, s.parts["fc"].method, s.value["fc.weight"][0]
+        (True, '1-term eigendecomposition', tensor([0.2500, 0.1250]))
+    """
+
+    value: dict[str, Tensor]
+    method: str
+    iterations: int = 0
+    residual: float = float("nan")
+    success: bool = True
+    parts: Mapping[str, Solution] = field(default_factory=dict)
+
+    @property
+    def max_residual(self) -> float:
+        """The largest measured relative residual (0.0 when none was measured)."""
+        values = [p.residual for p in self.parts.values()] or [self.residual]
+        measured = [r for r in values if r == r]
+        return max(measured, default=0.0)
+
+    def summary(self) -> dict[str, object]:
+        """A JSON-ready record: method, iterations, residual per part (no tensors)."""
+        if not self.parts:
+            return {"method": self.method, "iterations": self.iterations, "residual": self.residual}
+        return {name: part.summary() for name, part in self.parts.items()}
+
+
+_SINK: ContextVar[list[Solution] | None] = ContextVar("gradmerge_solutions", default=None)
+
+
+@contextmanager
+def collect() -> Iterator[list[Solution]]:
+    """Collect the :class:`Solution` of every merge or removal solve run inside the block.
+
+    The merge rules (:func:`gradmerge.gradient_matching`, :func:`gradmerge.remove`, ...) hand
+    their solve's report to :func:`publish`; the streaming engine collects them per unit for its
+    record.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> from gradmerge.solvers import solution
+        >>> K = gm.KFAC({"fc": (torch.diag(torch.tensor([1.0, 3.0])), torch.diag(torch.tensor([1.0, 2.0])))})
+        >>> base = {"fc.weight": torch.zeros(2, 2)}
+        >>> with solution.collect() as solves:
+        ...     _ = gm.gradient_matching(base, [{"fc.weight": torch.ones(2, 2)}], [K], prior=0.5)
+        >>> solves[0].parts["fc"].method
+        'eigenbasis (exact)'
+    """
+    sink: list[Solution] = []
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+
+
+def publish(solution: Solution) -> None:
+    """Hand ``solution`` to the innermost :func:`collect` block, if any."""
+    sink = _SINK.get()
+    if sink is not None:
+        sink.append(solution)

@@ -1,0 +1,186 @@
+"""K-FAC solves of δ·I + several Kronecker terms (gradmerge/solvers/kfac_cg.py) against dense
+solves: answers, the reported (certified) residual against one recomputed from the dense matrix,
+exactness when the tasks share eigenvectors, and the float64 fallback of float32 solves that the
+working precision cannot resolve."""
+
+import pytest
+import torch
+
+import gradmerge as gm
+from gradmerge import params as P
+from gradmerge.solvers import kfac_cg
+
+DT = torch.float64
+
+
+def _decaying_spd(gen, n, orders=6.0, basis=None, dtype=DT):
+    """SPD with eigenvalues 10^(−orders·t), t ∈ [0, 1]: the decaying spectra of K-FAC factors."""
+    q = (
+        basis
+        if basis is not None
+        else torch.linalg.qr(torch.randn(n, n, dtype=DT, generator=gen))[0]
+    )
+    lam = 10.0 ** (-orders * torch.linspace(0, 1, n, dtype=DT))
+    return ((q * lam) @ q.T).to(dtype)
+
+
+def _dense(terms, bias_cols, n_out, n_in, delta=0.0):
+    """δI + Σ_k A_k ⊗ G_k in gradmerge's flattening (weight row-major, then the bias)."""
+    cols = n_in + bias_cols
+    mat = sum(torch.kron(g.to(DT), a.to(DT)) for a, g in terms)
+    idx = [o * cols + i for o in range(n_out) for i in range(n_in)]
+    idx += [o * cols + n_in for o in range(n_out)] if bias_cols else []
+    return mat[idx][:, idx] + delta * torch.eye(len(idx), dtype=DT)
+
+
+def _flat(p, transposed=False):
+    w = p["m.weight"].T if transposed else p["m.weight"]
+    return torch.cat([w.reshape(-1), p["m.bias"]]).to(DT)
+
+
+CASES = [  # (tasks, transposed, dtype, δ relative to the largest term)
+    (1, False, torch.float64, 1e-4),
+    (2, False, torch.float64, 1e-4),
+    (3, True, torch.float64, 1e-6),
+    (4, False, torch.float64, 1e-2),
+    (2, True, torch.float32, 1e-3),
+    (3, False, torch.float32, 1e-5),
+]
+
+
+@pytest.mark.parametrize(("tasks", "transposed", "dtype", "rel"), CASES)
+def test_delta_plus_tasks_matches_dense_solve_with_a_true_reported_residual(
+    tasks, transposed, dtype, rel
+):
+    """δ·I + 1–4 task terms with a bias column, Linear (out, in) or Conv1D (in, out) layout: the
+    solution equals the dense solve to κ·tol, and the reported residual is the true one."""
+    gen = torch.Generator().manual_seed(10 * tasks + transposed)
+    n_out, n_in = 6, 5
+    terms = [
+        (_decaying_spd(gen, n_in + 1, dtype=dtype), _decaying_spd(gen, n_out, dtype=dtype))
+        for _ in range(tasks)
+    ]
+    k = gm.KFAC({"m": terms}, bias=["m"], transposed=["m"] if transposed else [])
+    op = k + rel
+    v = {n: torch.randn(s, dtype=DT, generator=gen).to(dtype) for n, s in k.layout}
+    info = op.solve_info(v)
+    dense = _dense(terms, 1, n_out, n_in, rel)
+    b = _flat(v, transposed)
+    x = _flat(info.value, transposed)
+    true_residual = float(torch.linalg.norm(b - dense @ x) / torch.linalg.norm(b))
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    part = info.parts["m"]
+    assert info.success and part.residual <= tol
+    if "in float64" not in part.method:  # the reported residual is that of the returned x
+        assert true_residual <= tol
+        # (two float64 evaluations of one residual agree to round-off, far below tol)
+        assert part.residual == pytest.approx(true_residual, rel=1e-3, abs=1e-12)
+    # else: a float64 solution certified to tol, rounded to float32 (see the fallback test)
+    expected = torch.linalg.solve(dense, b)
+    cond = float(torch.linalg.cond(dense))
+    rounding = 0.0 if dtype == torch.float64 else 1e-6
+    error = float(torch.linalg.norm(x - expected))
+    assert error <= (cond * tol + rounding) * float(torch.linalg.norm(expected))
+    assert (part.iterations == 0) == (tasks == 1)
+
+
+def test_tasks_sharing_eigenvectors_are_solved_at_the_start():
+    """When every task's factors are diagonal in one basis, the diagonal preconditioner is the
+    system itself: CG stops at x₀ = D⁻¹b̃ and the answer is exact."""
+    gen = torch.Generator().manual_seed(3)
+    qa = torch.linalg.qr(torch.randn(8, 8, dtype=DT, generator=gen))[0]
+    qg = torch.linalg.qr(torch.randn(5, 5, dtype=DT, generator=gen))[0]
+    terms = []
+    for t in range(3):
+        la, lg = torch.rand(8, dtype=DT, generator=gen) + t, torch.rand(5, dtype=DT, generator=gen)
+        terms.append(((qa * la) @ qa.T, (qg * lg) @ qg.T))
+    op = gm.KFAC({"m": terms}) + 1e-3
+    v = {"m.weight": torch.randn(5, 8, dtype=DT, generator=gen)}
+    info = op.solve_info(v)
+    dense = _dense(terms, 0, 5, 8, 1e-3)
+    expected = torch.linalg.solve(dense, v["m.weight"].reshape(-1))
+    torch.testing.assert_close(info.value["m.weight"].reshape(-1), expected, rtol=1e-9, atol=0)
+    assert info.parts["m"].iterations == 0
+
+
+def test_float32_beyond_its_precision_falls_back_to_float64():
+    """δ = 1e-7 of the scale with factor spectra over 6 decades: κ·ε₃₂ ≫ 1e-5, so no float32 CG
+    reaches the tolerance. The solve goes to float64, certifies that solution's residual, says
+    so, and returns it rounded to float32 — close to the dense float64 solution."""
+    gen = torch.Generator().manual_seed(7)
+    terms = [
+        (_decaying_spd(gen, 12, dtype=torch.float32), _decaying_spd(gen, 9, dtype=torch.float32))
+        for _ in range(3)
+    ]
+    op = gm.KFAC({"m": terms}) + 1e-7
+    v = {"m.weight": torch.randn(9, 12, generator=gen)}
+    info = op.solve_info(v)
+    part = info.parts["m"]
+    assert "in float64" in part.method and part.residual <= 1e-5
+    dense = _dense(terms, 0, 9, 12, 1e-7)
+    expected = torch.linalg.solve(dense, v["m.weight"].reshape(-1).to(DT))
+    got = info.value["m.weight"].reshape(-1).to(DT)
+    # the float64 solution to 1e-5 (forward error ≤ κ·1e-5), then rounded to float32
+    bound = float(torch.linalg.cond(dense)) * 1e-5 + 1e-6
+    assert float(torch.linalg.norm(got - expected)) <= bound * float(torch.linalg.norm(expected))
+
+
+def test_unconvergeable_budget_raises_with_the_fix():
+    gen = torch.Generator().manual_seed(1)
+    terms = [(_decaying_spd(gen, 10), _decaying_spd(gen, 7)) for _ in range(3)]
+    op = gm.KFAC({"m": terms}, cg_maxiter=1) + 1e-8
+    with pytest.raises(gm.NotConvergedError, match=r"prior: \{delta"):
+        op.solve({"m.weight": torch.randn(7, 10, dtype=DT, generator=gen)})
+
+
+def test_singular_system_without_prior_is_refused():
+    """Three rank-one terms with no δ: singular; refused (not a silent wrong answer)."""
+    gen = torch.Generator().manual_seed(2)
+    terms = []
+    for _ in range(3):
+        a, g = (
+            torch.randn(6, 1, dtype=DT, generator=gen),
+            torch.randn(4, 1, dtype=DT, generator=gen),
+        )
+        terms.append((a @ a.T, g @ g.T))
+    with pytest.raises(gm.NotPositiveDefiniteError):
+        gm.KFAC({"m": terms}).solve({"m.weight": torch.randn(4, 6, dtype=DT, generator=gen)})
+
+
+def test_split_identity_folds_every_identity_term():
+    eye3, eye2 = torch.eye(3, dtype=DT), torch.eye(2, dtype=DT)
+    a = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=DT))
+    delta, rest = kfac_cg.split_identity([(eye3, 0.5 * eye2), (a, eye2), (2 * eye3, 0.25 * eye2)])
+    assert delta == pytest.approx(1.0) and len(rest) == 1 and rest[0][0] is a
+
+
+def test_merge_of_three_tasks_equals_dense_eq6():
+    """gm.gradient_matching with three K-FAC curvatures and δ·I equals Eq. 6 written densely."""
+    gen = torch.Generator().manual_seed(11)
+    n_out, n_in = 4, 3
+    base = {
+        "m.weight": torch.randn(n_out, n_in, dtype=DT, generator=gen),
+        "m.bias": torch.randn(n_out, dtype=DT, generator=gen),
+    }
+    fts = [
+        P.axpy(
+            0.1, {k: torch.randn(v.shape, dtype=DT, generator=gen) for k, v in base.items()}, base
+        )
+        for _ in range(3)
+    ]
+    hs = [
+        gm.KFAC({"m": (_decaying_spd(gen, n_in + 1, 3), _decaying_spd(gen, n_out, 3))}, bias=["m"])
+        for _ in range(3)
+    ]
+    alphas, delta = [1.0, 0.5, 2.0], 1e-3
+    merged = gm.gradient_matching(base, fts, hs, prior=delta, alphas=alphas)
+    dense = [_dense(h.terms["m"], 1, n_out, n_in) for h in hs]
+    hbar = delta * torch.eye(n_out * (n_in + 1), dtype=DT) + sum(
+        a * d for a, d in zip(alphas, dense, strict=True)
+    )
+    rhs = sum(
+        a * (d + delta * torch.eye(len(d), dtype=DT)) @ (_flat(ft) - _flat(base))
+        for a, d, ft in zip(alphas, dense, fts, strict=True)
+    )
+    expected = _flat(base) + torch.linalg.solve(hbar, rhs)
+    torch.testing.assert_close(_flat(merged), expected, rtol=1e-8, atol=1e-10)
