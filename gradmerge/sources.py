@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.lora import is_adapter, merged_state_dict
 from gradmerge.text_data import (
     TEXT_SUFFIXES,
     TextBatches,
@@ -102,6 +103,12 @@ def load_model(
     if model_kind(spec) == "hugging face folder":
         if arguments:
             raise ArgumentError(f"MODEL {spec} is a folder; arguments apply to entry points")
+        if is_adapter(spec):  # a PEFT LoRA folder: its base with the adapter applied
+            model = hugging_face_model(
+                adapter_base(Path(spec)), allow_new_weights=allow_new_weights
+            )
+            model.load_state_dict(merged_state_dict(Path(spec), model.state_dict()))
+            return model
         return hugging_face_model(Path(spec), allow_new_weights=allow_new_weights)
     model = call_entry_point(spec, "MODEL", arguments)
     if not isinstance(model, nn.Module):
@@ -109,6 +116,39 @@ def load_model(
             f"MODEL entry point {spec} returned {type(model).__name__}; expected a torch.nn.Module"
         )
     return model
+
+
+def adapter_base(folder: Path) -> Path:
+    """The base model folder of a PEFT adapter folder: its config's ``base_model_name_or_path``,
+    as given or relative to the adapter folder's parent.
+
+    Raises:
+        ArgumentError: no such local folder (a hub name: gradmerge loads offline).
+    """
+    try:
+        named = json.loads((folder / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise FileFormatError(f"{folder}/adapter_config.json is not readable JSON ({err})") from err
+    for candidate in (Path(str(named)), folder.parent / str(named)) if named else ():
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ArgumentError(
+        f"MODEL {folder} is a LoRA adapter over {named!r}, which is not a local model folder; "
+        "set base_model_name_or_path in its adapter_config.json to the base model's folder"
+    )
+
+
+def tokenizer_folder(spec: str) -> str:
+    """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder when the
+    adapter folder holds no tokenizer files."""
+    from gradmerge.text_data import TOKENIZER_FILES
+
+    folder = Path(spec)
+    if is_adapter(spec) and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return str(adapter_base(folder))
+    return spec
 
 
 def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.Module:

@@ -46,6 +46,7 @@ from gradmerge._text import key_list
 from gradmerge.checkpoints import rules
 from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.checkpoints.errors import ConfigError
+from gradmerge.checkpoints.lora import open_model
 from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
@@ -386,7 +387,7 @@ def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
 
 def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    models = [stack.enter_context(open_checkpoint(m.model)) for m in config.models]
+    models = [stack.enter_context(open_model(m.model, base)) for m in config.models]
     curvs = [
         stack.enter_context(open_curvature(m.curvature)) if m.curvature is not None else None
         for m in config.models
@@ -458,7 +459,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    model = stack.enter_context(open_checkpoint(config.model)) if config.model else None
+    model = stack.enter_context(open_model(config.model, base)) if config.model else None
     gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
     curv = stack.enter_context(open_curvature(config.curvature)) if config.curvature else None
     prior_files = _open_term(config.prior, "prior", stack)

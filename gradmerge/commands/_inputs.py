@@ -206,7 +206,7 @@ def load(
         arguments=dict(map(sources.parse_argument, args.data_arg)),
         max_examples=args.max_examples,
         model=model,
-        tokenizer=args.tokenizer or args.model,
+        tokenizer=args.tokenizer or sources.tokenizer_folder(args.model),
         text=TextOptions(**{key: value for key, _, value in _text_options(args)}),
     )
     if announce:
@@ -255,7 +255,8 @@ def provenance(
         meta.update(data.metadata())
         options = {key: value for key, _, value in _text_options(args) if value is not None}
         meta["source.text_options"] = json.dumps(options, sort_keys=True)
-        meta["source.tokenizer"] = str(Path(args.tokenizer or args.model).resolve())
+        tokenizer = args.tokenizer or sources.tokenizer_folder(args.model)
+        meta["source.tokenizer"] = str(Path(tokenizer).resolve())
     return meta
 
 
