@@ -774,7 +774,7 @@ def main() -> None:
     report["predictions"] = predict(fits, ranks, eig_gpu)
     report["anchors"] = {
         "mergekit_design_md": "task_arithmetic on three GPT-2-124M checkpoints: 8–9 s wall "
-        "(about 6 s start-up), 2.96 GB peak RSS (DESIGN.md, measured facts)",
+        "(about 6 s start-up), 2.96 GB peak RSS (measured on the development machine, 2 CPU cores)",
         "paper_script_memory": "(1 + 2T)·model bytes: every model and Fisher held in memory",
     }
     report["load_average_end"] = [round(v, 2) for v in os.getloadavg()]

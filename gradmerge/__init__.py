@@ -1,7 +1,7 @@
 """gradmerge: merging and un-merging fine-tuned models by uncertainty-based gradient matching.
 
 Daheim, Möllenhoff, Ponti, Gurevych & Khan, "Model Merging by Uncertainty-Based Gradient
-Matching", ICLR 2024. See DESIGN.md for the map from the paper's notation to these names.
+Matching", ICLR 2024. See docs/architecture.md for the map from the paper's notation to these names.
 """
 
 from gradmerge import distributed, params

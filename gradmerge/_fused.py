@@ -20,7 +20,8 @@ When (``GRADMERGE_FUSED`` / :func:`fused_kernels`):
 - ``"on"``: every tensor of :data:`MIN_NUMEL` elements or more;
 - ``"auto"`` (default): the same, but only in calls (and streamed jobs) whose tensors of
   :data:`MIN_NUMEL` or more hold :data:`AUTO_MIN_WORK` elements in all, because compiling a
-  pattern costs ~2–5 s once per process, which pays off only from ~5·10⁸ elements.
+  pattern costs a fixed time once per process, which pays off only on large merges (the
+  measured break-even is in ``benchmarks/README.md``).
 
 Where compiling fails (no C++ compiler, no Triton), a ``RuntimeWarning`` says so once and the
 chunked path is used.
@@ -47,8 +48,8 @@ MIN_NUMEL = 1 << 22
 
 AUTO_MIN_WORK = 1 << 29
 """In ``"auto"`` mode, the elements (in tensors of ``MIN_NUMEL`` or more) a call or job must hold
-for compiling to pay off: the chunked path costs ~5 ns more per element than the compiled loop
-(benchmark machine, 2 tasks, 1 thread), and a first compile ~3–4 s."""
+for compiling to pay off: the compiled loop saves a fixed time per element over the chunked path
+and a first compile costs a fixed time (both measured in ``benchmarks/README.md``)."""
 
 MODES = ("auto", "on", "off")
 ENV = "GRADMERGE_FUSED"

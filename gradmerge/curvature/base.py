@@ -100,7 +100,30 @@ class Curvature(ABC):
 
     @abstractmethod
     def min_eigenvalue(self) -> float:
-        """The smallest eigenvalue (exact for the structures implemented here)."""
+        """A lower bound λ_low ≤ λ_min(C) on the smallest eigenvalue, equal to it where
+        :attr:`min_eigenvalue_exact` is true.
+
+        Exact for ``ScaledIdentity``, ``Diagonal``, ``Dense``, one-term K-FAC layers and small
+        multi-term ones, and ``Blocks`` of exact parts. A lower bound (Weyl: λ_min(X + Y) ≥
+        λ_min(X) + λ_min(Y)) for ``Sum`` and for K-FAC layers with several Kronecker terms above
+        :data:`gradmerge.curvature.kfac.EXACT_EIG_MAX_SIZE` parameters. ``MatrixFree`` computes
+        nothing: it returns 0 for a non-negative multiple (a bound for a GGN, PSD by construction,
+        and for a PSD Hessian; an indefinite Hessian is not checked up front, its CG solve
+        detects negative curvature) and −∞ for a negative multiple.
+
+        Example:
+            >>> import torch, gradmerge as gm
+            >>> C = gm.Diagonal({"w": torch.tensor([2.0, 5.0])}) + gm.Dense(
+            ...     torch.eye(2, dtype=torch.float32), {"w": torch.zeros(2)})
+            >>> C.min_eigenvalue(), C.min_eigenvalue_exact
+            (3.0, True)
+        """
+
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        """Whether :meth:`min_eigenvalue` is λ_min itself rather than a lower bound (default:
+        a bound; the structures that compute it exactly say so)."""
+        return False
 
     @abstractmethod
     def _add_same(self, other: Any) -> Curvature:

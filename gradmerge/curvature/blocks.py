@@ -113,7 +113,12 @@ class Blocks(Curvature):
         return Blocks([b.scaled(c) for b in self.blocks])
 
     def min_eigenvalue(self) -> float:
+        """The smallest of the blocks' values: exact when every block's is."""
         return min(b.min_eigenvalue() for b in self.blocks)
+
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return all(b.min_eigenvalue_exact for b in self.blocks)
 
     def _scale(self) -> float:
         return max(b._scale() for b in self.blocks)

@@ -93,6 +93,10 @@ class Dense(Curvature):
     def scaled(self, c: float) -> Dense:
         return Dense(c * self.matrix, self._like())
 
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return True
+
     def min_eigenvalue(self) -> float:
         return float(torch.linalg.eigvalsh(self.matrix)[0])
 

@@ -101,6 +101,10 @@ class Diagonal(Curvature):
         scaled = {k: c * d for k, d in self.values.items()}
         return Diagonal._checked_already(scaled, unverified=self._unverified)
 
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return True
+
     def min_eigenvalue(self) -> float:
         return min(float(d.min()) for d in self.values.values())
 

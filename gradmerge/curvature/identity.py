@@ -55,6 +55,10 @@ class ScaledIdentity(Curvature):
     def scaled(self, c: float) -> ScaledIdentity:
         return ScaledIdentity(c * self.delta)
 
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return True
+
     def min_eigenvalue(self) -> float:
         return self.delta
 

@@ -1,6 +1,6 @@
 """K-FAC curvature: per layer a (lazy, exact) sum of Kronecker products Σ_k A_k ⊗ G_k.
 
-Convention (DESIGN.md): a layer ``m`` with weight V of shape (out, in) — the ``nn.Linear``
+Convention (docs/architecture.md): a layer ``m`` with weight V of shape (out, in) — the ``nn.Linear``
 layout — and optionally a bias is treated as one matrix [V | b] of shape (out, in + 1), the bias
 being the LAST input column. A term A ⊗ G acts as [V | b] ↦ G [V | b] A, with A (in[+1])² and G
 out². The operator covers ``f"{m}.weight"`` and, for layers in ``bias``, ``f"{m}.bias"``.
@@ -39,6 +39,10 @@ from gradmerge.solvers import kfac_cg, kronecker
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eye_like, identity_multiple
 from gradmerge.solvers.solution import Solution
+
+EXACT_EIG_MAX_SIZE = 4096
+"""Layers with several Kronecker terms and at most this many parameters get their exact
+smallest eigenvalue from the dense sum of Kronecker products; larger ones a lower bound."""
 
 
 class KFAC(Curvature):
@@ -268,15 +272,16 @@ class KFAC(Curvature):
 
     def min_eigenvalue(self) -> float:
         """The smallest eigenvalue: exact for one term per layer, and for two or more terms on
-        layers of at most 4096 parameters (from the dense sum of Kronecker products); on larger
-        layers with several terms, a lower bound (Weyl: the sum of the terms' minima)."""
+        layers of at most :data:`EXACT_EIG_MAX_SIZE` parameters (from the dense sum of Kronecker
+        products); on larger layers with several terms, a lower bound (Weyl: the sum of the
+        terms' minima). :attr:`min_eigenvalue_exact` says which."""
         low = float("inf")
         for terms in self.terms.values():
             a0, g0 = terms[0]
             if len(terms) == 1:
                 ea, eg = self._eigenvalues(a0), self._eigenvalues(g0)
                 low = min(low, float(torch.outer(eg, ea).min()))
-            elif a0.shape[0] * g0.shape[0] <= 4096:
+            elif a0.shape[0] * g0.shape[0] <= EXACT_EIG_MAX_SIZE:
                 dense = sum(torch.kron(g, a) for a, g in terms)
                 low = min(low, float(torch.linalg.eigvalsh(dense)[0]))
             else:
@@ -286,6 +291,13 @@ class KFAC(Curvature):
                     bound += float(torch.outer(eg, ea).min())
                 low = min(low, bound)
         return low
+
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return all(
+            len(t) == 1 or t[0][0].shape[0] * t[0][1].shape[0] <= EXACT_EIG_MAX_SIZE
+            for t in self.terms.values()
+        )
 
     def _scale(self) -> float:
         """max over terms of ‖A‖₂‖G‖₂, from the factors' eigenvalues (symmetric factors: the

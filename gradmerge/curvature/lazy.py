@@ -102,8 +102,13 @@ class Sum(Curvature):
         return Sum([t.scaled(c) for t in self.terms], tol=self.tol, maxiter=self.maxiter)
 
     def min_eigenvalue(self) -> float:
-        """A lower bound: the sum of the terms' smallest eigenvalues (Weyl)."""
+        """A lower bound: the sum of the terms' smallest eigenvalues (Weyl), exact only for a
+        single exact term."""
         return sum(t.min_eigenvalue() for t in self.terms)
+
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return len(self.terms) == 1 and self.terms[0].min_eigenvalue_exact
 
     def _scale(self) -> float:
         return sum(t._scale() for t in self.terms)

@@ -97,8 +97,8 @@ def run_demo(
         overwrite: replace a non-empty ``out``.
         config: settings other than the presets (then ``quick`` and ``seed`` are ignored).
         threads: torch's CPU threads during the run, restored after (None: leave as is). The
-            default 1 is the fastest here: the matrices are small, and with two threads on a
-            busy two-core machine the full study took 149 s instead of 41 s.
+            default 1 is the fastest here: the matrices are small, and more threads contend on a
+            busy machine (figures in ``benchmarks/README.md``).
         log: receives progress lines (None: quiet).
 
     Returns:

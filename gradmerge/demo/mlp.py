@@ -22,8 +22,8 @@ and with p = softmax(f), r = p − e_y (= ∂ℓ/∂f), Λ = diag(p) − ppᵀ (
     (H_{12})_{(j,a),(c,k)} = \tilde x_a \sigma'_j \big[(\Lambda W_2)_{cj} \tilde a_k
         + r_c [k = j]\big].
 
-:meth:`MLP.hessian` sums w_i times these over the examples in a few matrix products, about
-50× faster than ``torch.func.hessian`` (which runs one forward-over-reverse pass per parameter);
+:meth:`MLP.hessian` sums w_i times these over the examples in a few matrix products, much
+faster than ``torch.func.hessian`` (which runs one forward-over-reverse pass per parameter);
 the tests compare it with ``torch.func.hessian``. It makes Newton's method affordable, so that
 every MAP of the demo is converged to machine precision.
 

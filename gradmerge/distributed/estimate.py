@@ -1,6 +1,6 @@
 r"""Data-parallel curvature estimation: each rank estimates on its shard, the sums are all-reduced.
 
-A curvature is a SUM over examples, H = Σ_i H_i (DESIGN.md), so with the examples split over R
+A curvature is a SUM over examples, H = Σ_i H_i (docs/architecture.md), so with the examples split over R
 ranks, H = Σ_r Σ_{i ∈ shard r} H_i = Σ_r H_r: every rank runs the single-process estimator of
 :func:`gradmerge.estimate_curvature` on its own shard, and the per-rank sums are added with
 ``all_reduce`` (:mod:`gradmerge.distributed.reduce` says how, K-FAC's mean-normalised A included).

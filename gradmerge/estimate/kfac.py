@@ -3,7 +3,7 @@ r"""K-FAC Kronecker factors of the Fisher/GGN, per layer, as a SUM over examples
 For a layer with weight W (viewed as ``(out, in)``, see *Layout*) K-FAC approximates the curvature
 block of its parameters by ``A ⊗ G``, the operator ``V ↦ G V A`` on ``V = [W | b]`` (the bias, if
 any, is the LAST input column, and the inputs are augmented with a 1). The factors are normalised
-so that ``A ⊗ G`` approximates the SUM over examples Σ_i of the per-example curvature (DESIGN.md):
+so that ``A ⊗ G`` approximates the SUM over examples Σ_i of the per-example curvature (docs/architecture.md):
 
     A = (1/M) Σ_{(i,s) kept} a_is a_isᵀ            (a mean over the M kept positions)
     G = Σ_{(i,s) kept} g_is g_isᵀ                   (a sum)
@@ -510,8 +510,8 @@ def _symmetrize_(upper: Tensor, block: int = 128) -> Tensor:
 
     Panel by panel of ``block`` columns: the panel below a diagonal block is the transpose of the
     panel to its right, and the diagonal block becomes ``triu(D) + triu(D, 1)ᵀ``. No temporary
-    larger than one diagonal block: a fresh matrix-sized one costs page faults that, in place
-    of ~1 ms of copying, took ~5 ms for an MLP's factors.
+    larger than one diagonal block: a fresh matrix-sized one costs page faults that outweigh
+    the copy itself (figures in ``benchmarks/README.md``).
     """
     n = upper.shape[0]
     for lo in range(0, n, block):

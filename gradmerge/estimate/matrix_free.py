@@ -141,6 +141,10 @@ class MatrixFree(Curvature):
         """
         return 0.0 if self.coefficient >= 0 else -float("inf")
 
+    @property
+    def min_eigenvalue_exact(self) -> bool:
+        return False
+
     def _add_same(self, other: Curvature) -> Curvature:
         from gradmerge.curvature.lazy import Sum
 
