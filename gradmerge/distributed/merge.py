@@ -155,6 +155,13 @@ def _run(
             written = step.exchange(
                 "write their shards", lambda: _write(job, mine, local, config.max_shard_size)
             )
+            if job.step is not None:  # a removal: its step summed over the ranks, then checked
+                job.step.step_sq = sum(w["step"][0] for w in written)
+                job.step.reference_sq = sum(w["step"][1] for w in written)
+                step.run(
+                    "check the removal's step",
+                    lambda: job.step.check(config.step_check, config.max_relative_step),
+                )
             # 4. Number the shards in rank order; rank 0 writes the index, assets and record.
             names = shard_names([len(w["files"]) for w in written])
             step.exchange(
@@ -185,6 +192,7 @@ def _run(
         bytes_written=sum(w["bytes_written"] for w in written),
         seconds=time.perf_counter() - start,
         device=str(job.device),
+        notes=(job.step.describe(),) if job.step is not None else (),
     )
 
 
@@ -298,6 +306,7 @@ def _write(job: Job, units: list[Unit], folder: Path, max_shard_size: int) -> di
         "tensor_bytes": sum(math.prod(s) * d.itemsize for _, s, d in entries),
         "bytes_written": writer.bytes_written,
         "bytes_read": bytes_read,
+        "step": (job.step.step_sq, job.step.reference_sq) if job.step is not None else None,
     }
 
 

@@ -145,7 +145,7 @@ def job_merge() -> dict:
 
     root, outdir = sys.argv[3], Path(sys.argv[2])
     out = {}
-    for name in [*cases.MERGES, "merge_fail", "merge_exists"]:
+    for name in [*cases.MERGES, "merge_fail", "merge_exists", "remove_refused"]:
         command, config = cases.merge_config(
             root, "merge_gm_kfac" if name == "merge_exists" else name
         )

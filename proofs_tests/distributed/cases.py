@@ -175,7 +175,8 @@ MERGES: dict[str, tuple[str, dict]] = {
     ),
 }
 """``merge_fail`` (not listed): ``merge_gm_kfac`` on a copy of ft1 with a NaN in the last layer,
-whose unit belongs to the last rank."""
+whose unit belongs to the last rank. ``remove_refused`` (not listed): ``remove_eq13`` with a
+``max_relative_step`` below its step."""
 
 
 def merge_config(root: str, name: str):
@@ -184,7 +185,10 @@ def merge_config(root: str, name: str):
 
     from gradmerge.checkpoints import MergeConfig, RemoveConfig
 
-    if name == "merge_fail":
+    if name == "remove_refused":  # a step limit below the step: refused on every rank
+        command, config = MERGES["remove_eq13"]
+        config = {**config, "max_relative_step": 1e-3}
+    elif name == "merge_fail":
         command, config = MERGES["merge_gm_kfac"]
         models = [dict(m) for m in config["models"]]
         models[1]["model"] = "ft1-nan.safetensors"

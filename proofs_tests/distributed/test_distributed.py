@@ -343,6 +343,21 @@ def test_distributed_merge_equals_the_single_process_merge(main_job, workspace, 
     split = record["distributed"]["units_per_rank"]
     assert record["distributed"]["ranks"] == 2 and sum(split) == single.units and min(split) > 0
     assert not list(out.parent.glob(f".{name}.gradmerge-*"))  # no staging folder left
+    if command == "remove":  # the step, summed over the ranks, is the single process's
+        alone = json.loads((single.out_dir / "gradmerge_remove.json").read_text())["step"]
+        assert record["step"]["ratio"] == pytest.approx(alone["ratio"], rel=1e-12)
+
+
+def test_a_removal_step_above_its_limit_is_refused_on_every_rank(main_job):
+    outdir, ranks = main_job
+    for rank in ranks:
+        refused = rank["remove_refused"]
+        assert refused["error"] == "DistributedError" and set(refused["failures"]) == {0, 1}
+        assert (
+            "StepTooLargeError" in refused["message"] and "max_relative_step" in refused["message"]
+        )
+    assert not (outdir / "remove_refused").exists()
+    assert not list(outdir.glob(".remove_refused.gradmerge-*"))
 
 
 def test_a_rank_failing_during_a_merge_leaves_no_output(main_job):
