@@ -41,6 +41,11 @@ class ArgumentError(GradmergeError, ValueError):
     """An argument of the right type but an unusable value (e.g. a wrong number of alphas)."""
 
 
+class DeviceUnavailableError(DeviceError, ArgumentError):
+    """A device asked for that this machine does not have (a CUDA device without CUDA, or a
+    CUDA index beyond the devices there are)."""
+
+
 class FileFormatError(GradmergeError, ValueError):
     """A file that is not what it should be: another format, corrupt or truncated."""
 

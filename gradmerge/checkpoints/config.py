@@ -47,7 +47,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -103,8 +103,46 @@ class CurvatureTerm:
         return self.curvature if isinstance(self.curvature, tuple) else (self.curvature,)
 
 
+_Config = TypeVar("_Config", bound="FromYaml")
+
+
+class FromYaml:
+    """``from_yaml`` and ``from_dict`` of every configuration type, written once: a subclass
+    names what it reads (``_WHAT``, for messages) and implements ``_read``, the checks of its
+    keys."""
+
+    _WHAT: ClassVar[str]
+
+    @classmethod
+    def from_yaml(cls: type[_Config], path: str | os.PathLike[str]) -> _Config:
+        """Read a configuration; relative paths are relative to the file's folder."""
+        data, root = _load_yaml(path)
+        return cls.from_dict(data, root=root, source=Path(path))
+
+    @classmethod
+    def from_dict(
+        cls: type[_Config],
+        data: Mapping[str, Any],
+        *,
+        root: str | os.PathLike[str] | None = None,
+        source: Path | None = None,
+        check_files: bool = True,
+    ) -> _Config:
+        """Validate a configuration given as a dict (``root``: base of relative paths).
+
+        Raises:
+            ConfigError: an unknown, missing, repeated or unusable key (named).
+            MissingInputError: an input file or folder that does not exist.
+        """
+        return cls._read(_Reader(data, cls._WHAT, Path(root or "."), check_files), source)
+
+    @classmethod
+    def _read(cls: type[_Config], r: _Reader, source: Path | None) -> _Config:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True, kw_only=True)
-class Options:
+class Options(FromYaml):
     """Settings shared by merges and removals (see the module docstring)."""
 
     dtype: str | None = None
@@ -160,23 +198,10 @@ class MergeConfig(Options):
         """The effective weights scale·α_t."""
         return [self.scale * m.alpha for m in self.models]
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> MergeConfig:
-        """Read a merge configuration; relative paths are relative to the file's folder."""
-        data, root = _load_yaml(path)
-        return cls.from_dict(data, root=root, source=Path(path))
+    _WHAT: ClassVar[str] = "the merge config"
 
     @classmethod
-    def from_dict(
-        cls,
-        data: Mapping[str, Any],
-        *,
-        root: str | os.PathLike[str] | None = None,
-        source: Path | None = None,
-        check_files: bool = True,
-    ) -> MergeConfig:
-        """Validate a merge configuration given as a dict (``root``: base of relative paths)."""
-        r = _Reader(data, "the merge config", Path(root or "."), check_files)
+    def _read(cls, r: _Reader, source: Path | None) -> MergeConfig:
         method = r.choice("method", MERGE_METHODS)
         r.allow(
             "method",
@@ -188,7 +213,7 @@ class MergeConfig(Options):
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, method) for i, m in enumerate(r.entries("models")))
-        _warn_repeated(models, check_files)
+        _warn_repeated(models, r.check_files)
         needs_base = method in ("task_arithmetic", "gradient_matching")
         base = r.path("base_model", default=_REQUIRED if needs_base else None)
         prior = None
@@ -240,23 +265,10 @@ class RemoveConfig(Options):
     step_check: str = "refuse"
     max_relative_step: float = 100.0
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> RemoveConfig:
-        """Read a removal configuration; relative paths are relative to the file's folder."""
-        data, root = _load_yaml(path)
-        return cls.from_dict(data, root=root, source=Path(path))
+    _WHAT: ClassVar[str] = "the remove config"
 
     @classmethod
-    def from_dict(
-        cls,
-        data: Mapping[str, Any],
-        *,
-        root: str | os.PathLike[str] | None = None,
-        source: Path | None = None,
-        check_files: bool = True,
-    ) -> RemoveConfig:
-        """Validate a removal configuration given as a dict (``root``: base of relative paths)."""
-        r = _Reader(data, "the remove config", Path(root or "."), check_files)
+    def _read(cls, r: _Reader, source: Path | None) -> RemoveConfig:
         method = r.choice("method", REMOVE_METHODS)
         r.allow(
             "method",

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from gradmerge import _fused, _weight_sample
+from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge.checkpoints import rules
@@ -178,23 +179,6 @@ def plan_remove(config: RemoveConfig) -> Plan:
     """Check the inputs of a removal and return its plan, reading no tensor (``--dry-run``)."""
     with ExitStack() as stack:
         return _open_remove(config, stack).plan
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; ``cuda``/``cuda:N`` checked to exist."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ArgumentError(
-                f"device {spec!r} asked for, but CUDA is not available: use cpu or auto"
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ArgumentError(
-                f"device {spec!r} asked for, but there are {torch.cuda.device_count()} CUDA devices"
-            )
-    return device
 
 
 @dataclass
@@ -337,7 +321,7 @@ class Job:
         with solution.collect() as solved:
             out = _run_unit(self, unit)
         for report in solved:
-            for name, part in (report.parts or {_describe(unit): report}).items():
+            for name, part in (report.parts or {key_list(unit.keys, 3): report}).items():
                 if part.residual == part.residual:  # measured solves only
                     self.solves[name] = part.summary()
         return out
@@ -672,18 +656,18 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         hint = job.hint.format(example=example)
         what = str(err).split(f" {PD_FIX}")[0]  # the Python keywords' fix gives way to the YAML's
         new = NotPositiveDefiniteError(
-            f"{what} While computing {_describe(unit)}: {hint} (`gradmerge {job.command} "
+            f"{what} While computing {key_list(unit.keys, 3)}: {hint} (`gradmerge {job.command} "
             "--dry-run` lists every unit that needs it)."
         )
         new.suggested_delta = delta
         raise new from err
     except ResultOverflowError as err:
         raise ResultOverflowError(
-            f"{err} (while computing {_describe(unit)}; in the config: smaller `alpha`/`scale`, "
+            f"{err} (while computing {key_list(unit.keys, 3)}; in the config: smaller `alpha`/`scale`, "
             f"a larger `delta`{'' if job.wide else ', or `compute_dtype: float64`'})"
         ) from err
     except GradmergeError as err:
-        raise type(err)(f"{err} (while computing {_describe(unit)})") from err
+        raise type(err)(f"{err} (while computing {key_list(unit.keys, 3)})") from err
     out = {}
     for k in unit.keys:
         dtype = job.plan.out_dtypes[k]
@@ -704,10 +688,6 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
 
 def _copy_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
     return {k: job.base.get(k, dtype=job.plan.out_dtypes[k]) for k in unit.keys}
-
-
-def _describe(unit: Unit) -> str:
-    return key_list(list(unit.keys), 3)
 
 
 def _nbytes(t: Tensor) -> int:

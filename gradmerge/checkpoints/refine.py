@@ -61,28 +61,28 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from gradmerge import params as P
 from gradmerge import sources
+from gradmerge._devices import resolve_device
 from gradmerge._text import key_list
 from gradmerge.checkpoints.config import (
     _REQUIRED,
     CurvatureTerm,
-    _load_yaml,
+    FromYaml,
     _plain,
     _Reader,
     _shown,
     _term,
 )
-from gradmerge.checkpoints.engine import resolve_device
 from gradmerge.checkpoints.errors import ConfigError, MissingInputError
 from gradmerge.checkpoints.reader import ASSET_PATTERNS
 from gradmerge.checkpoints.writer import refuse_existing, staged_output
@@ -110,7 +110,7 @@ class TaskInput:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RefineConfig:
+class RefineConfig(FromYaml):
     """A refinement: k steps of :func:`gradmerge.refine` from ``start`` (module docstring)."""
 
     start: str
@@ -140,28 +140,12 @@ class RefineConfig:
         out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
         return out | {"models": [asdict(m) for m in self.models], "text": asdict(self.text)}
 
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> RefineConfig:
-        """Read a refinement configuration; relative paths are relative to the file's folder."""
-        data, root = _load_yaml(path)
-        return cls.from_dict(data, root=root, source=Path(path))
+    _WHAT: ClassVar[str] = "the refine config"
 
     @classmethod
-    def from_dict(
-        cls,
-        data: Mapping[str, Any],
-        *,
-        root: str | os.PathLike[str] | None = None,
-        source: Path | None = None,
-        check_files: bool = True,
-    ) -> RefineConfig:
-        """Validate a refinement configuration given as a dict (``root``: base of relative paths).
-
-        Raises:
-            ConfigError: an unknown, missing or unusable key (named), ``steps`` < 1.
-            MissingInputError: a model folder or data file that does not exist.
-        """
-        r = _Reader(data, "the refine config", Path(root or "."), check_files)
+    def _read(cls, r: _Reader, source: Path | None) -> RefineConfig:
+        """The checks of a refinement's keys (:meth:`FromYaml.from_dict`; also: ``steps`` < 1
+        is a :class:`ConfigError`)."""
         r.allow(
             "start",
             "base_model",

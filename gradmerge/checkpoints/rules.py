@@ -16,6 +16,7 @@ from gradmerge import merge
 from gradmerge.curvature import KFAC, Blocks, Curvature, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
+from gradmerge.solvers.kronecker import eye_like
 
 Precision = Curvature | float
 
@@ -128,7 +129,7 @@ def _regmean(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
             a = _rows(k, name, t, len(finetuned)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
-            damped = a + damping * _eye_like(a) if damping else a
+            damped = a + damping * eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
         grams.append(gram)
@@ -169,9 +170,3 @@ def _kfac_of(curvature: Curvature | None) -> KFAC | None:
         found = [b for b in curvature.blocks if isinstance(b, KFAC)]
         return found[0] if found else None
     return None
-
-
-def _eye_like(a: Tensor) -> Tensor:
-    import torch
-
-    return torch.eye(a.shape[0], dtype=a.dtype, device=a.device)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gradmerge import sources
+from gradmerge._devices import resolve_device
 from gradmerge.commands._inputs import (
     add_source_arguments,
     check_sources,
@@ -182,8 +183,7 @@ def execute(args: argparse.Namespace) -> int:
         return run_distributed(args)
 
     start = time.perf_counter()
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     model, data = load(args, device, announce=True)
     passes = PASSES.get(args.structure, ())
     if len(passes) > 1:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmerge._devices import resolve_device
 from gradmerge.commands._inputs import (
     add_source_arguments,
     check_sources,
@@ -77,8 +78,7 @@ def execute(args: argparse.Namespace) -> int:
     from gradmerge.errors import NonFiniteError
 
     start = time.perf_counter()
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     model, data = load(args, device, announce=True)
     counted = _Counted(data if args.no_progress else progress(data, "gradient"))
     theta = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}

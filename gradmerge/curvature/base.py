@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
+from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
@@ -299,6 +300,5 @@ def _carrying_precision(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _describe(layout: Layout) -> str:
-    keys = [k for k, _ in layout]
-    head = ", ".join(repr(k) for k in keys[:3])
-    return f"[{head}{', ...' if len(keys) > 3 else ''}] ({len(keys)} tensors)"
+    """The first names of a layout and how many tensors it covers, for messages."""
+    return f"{key_list([k for k, _ in layout], 3)} ({len(layout)} tensors)"

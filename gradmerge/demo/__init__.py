@@ -43,34 +43,13 @@ from typing import Any
 
 import torch
 
+from gradmerge._devices import resolve_device
 from gradmerge.demo.config import DemoConfig
 from gradmerge.demo.output import check_output, staged_output
 from gradmerge.demo.results import DemoResults
-from gradmerge.errors import ArgumentError, DeviceError
+from gradmerge.errors import ArgumentError
 
 __all__ = ["DemoConfig", "DemoResults", "run_demo", "resolve_device", "check_output"]
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"``: CUDA when available, else the CPU; otherwise the device named.
-
-    Raises:
-        DeviceError: a CUDA device asked for where there is none.
-        ArgumentError: not a device name.
-    """
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ArgumentError(
-            f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}"
-        ) from error
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(
-            f"device {device!r} asked for, but CUDA is not available here: use device='auto' or 'cpu'"
-        )
-    return resolved
 
 
 def run_demo(

@@ -57,6 +57,7 @@ from gradmerge import params as P
 from gradmerge.demo.data import Split
 from gradmerge.demo.mlp import MLP
 from gradmerge.params import Params
+from gradmerge.solvers.kronecker import eye_like
 
 Structure = Literal["diag", "kfac", "full"]
 
@@ -128,13 +129,7 @@ def merge(
         delta: δ, H_0 = δI.
         alphas: α_t.
     """
-    ridged = [
-        {
-            k: g + EPS * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
-            for k, g in gram.items()
-        }
-        for gram in grams
-    ]
+    ridged = [{k: g + EPS * eye_like(g) for k, g in gram.items()} for gram in grams]
     out = {
         "task_arithmetic": gm.task_arithmetic(base, finetuned, alphas=alphas),
         "fisher_average": gm.fisher_average(

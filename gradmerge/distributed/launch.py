@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradmerge._devices import resolve_device
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
 
@@ -27,7 +28,7 @@ from gradmerge.distributed.errors import DistributedError
 def rank_device(choice: str) -> torch.device:
     """This rank's device: the CPU for ``"cpu"`` (or ``"auto"`` without CUDA), else
     ``cuda:LOCAL_RANK`` (made the current CUDA device)."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    if resolve_device(choice).type == "cpu":
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)

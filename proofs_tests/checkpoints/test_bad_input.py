@@ -259,10 +259,19 @@ def test_a_gradient_file_must_cover_the_parameters(ws, tmp_path):
 
 
 def test_devices():
+    from gradmerge import demo
     from gradmerge.checkpoints import resolve_device
+    from gradmerge.errors import DeviceUnavailableError
 
+    # one helper for the library, the commands, the demo and the ranks
+    assert demo.resolve_device is resolve_device
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected and resolve_device("cpu").type == "cpu"
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(gm.ArgumentError, match="'auto', 'cpu' or 'cuda"):
+        resolve_device("tpu")
+    assert issubclass(DeviceUnavailableError, gm.ArgumentError)
+    assert issubclass(DeviceUnavailableError, gm.DeviceError)
     if not torch.cuda.is_available():
         with pytest.raises(gm.ArgumentError, match="CUDA is not available: use cpu or auto"):
             resolve_device("cuda:0")
