@@ -270,6 +270,46 @@ class KFAC(Curvature):
             terms[name] = [(eye_like(a), other.delta * eye_like(g))]
         return self._new(terms)
 
+    def check_psd(self, *, name: str, rtol: float | None = None) -> None:
+        """:meth:`Curvature.check_psd`, decided without eigendecompositions where it can be.
+
+        A sufficient test first, for layers of one term A ⊗ G: with U_F ≥ ‖F‖₂ (Frobenius),
+        the tolerance's scale bounded from below by the factors' largest diagonal entries
+        (each ≤ λ_max), and τ_A = tol/(2U_G), τ_G = tol/(2U_A), a float64 Cholesky of
+        F + (τ_F − c_F)I (c_F = n·ε₆₄·U_F covering its own round-off) that succeeds proves
+        λ_min(F) > −τ_F, hence λ_min(A ⊗ G) ≥ −tol/2: the exact test would pass. Anything else
+        (a Cholesky that fails, several terms, a tolerance below float64's round-off) goes to
+        the exact eigenvalue test, which decides and words the error. A Cholesky costs a small
+        fraction of an eigenvalue decomposition.
+        """
+        if not self._psd_by_cholesky(rtol):
+            super().check_psd(name=name, rtol=rtol)
+
+    def _psd_by_cholesky(self, rtol: float | None) -> bool:
+        dtype = self.coarsest_dtype
+        eps = torch.finfo(dtype if dtype is not None else torch.float64).eps
+        r = rtol if rtol is not None else 100 * eps
+        if any(len(t) != 1 for t in self.terms.values()):
+            return False
+        pairs = [t[0] for t in self.terms.values()]
+        low = max(float(a.diagonal().max()) * float(g.diagonal().max()) for a, g in pairs)
+        tol = r * max(1.0, low)  # ≤ the exact test's tolerance
+        eps64 = torch.finfo(torch.float64).eps
+        for a, g in pairs:
+            upper = [float(torch.linalg.matrix_norm(m.to(torch.float64))) for m in (a, g)]
+            for m, other_upper, own_upper in ((a, upper[1], upper[0]), (g, upper[0], upper[1])):
+                if identity_multiple(m) is not None and float(m[0, 0]) >= 0:
+                    continue
+                tau = tol / (2 * max(other_upper, torch.finfo(torch.float64).tiny))
+                rounding = m.shape[0] * eps64 * own_upper
+                if not tau > 2 * rounding:
+                    return False
+                wide = m.to(torch.float64)
+                shifted = (wide + wide.T) / 2 + (tau - rounding) * eye_like(wide)
+                if int(torch.linalg.cholesky_ex(shifted).info) != 0:
+                    return False
+        return True
+
     def min_eigenvalue(self) -> float:
         """The smallest eigenvalue: exact for one term per layer, and for two or more terms on
         layers of at most :data:`EXACT_EIG_MAX_SIZE` parameters (from the dense sum of Kronecker

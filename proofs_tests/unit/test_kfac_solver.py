@@ -184,3 +184,48 @@ def test_merge_of_three_tasks_equals_dense_eq6():
     )
     expected = _flat(base) + torch.linalg.solve(hbar, rhs)
     torch.testing.assert_close(_flat(merged), expected, rtol=1e-8, atol=1e-10)
+
+
+def _psd_cases():
+    """(A, G) pairs: PSD full rank, PSD rank-deficient (fewer rows than inputs), eigenvalues
+    slightly below zero within round-off, clearly negative, and both factors negative definite."""
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(3, 6, dtype=DT, generator=gen), torch.randn(9, 4, dtype=DT, generator=gen)
+    full = (_decaying_spd(gen, 6, 3), _decaying_spd(gen, 4, 3))
+    low_rank = (x.T @ x, y.T @ y)
+    q = torch.linalg.qr(torch.randn(6, 6, dtype=DT, generator=gen))[0]
+    lam = torch.tensor([-1e-15, 1e-3, 0.1, 0.5, 1.0, 2.0], dtype=DT)
+    round_off = ((q * lam) @ q.T, _decaying_spd(gen, 4, 2))
+    lam_neg = torch.tensor([-1e-3, 1e-3, 0.1, 0.5, 1.0, 2.0], dtype=DT)
+    negative = ((q * lam_neg) @ q.T, _decaying_spd(gen, 4, 2))
+    both_negative = (-full[0], -full[1])
+    return {
+        "full": full,
+        "low_rank": low_rank,
+        "round_off": round_off,
+        "negative": negative,
+        "both_negative": both_negative,
+    }
+
+
+@pytest.mark.parametrize("case", list(_psd_cases()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cholesky_psd_check_agrees_with_the_eigenvalue_test(case, dtype):
+    """K-FAC's PSD check (a shifted Cholesky that proves PSD, else the eigenvalue test) gives the
+    verdict of the exact eigenvalue test of the base class, on every case."""
+    a, g = (m.to(dtype) for m in _psd_cases()[case])
+    k = gm.KFAC({"m": (a, g)})
+    exact_ok = True
+    try:
+        gm.Curvature.check_psd(k, name="k")  # the eigenvalue test itself
+    except gm.NotPositiveDefiniteError:
+        exact_ok = False
+    try:
+        k.check_psd(name="k")
+        fast_ok = True
+    except gm.NotPositiveDefiniteError:
+        fast_ok = False
+    assert fast_ok == exact_ok
+    assert exact_ok == (case != "negative")
+    if case in ("full", "low_rank"):  # decided by Cholesky alone
+        assert k._psd_by_cholesky(None)
