@@ -2,21 +2,18 @@
 
 Daheim, Möllenhoff, Ponti, Gurevych & Khan, "Model Merging by Uncertainty-Based Gradient
 Matching", ICLR 2024. See docs/architecture.md for the map from the paper's notation to these names.
+
+The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ...) and ``gm.distributed`` load
+on first use, so that ``import gradmerge`` stays light for the in-memory rules.
 """
 
-from gradmerge import distributed, params
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gradmerge import params
 from gradmerge._fused import fused_kernels
-from gradmerge.checkpoints import (
-    ConfigError,
-    MergeConfig,
-    MergeReport,
-    MissingInputError,
-    OutputExistsError,
-    RemoveConfig,
-    open_checkpoint,
-    run_merge,
-    run_remove,
-)
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -54,7 +51,57 @@ from gradmerge.merge import (
 )
 from gradmerge.solvers import Solution
 
+if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
+    from gradmerge import distributed
+    from gradmerge.checkpoints import (
+        ConfigError,
+        MergeConfig,
+        MergeReport,
+        MissingInputError,
+        OutputExistsError,
+        RemoveConfig,
+        open_checkpoint,
+        run_merge,
+        run_remove,
+    )
+
 __version__ = "0.1.0"
+
+_MODULES = ("distributed", "checkpoints")
+_LAZY = {
+    **{name: f"gradmerge.{name}" for name in _MODULES},
+    **{
+        name: "gradmerge.checkpoints"
+        for name in (
+            "ConfigError",
+            "MergeConfig",
+            "MergeReport",
+            "MissingInputError",
+            "OutputExistsError",
+            "RemoveConfig",
+            "open_checkpoint",
+            "run_merge",
+            "run_remove",
+        )
+    },
+}
+"""Public names whose modules are imported on first access (PEP 562)."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradmerge' has no attribute {name!r}")
+    value = importlib.import_module(module)
+    if name not in _MODULES:
+        value = getattr(value, name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     # merge and removal rules (Eq. 6, Eq. 13, Koh & Liang)

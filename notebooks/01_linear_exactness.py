@@ -36,7 +36,7 @@ import statsmodels.api as sm
 import torch
 
 import gradmerge as gm
-from theory import linear
+from gradmerge.theory import linear
 
 plt.switch_backend("Agg")
 torch.set_default_dtype(torch.float64)

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 import gradmerge as gm
-from theory import logistic
-from theory.numeric._common import Layout
+from gradmerge.theory import logistic
+from gradmerge.theory.numeric._common import Layout
 
 plt.switch_backend("Agg")
 torch.set_default_dtype(torch.float64)
@@ -98,7 +98,7 @@ def constants(problem):
 # Binary logistic regression, d = 3 features (+ intercept), T = 3 tasks of 30 examples each whose
 # true parameters move away from the pretraining ones by `shift` (0.25 to 4, times the size of
 # the signal), with shifted feature means; H_0 = δI. Everything is solved by Newton to machine
-# precision (`theory.logistic`).
+# precision (`gradmerge.theory.logistic`).
 
 # %%
 rows = []

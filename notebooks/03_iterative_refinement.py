@@ -40,8 +40,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import gradmerge as gm
-from theory import linear, logistic
-from theory.numeric._common import Layout
+from gradmerge.theory import linear, logistic
+from gradmerge.theory.numeric._common import Layout
 
 plt.switch_backend("Agg")
 torch.set_default_dtype(torch.float64)

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the problem specs of :mod:`theory.numeric.cases`.
+"""Hypothesis strategies for the problem specs of :mod:`gradmerge.theory.numeric.cases`.
 
 They cover the same ranges as the specs' ``from_seed`` (see the field comments there), with the
 number of tasks and the α_t drawn jointly, so a failure shrinks to a small readable problem.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from theory.numeric.cases import (
+from gradmerge.theory.numeric.cases import (
     LinearMergeSpec,
     LinearRemovalSpec,
     LogisticMergeSpec,

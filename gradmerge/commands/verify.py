@@ -43,8 +43,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table (and studies); 1 if a statement that should hold fails."""
-    from theory import verify  # the theory testbed ships with the package
-    from theory.numeric import study as studies
+    from gradmerge.theory import verify  # the theory testbed ships with the package
+    from gradmerge.theory.numeric import study as studies
 
     start = time.perf_counter()
     print("gradmerge verify: the appendix of Daheim et al. (ICLR 2024), statement by statement")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import gradmerge as gm
 from gradmerge.estimate._data import Loss, sample_targets
 from gradmerge.estimate.dense import estimate_dense
-from theory.logistic import LogisticModel
+from gradmerge.theory.logistic import LogisticModel
 
 DT = torch.float64
 

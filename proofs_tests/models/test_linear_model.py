@@ -1,4 +1,4 @@
-"""Tests of :mod:`theory.linear` against independent references.
+"""Tests of :mod:`gradmerge.theory.linear` against independent references.
 
 References: torch.autograd (torch.func) for derivatives, ``numpy.linalg.lstsq`` and statsmodels
 OLS/WLS for unregularised fits, an augmented least-squares problem (QR route, not the normal
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from theory import linear
-from theory.problems import random_spd
+from gradmerge.theory import linear
+from gradmerge.theory.problems import random_spd
 
 F64 = torch.float64
 

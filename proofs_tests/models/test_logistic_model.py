@@ -1,4 +1,4 @@
-"""Tests of :mod:`theory.logistic` against independent references.
+"""Tests of :mod:`gradmerge.theory.logistic` against independent references.
 
 References: a loss written with ``torch.nn.functional`` (binary_cross_entropy_with_logits /
 cross_entropy) on parameters sliced by hand, differentiated by torch.func (grad, hessian, jacrev);
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from theory import logistic
-from theory.logistic import LogisticModel, newton_fit
-from theory.problems import random_spd
+from gradmerge.theory import logistic
+from gradmerge.theory.logistic import LogisticModel, newton_fit
+from gradmerge.theory.problems import random_spd
 
 F64 = torch.float64
 

@@ -9,8 +9,8 @@ the checks come from the public gradmerge functions.
 import pytest
 from hypothesis import given
 
+from gradmerge.theory.numeric import ALL_CHECKS
 from proofs_tests.strategies import STRATEGIES
-from theory.numeric import ALL_CHECKS
 
 
 def _run_all(spec_type, spec):

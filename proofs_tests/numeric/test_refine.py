@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 
 import gradmerge as gm
+from gradmerge.theory.numeric._common import Layout, rel, vector_layout
 from proofs_tests.strategies import linear_merge_specs, logistic_merge_specs
-from theory.numeric._common import Layout, rel, vector_layout
 
 
 def _inputs(problem, lay, alphas):

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradmerge as gm
-from theory import linear, logistic
-from theory.numeric._common import Layout, residual
+from gradmerge.theory import linear, logistic
+from gradmerge.theory.numeric._common import Layout, residual
 
 sm = pytest.importorskip("statsmodels.api")
 

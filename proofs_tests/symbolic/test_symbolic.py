@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import sympy as sp
 
-from theory.symbolic import ALL_CHECKS, run_all
-from theory.symbolic._check import SymbolicCheck
-from theory.symbolic._util import (
+from gradmerge.theory.symbolic import ALL_CHECKS, run_all
+from gradmerge.theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic._util import (
     counterexample,
     decide,
     decide_equal,
@@ -73,7 +73,7 @@ def test_counterexample_is_exact_and_certified() -> None:
 
 def test_a_perturbed_premise_breaks_a_true_check() -> None:
     """Eq. 2 with the wrong sign in the fine-tune condition must not be reported as holding."""
-    from theory.symbolic import mismatch
+    from gradmerge.theory.symbolic import mismatch
 
     s = mismatch._setup()
     h0, thl, th, al, g_m, thm = (s[k] for k in ("h0", "thL", "th", "al", "g_m", "thm"))

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from gradmerge import cli
-from theory import verify
-from theory.numeric import ALL_CHECKS
-from theory.numeric._common import NumericCheck
-from theory.numeric.cases import LinearMergeSpec
+from gradmerge.theory import verify
+from gradmerge.theory.numeric import ALL_CHECKS
+from gradmerge.theory.numeric._common import NumericCheck
+from gradmerge.theory.numeric.cases import LinearMergeSpec
 
 
 def _few_checks(monkeypatch, extra=()):

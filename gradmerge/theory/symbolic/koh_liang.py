@@ -8,16 +8,16 @@ step for ``ℓ̄_\\t`` and the fine-tune condition, Eq. 10 second line, are kept
 ``θ_LLM + α_t H̄_\\t⁻¹ g_t``: the printed form lacks ``α_t`` and is recovered only for ``α_t = 1``
 (the case of Sec. 1.4, where Eq. 13 is used with ``α_t = 1``). The same ``α_t`` is needed for the
 formula to be the exact refit of a linear model trained with weight ``α_t`` (Eq. 9).
-Gradients are free symbol vectors, as in :mod:`theory.symbolic.removal`.
+Gradients are free symbol vectors, as in :mod:`gradmerge.theory.symbolic.removal`.
 """
 
 from __future__ import annotations
 
 import sympy as sp
 
-from theory.symbolic._check import SymbolicCheck
-from theory.symbolic._util import at, decide, grad, inv, sqnorm, sym, vec
-from theory.symbolic.removal import _S as _RemovalSymbols
+from gradmerge.theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic._util import at, decide, grad, inv, sqnorm, sym, vec
+from gradmerge.theory.symbolic.removal import _S as _RemovalSymbols
 
 D = 2
 

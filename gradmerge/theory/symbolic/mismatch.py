@@ -22,8 +22,8 @@ from typing import Any
 
 import sympy as sp
 
-from theory.symbolic._check import SymbolicCheck
-from theory.symbolic._util import decide, grad, inv, mat, sym, vec
+from gradmerge.theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic._util import decide, grad, inv, mat, sym, vec
 
 D = 2
 T = 2

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from theory.problems import (
+from gradmerge.theory.problems import (
     DTYPE,
     Precision,
     as_float64,

@@ -35,7 +35,7 @@ class NumericCheck:
         statement: one line.
         expect: ``True`` if it holds, ``False`` for an erratum as printed.
         run: spec ↦ error on the problem the spec describes; the spec's type is taken from
-            ``run``'s annotation (a class of :mod:`theory.numeric.cases`).
+            ``run``'s annotation (a class of :mod:`gradmerge.theory.numeric.cases`).
         tol: the error below which the statement counts as holding.
     """
 

@@ -11,8 +11,16 @@ Modules, in paper order: :mod:`.mismatch` (Sec. 1.1), :mod:`.merge_rule` (Sec. 1
 
 from __future__ import annotations
 
-from theory.symbolic import bayes_map, cook, koh_liang, laplace_map, merge_rule, mismatch, removal
-from theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic import (
+    bayes_map,
+    cook,
+    koh_liang,
+    laplace_map,
+    merge_rule,
+    mismatch,
+    removal,
+)
+from gradmerge.theory.symbolic._check import SymbolicCheck
 
 __all__ = ["ALL_CHECKS", "SymbolicCheck", "run_all"]
 

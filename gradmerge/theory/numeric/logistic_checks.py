@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 import gradmerge as gm
-from theory import logistic
-from theory.numeric._common import (
+from gradmerge.theory import logistic
+from gradmerge.theory.numeric._common import (
     DTYPE,
     Layout,
     NumericCheck,
@@ -26,7 +26,7 @@ from theory.numeric._common import (
     residual,
     rng,
 )
-from theory.numeric.cases import LogisticMergeSpec, LogisticRemovalSpec
+from gradmerge.theory.numeric.cases import LogisticMergeSpec, LogisticRemovalSpec
 
 
 def merge_inputs(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from theory import linear, logistic
+from gradmerge.theory import linear, logistic
 
 
 def _log_uniform(r: np.random.Generator, low: float, high: float) -> float:

@@ -14,9 +14,16 @@ import torch
 from torch import Tensor
 
 import gradmerge as gm
-from theory import linear
-from theory.numeric._common import DTYPE, NumericCheck, alpha_not_one, rel, rng, vector_layout
-from theory.numeric.cases import LinearMergeSpec, LinearRemovalSpec
+from gradmerge.theory import linear
+from gradmerge.theory.numeric._common import (
+    DTYPE,
+    NumericCheck,
+    alpha_not_one,
+    rel,
+    rng,
+    vector_layout,
+)
+from gradmerge.theory.numeric.cases import LinearMergeSpec, LinearRemovalSpec
 
 
 def _merge_inputs(problem: linear.LinearMergeProblem) -> dict:

@@ -1,7 +1,7 @@
 """Run every derivation check of the appendix and tabulate the verdicts (``gradmerge verify``).
 
-Rows join the symbolic check (:mod:`theory.symbolic`) and the numeric check
-(:mod:`theory.numeric`) of the same statement by id. A row's verdict:
+Rows join the symbolic check (:mod:`gradmerge.theory.symbolic`) and the numeric check
+(:mod:`gradmerge.theory.numeric`) of the same statement by id. A row's verdict:
 
 - ``holds``: a statement that should hold, and every check of it passed;
 - ``erratum``: a statement as printed that is wrong, and every check of it showed it failing;
@@ -15,10 +15,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from theory.numeric import ALL_CHECKS as NUMERIC_CHECKS
-from theory.numeric._common import NumericCheck
-from theory.symbolic import ALL_CHECKS as SYMBOLIC_CHECKS
-from theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.numeric import ALL_CHECKS as NUMERIC_CHECKS
+from gradmerge.theory.numeric._common import NumericCheck
+from gradmerge.theory.symbolic import ALL_CHECKS as SYMBOLIC_CHECKS
+from gradmerge.theory.symbolic._check import SymbolicCheck
 
 # where each numbered equation sits in the appendix (for ordering rows)
 _EQ_LINE = {1: 7, 2: 8, 3: 12, 4: 13, 5: 14, 6: 16, 7: 18, 8: 19, 9: 20, 10: 22, 11: 24, 12: 27}
@@ -76,8 +76,8 @@ def collect(
 ) -> list[Row]:
     """Run the checks (numeric ones on ``seeds`` random cases each) and join them by id.
 
-    ``symbolic`` and ``numeric`` default to every check of :mod:`theory.symbolic` and
-    :mod:`theory.numeric`.
+    ``symbolic`` and ``numeric`` default to every check of :mod:`gradmerge.theory.symbolic` and
+    :mod:`gradmerge.theory.numeric`.
     """
     symbolic = SYMBOLIC_CHECKS if symbolic is None else symbolic
     numeric = NUMERIC_CHECKS if numeric is None else numeric

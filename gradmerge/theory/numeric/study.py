@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 import gradmerge as gm
-from theory import logistic
-from theory.numeric._common import Layout
-from theory.numeric.cases import LogisticMergeSpec, LogisticRemovalSpec
+from gradmerge.theory import logistic
+from gradmerge.theory.numeric._common import Layout
+from gradmerge.theory.numeric.cases import LogisticMergeSpec, LogisticRemovalSpec
 
 METHODS = ("task_arithmetic", "fisher_average", "gm_diag", "gm_full")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from theory.symbolic._check import SymbolicCheck
-from theory.symbolic._util import (
+from gradmerge.theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic._util import (
     all_hold,
     at,
     decide,

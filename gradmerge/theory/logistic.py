@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from theory.problems import (
+from gradmerge.theory.problems import (
     DTYPE,
     NotPositiveDefiniteError,
     Precision,

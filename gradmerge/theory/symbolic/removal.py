@@ -15,8 +15,18 @@ from __future__ import annotations
 
 import sympy as sp
 
-from theory.symbolic._check import SymbolicCheck
-from theory.symbolic._util import all_hold, at, decide, grad, hessian, inv, sqnorm, sym, vec
+from gradmerge.theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic._util import (
+    all_hold,
+    at,
+    decide,
+    grad,
+    hessian,
+    inv,
+    sqnorm,
+    sym,
+    vec,
+)
 
 D = 2
 
