@@ -28,6 +28,24 @@ def random_spd(rng: np.random.Generator, n: int, condition: float = 10.0) -> np.
     return (m + m.T) / 2
 
 
+def spd_tensor(
+    rng: np.random.Generator,
+    n: int,
+    condition: float = 10.0,
+    *,
+    rank: int | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """:func:`random_spd` as a tensor; with ``rank``, the PSD matrix keeping its ``rank`` largest
+    eigenvalues (the others set to 0)."""
+    m = random_spd(rng, n, condition)
+    if rank is not None:
+        w, q = np.linalg.eigh(m)
+        w[: n - rank] = 0.0
+        m = (q * w) @ q.T
+    return torch.as_tensor((m + m.T) / 2, dtype=dtype)
+
+
 def like_params(params: dict, vector: np.ndarray) -> dict:
     return gm.params.unflatten(
         torch.as_tensor(vector, dtype=torch.float64), gm.params.layout_of(params)

@@ -470,3 +470,14 @@ def test_bad_input_raises_typed_errors():
     with pytest.raises(gm.StructureError, match="mse needs targets"):
         estimate_diagonal(model, data, loss="mse")
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_diag_estimate_accepts_a_one_shot_iterator():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    c = gm.estimate_curvature(model, iter(batches))
+    assert c.meta["num_examples"] == "12"
+    ref = gm.estimate_curvature(model, batches)
+    for key in ref.values:
+        torch.testing.assert_close(c.values[key], ref.values[key])

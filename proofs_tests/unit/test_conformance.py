@@ -5,10 +5,11 @@ matrix it stands for over the flattened parameters in the curvature's layout ord
 dense matrices as given, K-FAC layers as torch.kron(G, A) over the row-major [V | b] matrix
 (permuted to the stored weight layout: transposed Conv1D/Embedding weights, Conv2d weight
 shapes), Blocks as block-diagonal matrices, lazy Sums as sums, ScaledIdentity as δ·I, and a
-MatrixFree Hessian as torch.func.hessian of the summed loss. Every operation — mv, solve and
-solve_info, C1 + C2, c · C, C + δ, to(), the file round trip where the type is stored as tensors,
-check_psd, and the min_eigenvalue bound — is then compared with the dense reference, in the
-manner of lineax's operator × solver tests and curvlinops' dense-matrix comparisons.
+MatrixFree Hessian as torch.func.hessian of the summed loss. Every operation — mv and dense(),
+solve and solve_info, C1 + C2 (same structure, and with δ·I, a diagonal and a dense matrix), c · C,
+C + δ, to(), the file round trip with metadata where the type is stored as tensors, check_psd, and
+the min_eigenvalue bound — is then compared with the dense reference, in the manner of lineax's
+operator × solver tests and curvlinops' dense-matrix comparisons.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor
 
 import gradmerge as gm
 from gradmerge import params as P
-from proofs_tests.reference import random_spd
+from proofs_tests.reference import spd_tensor
 
 DT = torch.float64
 
@@ -37,15 +38,6 @@ class Case:
     like: dict[str, Tensor]
     stored: bool = True  # stored as tensors: has a file format and a to()
     exact_min_eig: bool = True  # min_eigenvalue is documented exact for this case
-
-
-def _spd(rng: np.random.Generator, n: int, cond: float = 10.0, rank: int | None = None) -> Tensor:
-    m = random_spd(rng, n, cond)
-    if rank is not None:  # PSD of the given rank
-        w, q = np.linalg.eigh(m)
-        w[: n - rank] = 0.0
-        m = (q * w) @ q.T
-    return torch.as_tensor((m + m.T) / 2, dtype=DT)
 
 
 def _like_of(layout) -> dict[str, Tensor]:
@@ -65,7 +57,10 @@ def _kfac_case(
     for name, spec in layers.items():
         out, n_in, has_bias = spec["out"], spec["in"], spec.get("bias", False)
         cols = n_in + has_bias
-        tl = [(_spd(rng, cols, rank=spec.get("rank_a")), _spd(rng, out)) for _ in range(terms)]
+        tl = [
+            (spd_tensor(rng, cols, rank=spec.get("rank_a")), spd_tensor(rng, out))
+            for _ in range(terms)
+        ]
         factors[name] = tl if terms > 1 else tl[0]
         blocks[name] = sum(torch.kron(g, a) for a, g in tl)
         idx = torch.arange(out * cols).reshape(out, cols) + offset
@@ -99,7 +94,7 @@ def _diagonal(rng):
 
 def _dense(rng):
     like = {"w": torch.zeros(2, 2, dtype=DT), "b": torch.zeros(3, dtype=DT)}
-    m = _spd(rng, 7, cond=50.0)
+    m = spd_tensor(rng, 7, 50.0)
     return Case(gm.Dense(m, like), m, like)
 
 
@@ -137,13 +132,14 @@ def _kfac_three_terms_singular_a(rng):  # rank-deficient A factors: PSD, singula
     return Case(K, m, like)
 
 
-def _blocks(rng):
+def _blocks(rng):  # K-FAC, dense and diagonal blocks over disjoint parameters
     K, mk, _ = _kfac_case(rng, {"l0": {"out": 2, "in": 2, "bias": True}})
-    d = {"emb": torch.as_tensor(rng.uniform(0.5, 2.0, (3,)), dtype=DT)}
-    C = gm.Blocks([K, gm.Diagonal(d)])
-    parts = {k: i for i, (k, _) in enumerate(K.layout)}
-    assert list(parts) == [k for k, _ in C.layout][: len(parts)]
-    return Case(C, torch.block_diag(mk, torch.diag(d["emb"])), _like_of(C.layout))
+    dense_like = {"emb": torch.zeros(2, 2, dtype=DT)}
+    m = spd_tensor(rng, 4)
+    d = {"norm": torch.as_tensor(rng.uniform(0.5, 2.0, (3,)), dtype=DT)}
+    C = gm.Blocks([K, gm.Dense(m, dense_like), gm.Diagonal(d)])
+    assert [k for k, _ in C.layout] == [k for k, _ in K.layout] + ["emb", "norm"]
+    return Case(C, torch.block_diag(mk, m, torch.diag(d["norm"])), _like_of(C.layout))
 
 
 def _sum(rng):  # K-FAC + diagonal: no structure holds it exactly, so it stays lazy
@@ -244,10 +240,13 @@ SEED = pytest.mark.parametrize("seed", SEEDS)
 
 @ALL
 @SEED
-def test_mv(name, seed):
+def test_mv_and_dense(name, seed):
     case = _case(name, seed)
     v = _random_params(case, seed + 10)
     _close(_flat(case, case.curvature.mv(v)), case.dense @ _flat(case, v), 1e-12)
+    layout = case.curvature.layout or P.layout_of(case.like)
+    dense = case.curvature.dense(layout)  # δ·I has no dtype of its own: the default one
+    _close(dense.double(), case.dense, 1e-12 if dense.dtype == DT else 1e-6)
 
 
 @ALL
@@ -287,6 +286,36 @@ def test_sum_scale_shift(name, seed):
         _close(_dense_of(case, op), want, 1e-12)
 
 
+EXACT_PROMOTION = (gm.ScaledIdentity, gm.Diagonal, gm.Dense)  # ScaledIdentity ⊂ Diagonal ⊂ Dense
+
+
+@ALL
+@SEED
+def test_sums_across_structures(name, seed):
+    """C + δ·I, C + diagonal, C + dense (either order, scaled): exact, whatever the structures."""
+    case = _case(name, seed)
+    C, M = case.curvature, case.dense
+    layout = C.layout or P.layout_of(case.like)
+    rng = np.random.default_rng(seed + 200)
+    n = len(M)
+    d = torch.as_tensor(rng.uniform(0.1, 2.0, n), dtype=DT)
+    m = spd_tensor(rng, n, 20.0)
+    like = {k: case.like[k] for k, _ in layout}
+    others = [
+        (gm.ScaledIdentity(0.4), 0.4 * torch.eye(n, dtype=DT)),
+        (gm.Diagonal(P.unflatten(d, layout)), torch.diag(d)),
+        (gm.Dense(m, like), m),
+    ]
+    a, b = -0.5, 1.5
+    for other, mo in others:
+        _close(_dense_of(case, C + other), M + mo, 1e-12)
+        _close(_dense_of(case, other + C), M + mo, 1e-12)
+        _close(_dense_of(case, a * C + other * b), a * M + b * mo, 1e-12)
+        if isinstance(C, EXACT_PROMOTION):  # exact in the richer of the two structures
+            assert (C + other).rank == max(C.rank, other.rank)
+            assert isinstance(C + other, EXACT_PROMOTION)
+
+
 @ALL
 def test_to(name):
     case = _case(name, 3)
@@ -315,9 +344,11 @@ def test_file_round_trip(name, tmp_path):
             C.save(tmp_path / "c.curvature.safetensors")
         assert not (tmp_path / "c.curvature.safetensors").exists()
         return
+    C.meta.update({"fisher": "empirical", "num_examples": "128"})
     path = C.save(tmp_path / "c.curvature.safetensors")
     loaded = gm.load_curvature(path, like=case.like)
-    assert type(loaded) is type(C)
+    assert type(loaded) is type(C) and loaded.layout == C.layout
+    assert loaded.meta == {"fisher": "empirical", "num_examples": "128"}
     _close(_dense_of(case, loaded), case.dense, 0.0)
 
 
@@ -355,7 +386,7 @@ def test_min_eigenvalue_of_large_multi_term_kfac_is_a_bound():
 
     rng = np.random.default_rng(7)
     side = int(EXACT_EIG_MAX_SIZE**0.5) + 1  # side² > the limit
-    terms = [(_spd(rng, side), _spd(rng, side)) for _ in range(2)]
+    terms = [(spd_tensor(rng, side), spd_tensor(rng, side)) for _ in range(2)]
     K = gm.KFAC({"l": terms})
     assert not K.min_eigenvalue_exact
     lam = float(torch.linalg.eigvalsh(sum(torch.kron(g, a) for a, g in terms))[0])

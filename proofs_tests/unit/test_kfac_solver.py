@@ -3,12 +3,14 @@ solves: answers, the reported (certified) residual against one recomputed from t
 exactness when the tasks share eigenvectors, and the float64 fallback of float32 solves that the
 working precision cannot resolve."""
 
+import numpy as np
 import pytest
 import torch
 
 import gradmerge as gm
 from gradmerge import params as P
 from gradmerge.solvers import kfac_cg
+from proofs_tests.reference import spd_tensor
 
 DT = torch.float64
 
@@ -229,3 +231,46 @@ def test_cholesky_psd_check_agrees_with_the_eigenvalue_test(case, dtype):
     assert exact_ok == (case != "negative")
     if case in ("full", "low_rank"):  # decided by Cholesky alone
         assert k._psd_by_cholesky(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_three_term_kfac_and_lazy_sums_solve_in_float32_and_float64(dtype):
+    rng = np.random.default_rng(0)
+    ks = [
+        gm.KFAC(
+            {"fc": (spd_tensor(rng, 4, dtype=dtype), spd_tensor(rng, 3, dtype=dtype))}, bias=["fc"]
+        )
+        for _ in range(2)
+    ]
+    op = ks[0] + ks[1] + 0.1  # three Kronecker terms per layer: preconditioned CG
+    diag = gm.Diagonal({k: torch.rand(s, dtype=dtype) + 0.1 for k, s in op.layout})
+    v = {k: torch.ones(s, dtype=dtype) for k, s in op.layout}
+    tol = {torch.float32: 1e-4, torch.float64: 1e-9}[dtype]
+    for c in (op, op + diag):
+        x = c.solve(v)
+        dense = c.dense().double()
+        expected = torch.linalg.solve(dense, P.flatten(v).double())
+        err = torch.linalg.norm(P.flatten(x).double() - expected) / torch.linalg.norm(expected)
+        assert float(err) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kfac_cg_preconditioner_accepts_ill_conditioned_but_positive_definite_systems(dtype):
+    """Two Kronecker terms with a singular G each, damped by 1e-2 (three terms: CG): positive
+    definite (smallest eigenvalue 1e-2) with condition ~1e4. The CG preconditioner must not refuse
+    it as singular; the answer matches a dense solve to the accuracy the conditioning allows."""
+    a = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=dtype))
+    g = 9.5 * torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=dtype)
+    h = gm.KFAC({"fc": [(a, g), (a, g)]}, bias=["fc"]) + 1e-2
+    b = {"fc.weight": torch.ones(2, 2, dtype=dtype), "fc.bias": torch.ones(2, dtype=dtype)}
+    info = h.solve_info(b)
+    x = info.value
+    assert info.parts["fc"].method.startswith("eigenbasis-preconditioned CG")
+
+    def flat(p):
+        return torch.cat([p["fc.weight"], p["fc.bias"][:, None]], 1).flatten().double()
+
+    ref = torch.linalg.solve(h.dense().double(), flat(b))
+    cond = 4e4  # λ_max/λ_min of the system, bounding the relative error of any solve
+    tol = cond * torch.finfo(dtype).eps * 10
+    torch.testing.assert_close(flat(x), ref, rtol=tol, atol=0)

@@ -87,3 +87,11 @@ def test_check_params_rejects_bad_tensors():
 def test_unflatten_rejects_wrong_size():
     with pytest.raises(gm.StructureError, match="cannot unflatten"):
         P.unflatten(torch.zeros(5), P.layout_of({"w": torch.zeros(2, 2)}))
+
+
+def test_finite_check_fast_path_still_names_nan_and_inf_and_accepts_overflowing_sums():
+    big = torch.full((4,), torch.finfo(torch.float16).max, dtype=torch.float16)  # sum overflows
+    gm.params.check_params({"w": big}, name="x")  # finite values: accepted
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(gm.NonFiniteError, match=r"x\['w'\] holds 1 NaN/Inf"):
+            gm.params.check_params({"w": torch.tensor([1.0, bad, 2.0])}, name="x")

@@ -39,3 +39,11 @@ def test_cg_reports_non_convergence_and_negative_curvature():
         conjugate_gradient(neg.mv, b)
     zero = conjugate_gradient(op.mv, {"w": torch.zeros(50, dtype=torch.float64)})
     assert zero.success and zero.iterations == 0
+
+
+def test_non_convergence_is_its_own_error():
+    like = {"w": torch.zeros(60, dtype=torch.float64)}
+    ill = gm.Dense(torch.diag(torch.logspace(0, 12, 60, dtype=torch.float64)), like)
+    s = gm.Sum([ill, gm.Diagonal({"w": torch.full((60,), 1e-12, dtype=torch.float64)})], maxiter=5)
+    with pytest.raises(gm.NotConvergedError, match="after 5 iterations"):
+        s.solve({"w": torch.ones(60, dtype=torch.float64)})
