@@ -3,7 +3,7 @@
 Reference: a tensor file built here with the model folder's tokenizer called directly (padding to
 the longest example, labels mapped by hand through the config's label2id; for the causal LM,
 labels = input_ids with --shift-labels, the convention of tensor files checked against Hugging
-Face's own loss in proofs_tests/unit/test_cli_curvature.py). Models are tiny float64 BERT and
+Face's own loss in proofs_tests/unit/cli/test_cli_curvature.py). Models are tiny float64 BERT and
 GPT-2 folders with offline tokenizers (proofs_tests/text_models.py), so curvatures agree to
 round-off. Then every format (.jsonl, .csv, .tsv, .txt, datasets folder) against the JSONL, and
 bad input for each.
