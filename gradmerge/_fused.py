@@ -1,14 +1,20 @@
-"""Eq. 6 for elementwise curvatures as ONE compiled loop over memory (``torch.compile``).
+"""Eq. 6 for elementwise curvatures as ONE compiled loop over memory.
 
 The chunked pass of :mod:`gradmerge._elementwise` calls ~20 torch operations per chunk; each
 is a separate sweep over the chunk, so on a CPU it reaches ~0.1–0.2 of the memory bandwidth.
-This module generates, for each *pattern* (the number of tasks T and which of H_0, H_1..H_T are
-tensors rather than δ·I), one Python function of the whole tensor and compiles it with
-``torch.compile`` (inductor: C++/OpenMP on a CPU, Triton on a GPU) into a single loop that reads
-θ_LLM, every θ_t and h_t once and writes θ once — and, in the same loop, the sum of the result,
-with NaN written wherever H̄ ≤ 0 or some h < 0. A finite sum therefore certifies the whole
-tensor (no NaN/Inf input, H̄ positive, every h ≥ 0); otherwise the caller re-runs the tensor on
-the chunked path, whose exact checks name the culprit.
+A compiled loop reads θ_LLM, every θ_t and h_t once and writes θ once, and in the same loop
+certifies the result: no NaN/Inf, H̄ positive, every h ≥ 0 (otherwise the caller re-runs the
+tensor on the chunked path, whose exact checks name the culprit). Two backends build it, for
+each *pattern* (the number of tasks T and which of H_0, H_1..H_T are tensors rather than δ·I):
+
+- float32/float64 tensors on a CPU: :mod:`gradmerge._native`, a C loop built by the system C
+  compiler once per machine (cached on disk; far cheaper than ``torch.compile``), for every
+  tensor of :data:`gradmerge._native.MIN_NUMEL` elements or more;
+- other devices (Triton on a GPU) and dtypes: ``torch.compile`` (inductor) of a generated
+  Python function of the whole tensor, which writes NaN wherever H̄ ≤ 0 or some h < 0 and
+  returns the sum of the result (a finite sum certifies the tensor). Compiling costs seconds
+  once per process and pattern, so it runs only for tensors of :data:`MIN_NUMEL` or more in
+  large calls (below).
 
 The operations are those of the chunked path in the same order (``(H_0 + α_1 H_1) + α_2 H_2 …``,
 ``α_t (H_0 τ_t + H_t τ_t)`` added in turn, ``rhs / H̄``, ``θ_LLM + …``), each rounded once, so
@@ -17,13 +23,14 @@ the result is bit-identical to it (and to the operator algebra) on a CPU; tested
 When (``GRADMERGE_FUSED`` / :func:`fused_kernels`):
 
 - ``"off"``: never;
-- ``"on"``: every tensor of :data:`MIN_NUMEL` elements or more;
-- ``"auto"`` (default): the same, but only in calls (and streamed jobs) whose tensors of
-  :data:`MIN_NUMEL` or more hold :data:`AUTO_MIN_WORK` elements in all, because compiling a
-  pattern costs a fixed time once per process, which pays off only on large merges (the
-  measured break-even is in ``benchmarks/README.md``).
+- ``"on"``: every tensor of :data:`MIN_NUMEL` elements or more (the C loop: of
+  :data:`gradmerge._native.MIN_NUMEL` or more);
+- ``"auto"`` (default): the C loop as in ``"on"``; ``torch.compile`` only in calls (and
+  streamed jobs) whose tensors of :data:`MIN_NUMEL` or more hold :data:`AUTO_MIN_WORK`
+  elements in all, where its compile pays off (the measured break-even is in
+  ``benchmarks/README.md``).
 
-Where compiling fails (no C++ compiler, no Triton), a ``RuntimeWarning`` says so once and the
+Where building fails (no C compiler, no Triton), a ``RuntimeWarning`` says so once and the
 chunked path is used.
 """
 
@@ -40,7 +47,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gradmerge import _memory
+from gradmerge import _memory, _native
 from gradmerge.errors import ArgumentError
 
 MIN_NUMEL = 1 << 22
@@ -54,7 +61,7 @@ and a first compile costs a fixed time (both measured in ``benchmarks/README.md`
 MODES = ("auto", "on", "off")
 ENV = "GRADMERGE_FUSED"
 _mode: ContextVar[str | None] = ContextVar("gradmerge_fused_mode", default=None)
-_failed: dict[tuple[object, ...], str] = {}
+_failed: dict[object, str] = {}
 
 
 def mode() -> str:
@@ -102,6 +109,14 @@ def wanted(numels: Iterable[int]) -> bool:
     return current == "on" or (current == "auto" and _work(numels) >= AUTO_MIN_WORK)
 
 
+def takes(base: Tensor, others: Sequence[Tensor], large_call: bool) -> bool:
+    """Whether a compiled loop merges the tensor ``base`` (``others``: the θ_t and tensor h_t
+    at its key; ``large_call``: :func:`wanted` for the whole call)."""
+    if _native.supports(base, others):
+        return mode() != "off" and base.numel() >= _native.MIN_NUMEL and "native" not in _failed
+    return large_call and base.numel() >= MIN_NUMEL
+
+
 def merge_tensor(
     base: Tensor,
     finetuned: Sequence[Tensor],
@@ -111,6 +126,14 @@ def merge_tensor(
     """Eq. 6 for one tensor by a compiled kernel, or ``None``: no kernel for this device, or the
     result is not certified (then the caller's chunked path decides what is wrong)."""
     pattern = tuple(isinstance(x, Tensor) for x in h)
+    if _native.supports(base, [*finetuned, *(x for x in h if isinstance(x, Tensor))]):
+        if "native" in _failed:
+            return None
+        try:
+            return _native.merge_tensor(base, finetuned, alphas, h)
+        except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
+            _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
+            return None
     if not any(pattern) and _scalar_denominator(alphas, h) <= 0:
         return None  # H̄ = c·I with c ≤ 0: the chunked path raises
     key = (pattern, base.dtype, base.device.type)
@@ -122,16 +145,20 @@ def merge_tensor(
     try:
         total = _kernel(pattern)(*args, *(float(a) for a in alphas))
     except Exception as err:  # compiling failed (no compiler, no Triton, ...)
-        _failed[key] = f"{type(err).__name__}: {str(err).strip()[:300]}"
-        warnings.warn(
-            f"gradmerge could not compile its fused diagonal-merge kernel for {base.dtype} on "
-            f"{base.device.type} ({_failed[key]}); using the slower chunked path. Set "
-            f"{ENV}=off to skip the attempt.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _warn_failed(key, err, f"{base.dtype} on {base.device.type}")
         return None
     return out if bool(torch.isfinite(total)) else None
+
+
+def _warn_failed(key: object, err: Exception, what: str) -> None:
+    """Remember that the kernel under ``key`` cannot be built, and say so once."""
+    _failed[key] = f"{type(err).__name__}: {str(err).strip()[:300]}"
+    warnings.warn(
+        f"gradmerge could not compile its fused diagonal-merge kernel for {what} "
+        f"({_failed[key]}); using the slower chunked path. Set {ENV}=off to skip the attempt.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _checked(value: str, *, source: str) -> str:

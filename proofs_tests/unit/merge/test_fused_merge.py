@@ -1,15 +1,21 @@
 """The compiled single-loop kernels of Eq. 6 (gradmerge._fused) against the chunked path.
 
 With ``gm.fused_kernels("on")`` and the size threshold lowered, `gm.gradient_matching` (and task
-arithmetic / Fisher averaging) take the compiled kernel; with ``"off"`` the chunked pass, itself
+arithmetic / Fisher averaging) take a compiled kernel; with ``"off"`` the chunked pass, itself
 bit-identical to the operator algebra (test_elementwise_merge.py). The two must agree bit for
-bit, give the same errors, and the streaming engine must write the same bytes either way.
-Each pattern (which curvatures are tensors) compiles once per process (~2 s), so the patterns
-here are few and fixed; hypothesis varies values, sizes and weights within them.
+bit, give the same errors, and the streaming engine must write the same bytes either way. Both
+backends run on a CPU here: "native" (gradmerge._native, the C loop CPU float32/float64 tensors
+take) and "inductor" (torch.compile, what GPUs and other dtypes take; CPU tensors are routed to
+it by making the C loop decline them). Each inductor pattern (which curvatures are tensors)
+compiles once per process (~2 s), so the patterns here are few and fixed; hypothesis varies
+values, sizes and weights within them.
 """
 
 import re
+import stat
 import warnings
+from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +24,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge import _fused, _memory
+from gradmerge import _fused, _memory, _native
 from gradmerge.checkpoints import MergeConfig, run_merge
 
 # every size above 4096: inductor specialises its loops below that (a second compile)
@@ -30,15 +36,30 @@ def small_threshold(monkeypatch):
     monkeypatch.setattr(_fused, "MIN_NUMEL", 4097)
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """Skip (with the reason) where torch.compile cannot build the kernel on this machine."""
+BACKENDS = ["native", "inductor"]
+
+
+@contextmanager
+def backend(name):
+    """CPU float tensors take the C loop ("native") or torch.compile's kernel ("inductor")."""
+    if name == "native":
+        yield
+    else:
+        with mock.patch.object(_native, "supports", lambda *args: False):
+            yield
+
+
+@pytest.fixture(params=BACKENDS)
+def compiled(request):
+    """The backend's name; skips (with the reason) where it cannot build its kernel here."""
     a = torch.ones(5000)
-    with warnings.catch_warnings():
+    with backend(request.param), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         out = _fused.merge_tensor(a, [a], [1.0], [1.0, 0.0])
     if out is None:
         pytest.skip(f"no compiled kernel here: {_fused._failed}")
+    with backend(request.param):
+        yield request.param
 
 
 def _params(gen, scale=1.0, shapes=SHAPES):
@@ -47,8 +68,8 @@ def _params(gen, scale=1.0, shapes=SHAPES):
     }
 
 
-def _diag(gen, shapes=SHAPES):
-    return gm.Diagonal({k: torch.rand(s, generator=gen) * 3 for k, s in shapes.items()})
+def _diag(gen, shapes=SHAPES, dtype=torch.float32):
+    return gm.Diagonal({k: (torch.rand(s, generator=gen) * 3).to(dtype) for k, s in shapes.items()})
 
 
 def _both(fn):
@@ -67,24 +88,35 @@ PATTERNS = {  # (prior, task curvatures): "delta" a float, "diag" a Diagonal
 }
 
 
-@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("name", BACKENDS)
 @settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     pattern=st.sampled_from(sorted(PATTERNS)),
     alphas=st.lists(st.floats(0.05, 3.0), min_size=3, max_size=3),
     scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
 )
-def test_compiled_kernel_is_bit_identical_to_the_chunked_path(seed, pattern, alphas, scale):
+def test_compiled_kernel_is_bit_identical_to_the_chunked_path(
+    name, seed, pattern, alphas, scale, dtype
+):
+    if name == "inductor" and dtype == torch.float64:
+        return  # one more compile per pattern; float64 is the C loop's case
     gen = torch.Generator().manual_seed(seed)
     prior_kind, kinds = PATTERNS[pattern]
-    base = _params(gen, scale)
-    fts = [_params(gen, scale) for _ in kinds]
-    prior = 0.37 if prior_kind == "delta" else _diag(gen) + 0.1
-    hs = [1.7 if k == "delta" else _diag(gen) for k in kinds]
+    base = {k: v.to(dtype) for k, v in _params(gen, scale).items()}
+    fts = [{k: v.to(dtype) for k, v in _params(gen, scale).items()} for _ in kinds]
+    prior = 0.37 if prior_kind == "delta" else _diag(gen, dtype=dtype) + 0.1
+    hs = [1.7 if k == "delta" else _diag(gen, dtype=dtype) for k in kinds]
     weights = alphas[: len(kinds)]
-    fused, chunked = _both(lambda: gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights))
+    with backend(name), gm.fused_kernels("on"):
+        fused = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights)
+    if _fused._failed:
+        pytest.skip(f"no compiled kernel here: {_fused._failed}")
+    with gm.fused_kernels("off"):
+        chunked = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights)
     for k in base:
+        assert fused[k].dtype == dtype
         assert torch.equal(fused[k], chunked[k]), k
 
 
@@ -135,15 +167,19 @@ def test_negative_curvature_and_singular_systems_give_the_same_errors():
                 gm.gradient_matching(base, fts, hs, prior=prior)
 
 
-def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch):
-    def broken(pattern):
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch, name):
+    def broken(*pattern):
         def kernel(*args):
             raise RuntimeError("no C++ compiler")
 
         return kernel
 
     monkeypatch.setattr(_fused, "_kernel", broken)
+    monkeypatch.setattr(_native, "_function", broken)
     monkeypatch.setattr(_fused, "_failed", {})
+    if name == "inductor":
+        monkeypatch.setattr(_native, "supports", lambda *args: False)
     gen = torch.Generator().manual_seed(4)
     base, fts, hs = _params(gen), [_params(gen)], [_diag(gen)]
     with gm.fused_kernels("on"), pytest.warns(RuntimeWarning, match="no C.. compiler"):
@@ -243,3 +279,43 @@ def test_compiled_kernel_matches_the_closed_form_of_eq6():
         )
         den = delta + sum(a * h.values[k].double() for a, h in zip(alphas, hs, strict=True))
         torch.testing.assert_close(merged[k].double(), b64 + num / den, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_takes_the_c_loop_for_cpu_floats_from_its_threshold(monkeypatch):
+    monkeypatch.delenv(_fused.ENV, raising=False)
+    f32, f64 = torch.zeros(_native.MIN_NUMEL), torch.zeros(_native.MIN_NUMEL, dtype=torch.float64)
+    assert _fused.takes(f32, [f32], large_call=False)  # no compile to amortise
+    assert _fused.takes(f64, [f64, f64], large_call=False)
+    assert not _fused.takes(f32[:-1], [f32[:-1]], large_call=False)
+    assert not _fused.takes(f32, [f64], large_call=False)  # mixed dtypes: the chunked path
+    half = f32.to(torch.bfloat16)
+    assert not _fused.takes(half, [half], large_call=False)  # other dtypes: inductor, if large
+    with gm.fused_kernels("off"):
+        assert not _fused.takes(f32, [f32], large_call=False)
+
+
+def test_strided_inputs_give_the_chunked_result():
+    gen = torch.Generator().manual_seed(7)
+    base = {"w": torch.randn(80, 71, generator=gen).t()}  # not contiguous
+    fts = [{"w": torch.randn(71, 80, generator=gen)}, {"w": torch.randn(71, 80, generator=gen)}]
+    hs = [gm.Diagonal({"w": torch.rand(80, 71, generator=gen).t()}), 0.5]
+    fused, chunked = _both(lambda: gm.gradient_matching(base, fts, hs, prior=0.2))
+    assert fused["w"].shape == (71, 80)
+    assert torch.equal(fused["w"], chunked["w"])
+
+
+def test_c_loops_are_cached_only_in_a_private_folder(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    (shared / "kernels").chmod(0o777)
+    monkeypatch.setenv(_native.CACHE_ENV, str(shared))
+    _native._cache_dir.cache_clear()
+    try:
+        folder = _native._cache_dir()
+        assert folder != shared / "kernels"  # group/world-writable: not trusted
+        assert not folder.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        monkeypatch.setenv(_native.CACHE_ENV, str(tmp_path / "mine"))
+        _native._cache_dir.cache_clear()
+        assert _native._cache_dir() == tmp_path / "mine" / "kernels"
+    finally:
+        _native._cache_dir.cache_clear()

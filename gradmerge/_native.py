@@ -1,0 +1,255 @@
+"""Eq. 6 for elementwise curvatures as one C loop, built by the system C compiler and cached.
+
+The CPU backend of :mod:`gradmerge._fused`: for float32 and float64 tensors on a CPU it writes,
+for each *pattern* (the number of tasks T and which of H_0, H_1..H_T are tensors rather than
+δ·I), a C function whose loop reads θ_LLM, every θ_t and h_t once and writes θ once,
+
+.. math::
+
+    \\bar h = (h_0 + \\alpha_1 h_1) + \\alpha_2 h_2 + \\dots, \\qquad
+    \\theta = \\theta_{LLM} + \\Big(\\sum_t \\alpha_t (h_0 \\tau_t + h_t \\tau_t)\\Big) / \\bar h,
+    \\quad \\tau_t = \\theta_t - \\theta_{LLM},
+
+with every operation rounded once to the tensors' type in the chunked path's order
+(``-ffp-contract=off``: no fused multiply-adds; ``FLT_EVAL_METHOD == 0`` is required), so the
+result is bit-identical to :mod:`gradmerge._elementwise` and the operator algebra. The same loop
+counts the elements where θ is not finite, H̄ ≤ 0 or some h < 0; a count above zero sends the
+tensor back to the chunked path for the exact diagnosis.
+
+Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
+``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
+a name hashing the source, the compiler, its flags and the CPU; a folder that is not private to
+this user is not trusted (a fresh private temporary folder is used instead). The compiler is
+``$CC`` or ``cc``.
+
+Example:
+    >>> import torch
+    >>> b, f = torch.zeros(5), torch.ones(5)
+    >>> out = merge_tensor(b, [f], [1.0], [1.0, torch.full((5,), 3.0)])
+    >>> out is None or out.tolist() == [1.0] * 5   # None where no C compiler is installed
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from gradmerge import _memory
+
+MIN_NUMEL = 1 << 12
+"""Tensors from this many elements on take the C loop (below, the call costs more than it saves)."""
+
+DTYPES = {torch.float32: "float", torch.float64: "double"}
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC")
+CACHE_ENV = "GRADMERGE_CACHE_DIR"
+
+
+def supports(base: Tensor, others: Sequence[Tensor]) -> bool:
+    """Whether the C loop handles these tensors: CPU, float32/float64, one dtype for all."""
+    return (
+        base.device.type == "cpu"
+        and base.dtype in DTYPES
+        and all(x.device.type == "cpu" and x.dtype == base.dtype for x in others)
+    )
+
+
+def merge_tensor(
+    base: Tensor,
+    finetuned: Sequence[Tensor],
+    alphas: Sequence[float],
+    h: Sequence[float | Tensor],
+) -> Tensor | None:
+    """Eq. 6 for one tensor by the C loop, or ``None`` when the result is not certified (a
+    NaN/Inf, H̄ ≤ 0 or h < 0 somewhere). Raises ``RuntimeError`` (or ``OSError``) when the loop
+    cannot be built; :func:`supports` must hold."""
+    pattern = tuple(isinstance(x, Tensor) for x in h)
+    consts, scalar_den = _constants(alphas, h, base.dtype)
+    if scalar_den is not None and scalar_den <= 0:
+        return None  # H̄ = c·I with c ≤ 0: the chunked path raises
+    function = _function(pattern, DTYPES[base.dtype])
+    out = _memory.empty(base.shape, like=base)
+    tensors = [out, base, *finetuned, *(x for x in h if isinstance(x, Tensor))]
+    flat = [x.reshape(-1).contiguous() for x in tensors]
+    array = (ctypes.c_double * len(consts))(*consts)
+    bad = function(base.numel(), array, *(ctypes.c_void_p(x.data_ptr()) for x in flat))
+    return out if bad == 0 else None
+
+
+def _constants(
+    alphas: Sequence[float], h: Sequence[float | Tensor], dtype: torch.dtype
+) -> tuple[list[float], float | None]:
+    """The scalars the loop needs, as the chunked path forms them (Python floats, rounded to the
+    tensors' type inside the loop), and H̄ when every h is a scalar (else ``None``)."""
+    consts = [float(a) for a in alphas]
+    consts += [float(x) for x in h if not isinstance(x, Tensor)]
+    tensor_seen = isinstance(h[0], Tensor)
+    acc = 0.0 if tensor_seen else float(cast(float, h[0]))  # H̄ while it is a Python float
+    for alpha, x in zip(alphas, h[1:], strict=True):
+        if isinstance(x, Tensor):
+            if not tensor_seen:  # de = α·h_t + acc: acc is the scalar prefix
+                consts.append(acc)
+            tensor_seen = True
+        elif tensor_seen:  # de += α·x, the product in Python
+            consts.append(float(alpha) * float(x))
+        else:
+            acc = acc + float(alpha) * float(x)
+    if not tensor_seen:
+        consts.append(acc)
+        return consts, acc
+    return consts, None
+
+
+def source(pattern: tuple[bool, ...], ctype: str) -> str:
+    """C source of the loop for one pattern (``pattern[i]``: whether h_i is a tensor).
+
+    Signature: ``int64_t eq6(int64_t n, const double *c, T *out, const T *b, const T *f_1..f_T,
+    const T *h_i (tensors only))`` with ``c`` = α_1..α_T, the scalar h_i in order, then the
+    scalar terms of H̄ as :func:`_constants` lists them; returns the count of uncertified
+    elements.
+    """
+    tasks = len(pattern) - 1
+    args = ["int64_t n", "const double *c", f"{ctype} *restrict out", f"const {ctype} *restrict b"]
+    args += [f"const {ctype} *restrict f{t}" for t in range(tasks)]
+    args += [f"const {ctype} *restrict h{i}" for i, p in enumerate(pattern) if p]
+    k = tasks  # next constant
+    prelude = [f"const {ctype} a{t} = ({ctype})c[{t}];" for t in range(tasks)]
+    value = {}
+    for i, p in enumerate(pattern):
+        if p:
+            value[i] = f"h{i}[i]"
+        else:
+            prelude.append(f"const {ctype} s{i} = ({ctype})c[{k}];")
+            value[i], k = f"s{i}", k + 1
+    body = []
+    vector = pattern[0]  # H̄ is a vector once a tensor term has entered it
+    if vector:
+        body.append(f"{ctype} den = h0[i];")
+    for t in range(1, tasks + 1):
+        if pattern[t]:
+            product = f"h{t}[i] * a{t - 1}"
+            if vector:
+                body.append(f"den = den + ({ctype})({product});")
+            else:
+                prelude.append(f"const {ctype} d{t} = ({ctype})c[{k}];")
+                k += 1
+                body.append(f"{ctype} den = ({ctype})({product}) + d{t};")
+            vector = True
+        elif vector:
+            prelude.append(f"const {ctype} d{t} = ({ctype})c[{k}];")
+            k += 1
+            body.append(f"den = den + d{t};")
+    if not vector:
+        prelude.append(f"const {ctype} den = ({ctype})c[{k}];")
+    body.append(f"const {ctype} bi = b[i];")
+    body.append(f"{ctype} rhs = ({ctype})0;")
+    for t in range(tasks):
+        body.append(f"{{ const {ctype} tau = f{t}[i] - bi;")
+        body.append(f"  const {ctype} p = tau * {value[0]};")
+        body.append(f"  const {ctype} q = tau * {value[t + 1]};")
+        body.append(f"  const {ctype} term = (p + q) * a{t};")
+        body.append("  rhs = rhs + term; }")
+    body.append(f"const {ctype} theta = bi + rhs / den;")
+    body.append("out[i] = theta;")
+    checks = ["(theta - theta != 0)"]
+    if any(pattern):
+        checks.append("(den <= 0)")
+    checks += [f"(h{i}[i] < 0)" for i, p in enumerate(pattern) if p]
+    body.append(f"bad += {' | '.join(checks)};")
+    lines = [
+        "#include <float.h>",
+        "#include <stdint.h>",
+        "#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0",
+        '#error "each operation must round to its type (FLT_EVAL_METHOD == 0)"',
+        "#endif",
+        f"int64_t eq6({', '.join(args)}) {{",
+        *(f"  {line}" for line in prelude),
+        "  int64_t bad = 0;",
+        "  for (int64_t i = 0; i < n; i++) {",
+        *(f"    {line}" for line in body),
+        "  }",
+        "  return bad;",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def _function(pattern: tuple[bool, ...], ctype: str) -> Callable[..., int]:
+    """The loaded C function of one pattern and type (built, or found in the cache)."""
+    library = ctypes.CDLL(str(_built(source(pattern, ctype))))  # CDLL: calls release the GIL
+    function = library.eq6
+    tensors = 2 + sum(pattern) + len(pattern) - 1
+    function.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
+    function.argtypes += [ctypes.c_void_p] * tensors
+    function.restype = ctypes.c_int64
+    return function
+
+
+def _built(code: str) -> Path:
+    """The shared library of ``code``: from the cache, else compiled into it atomically."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler found ($CC, else cc on PATH)")
+    identity = "\n".join([code, compiler, *FLAGS, platform.machine(), _cpu_identity()])
+    name = f"eq6-{hashlib.sha256(identity.encode()).hexdigest()[:24]}.so"
+    folder = _cache_dir()
+    target = folder / name
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
+        src, lib = Path(tmp) / "eq6.c", Path(tmp) / name
+        src.write_text(code)
+        command = [compiler, *FLAGS, "-shared", "-o", str(lib), str(src)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[:300]}")
+        os.replace(lib, target)
+    return target
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and flags (``-march=native`` builds for them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [
+        line
+        for line in text.splitlines()
+        if line.split(":")[0].strip() in {"model name", "flags", "Features"}
+    ]
+    return "\n".join(sorted(set(keep)))
+
+
+@functools.cache
+def _cache_dir() -> Path:
+    """A folder for built kernels that only this user can write; a private temporary one when
+    the configured folder cannot be made so."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        folder = Path(configured)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        folder = Path(base) / "gradmerge"
+    folder = folder / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = folder.stat()
+        if info.st_uid == os.getuid() and not info.st_mode & 0o022:
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="gradmerge-kernels-"))
