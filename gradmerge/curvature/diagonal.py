@@ -98,12 +98,33 @@ class Diagonal(Curvature):
         )
 
     def scaled(self, c: float) -> Diagonal:
+        if c == 1.0:  # 1·d = d exactly: no pass over memory
+            return Diagonal._checked_already(dict(self.values), unverified=self._unverified)
         scaled = {k: c * d for k, d in self.values.items()}
         return Diagonal._checked_already(scaled, unverified=self._unverified)
 
     @property
     def min_eigenvalue_exact(self) -> bool:
         return True
+
+    def __add__(self, other: object) -> Curvature:
+        """``D + δ·I`` in one pass over memory for float32/float64 values (``d + δ`` rounds δ to
+        the values' dtype, as the promoted full tensor of δ would: the same result bit for bit);
+        any other sum as :meth:`Curvature.__add__`."""
+        delta = other.delta if isinstance(other, ScaledIdentity) else other
+        if (
+            isinstance(delta, (int, float))
+            and delta != 0.0
+            and all(d.dtype in (torch.float32, torch.float64) for d in self.values.values())
+        ):
+            total = Diagonal._checked_already(
+                {k: d + float(delta) for k, d in self.values.items()}, unverified=self._unverified
+            )
+            total._remember_precision(self.coarsest_dtype)
+            return total
+        return super().__add__(other)
+
+    __radd__ = __add__
 
     def min_eigenvalue(self) -> float:
         return min(float(d.min()) for d in self.values.values())

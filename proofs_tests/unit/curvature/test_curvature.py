@@ -83,3 +83,19 @@ def test_dense_sum_respects_key_order():
     perm = [1, 2, 0]  # the same operator with "y" first
     b = gm.Dense(m[perm][:, perm], {"y": torch.zeros(2), "x": torch.zeros(1)})
     torch.testing.assert_close((a + b).dense(), 2 * a.dense())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("delta", [1e-9, 1e-3, 0.37, 3.0])
+def test_diagonal_plus_delta_equals_the_promoted_sum_bit_for_bit(dtype, delta):
+    """D + δ·I (one pass for float32/float64) against the generic promotion to a full diagonal
+    of δ; and 1·D, which copies nothing, equals D."""
+    gen = torch.Generator().manual_seed(0)
+    values = {"a": torch.rand(1000, generator=gen) * 1e-3, "b": torch.rand(3, 4, generator=gen)}
+    d = gm.Diagonal({k: v.to(dtype) for k, v in values.items()})
+    promoted = gm.Diagonal({k: torch.full_like(v, delta) for k, v in d.values.items()})
+    reference = {k: v + promoted.values[k] for k, v in d.values.items()}
+    for total in (d + delta, delta + d, d + gm.ScaledIdentity(delta)):
+        assert isinstance(total, gm.Diagonal) and total.coarsest_dtype == dtype
+        assert all(torch.equal(total.values[k], reference[k]) for k in reference)
+    assert all(torch.equal((1.0 * d).values[k], d.values[k]) for k in d.values)
