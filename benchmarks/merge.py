@@ -18,6 +18,11 @@ Sections (each writes its part of the JSON report; ratios are measured in the sa
     time is also compared with the I/O floor measured in the same run: reading every input once
     through the same reader (a sum per tensor) plus writing the output's bytes through the same
     writer from memory already computed.
+(a') ``gpt2sized``: tensors of ordinary size, where per-call costs show: Eq. 6 with diagonal H_t
+    and a diagonal prior δ·I + C over 16 tensors of 2M float32 (GPT-2's larger matrices), 4
+    tasks, in memory and streamed from safetensors, with the defaults (on a CPU: gradmerge's C
+    loop) and with the chunked pass, each against ``torch.add(out=)`` over 16 tensors of 2M
+    floats measured just before it in the same process.
 (b) ``gpt2``: GPT-2-124M-sized checkpoints (random weights from a config; two "fine-tunes" =
     base + noise; random positive diagonal curvatures), each method in a fresh process: the
     paper's reference formula on whole state dicts (everything loaded, Python lists of
@@ -37,6 +42,7 @@ machine the timings move with it.
     python benchmarks/merge.py            # everything, writes benchmarks/results/merge-cpu.json
     python benchmarks/merge.py --quick    # a smoke run with small sizes (writes merge-cpu-quick.json)
     python benchmarks/merge.py --sections roofline diagonal kfac
+    python benchmarks/merge.py --sections gpt2sized --repeats 9 --update   # (a') only
 """
 
 from __future__ import annotations
