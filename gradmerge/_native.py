@@ -248,7 +248,8 @@ def _cache_dir() -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         info = folder.stat()
-        if info.st_uid == os.getuid() and not info.st_mode & 0o022:
+        getuid = getattr(os, "getuid", None)  # POSIX; elsewhere the folder's mode alone
+        if (getuid is None or info.st_uid == getuid()) and not info.st_mode & 0o022:
             return folder
     except OSError:
         pass
