@@ -3,7 +3,8 @@
 A file holds the tensors of one curvature (any structure, nested ``Blocks`` and lazy ``Sum``s of
 structured terms included) and string metadata: the format version, the structure, what the
 estimator recorded (fisher type, loss, number of examples, ...), the dtype, the layout, and a
-fingerprint (SHA-256 of the covered parameter names and shapes). ``load_curvature(path, like=m)``
+fingerprint (SHA-256 of the covered parameter names and shapes); the tensors are named and the
+structure described by :mod:`gradmerge.curvature.codec`. ``load_curvature(path, like=m)``
 refuses a file whose fingerprint does not match the model or parameter dict ``m``. Writes are
 atomic: a temporary file in the same folder, renamed when complete.
 
@@ -27,11 +28,7 @@ from torch import Tensor, nn
 from gradmerge._files import publish, temp_file_beside
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
-from gradmerge.curvature.dense import Dense
-from gradmerge.curvature.diagonal import Diagonal
-from gradmerge.curvature.identity import ScaledIdentity
-from gradmerge.curvature.kfac import KFAC
-from gradmerge.curvature.lazy import Sum
+from gradmerge.curvature.codec import decode, encode
 from gradmerge.errors import ArgumentError, FileFormatError, GradmergeError, StructureError
 from gradmerge.params import Layout, Params
 
@@ -51,7 +48,7 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
     if curvature.layout is None:
         raise ArgumentError("δ·I covers no particular parameters; there is nothing to save")
     tensors: dict[str, Tensor] = {}
-    spec = _encode(curvature, "", tensors)
+    spec = encode(curvature, "", tensors)
     if _depth(spec) > MAX_SPEC_DEPTH:
         raise ArgumentError(
             f"this curvature nests Blocks/Sums more than {MAX_SPEC_DEPTH} levels deep, more than "
@@ -135,7 +132,7 @@ def load_curvature(
             raise
         raise FileFormatError(f"{source}: damaged curvature metadata ({err})") from err
     try:
-        curvature = _decode(spec, tensors)
+        curvature = decode(spec, tensors)
         stored = meta["fingerprint"]
     except GradmergeError as err:  # e.g. NaN/Inf values: the tensors are wrong, not the metadata
         raise type(err)(f"{source}: {err}") from err
@@ -206,81 +203,6 @@ def _check_fits(curvature: Curvature, like: nn.Module | Params, source: Path) ->
             + (f"{len(wrong)} of another shape, e.g. {wrong[:3]}" if wrong else "")
             + ". Estimate the curvature for this model."
         )
-
-
-def _encode(c: Curvature, prefix: str, tensors: dict[str, Tensor]) -> dict[str, Any]:
-    if isinstance(c, ScaledIdentity):
-        return {"type": "identity", "delta": c.delta}
-    if isinstance(c, Diagonal):
-        for k, v in c.values.items():
-            tensors[f"{prefix}diag/{k}"] = v
-        return {"type": "diag", "keys": list(c.values)}
-    if isinstance(c, Dense):
-        tensors[f"{prefix}dense"] = c.matrix
-        return {"type": "dense", "layout": [[k, list(s)] for k, s in c.layout]}
-    if isinstance(c, KFAC):
-        for name, terms in c.terms.items():
-            for i, (a, g) in enumerate(terms):
-                tensors[f"{prefix}kfac/{name}/{i}/A"] = a
-                tensors[f"{prefix}kfac/{name}/{i}/G"] = g
-        return {
-            "type": "kfac",
-            "terms": {n: len(t) for n, t in c.terms.items()},
-            "bias": sorted(c.bias),
-            "transposed": sorted(c.transposed),
-            "weight_shapes": {k: list(v) for k, v in c.weight_shapes.items()},
-            "counts": dict(c.counts),
-        }
-    if isinstance(c, (Blocks, Sum)):
-        kind = "blocks" if isinstance(c, Blocks) else "sum"
-        parts = c.blocks if isinstance(c, Blocks) else c.terms
-        return {
-            "type": kind,
-            "parts": [_encode(p, f"{prefix}{kind}{i}/", tensors) for i, p in enumerate(parts)],
-        }
-    raise ArgumentError(f"cannot save a {type(c).__name__} curvature (it is not stored as tensors)")
-
-
-def _decode(
-    spec: dict[str, Any], tensors: Mapping[str, Tensor], prefix: str = "", *, defer: bool = False
-) -> Curvature:
-    """The curvature that ``spec`` describes; ``defer``: diagonals' NaN/Inf checked at use
-    (:meth:`Diagonal._deferred`)."""
-    try:
-        kind = spec["type"]
-        if kind == "identity":
-            return ScaledIdentity(spec["delta"])
-        if kind == "diag":
-            values = {k: tensors[f"{prefix}diag/{k}"] for k in spec["keys"]}
-            return Diagonal._deferred(values) if defer else Diagonal(values)
-        if kind == "dense":
-            m = tensors[f"{prefix}dense"]
-            like = {k: torch.empty(s, dtype=m.dtype) for k, s in spec["layout"]}
-            return Dense(m, like)
-        if kind == "kfac":
-            factors = {
-                n: [
-                    (tensors[f"{prefix}kfac/{n}/{i}/A"], tensors[f"{prefix}kfac/{n}/{i}/G"])
-                    for i in range(count)
-                ]
-                for n, count in spec["terms"].items()
-            }
-            return KFAC(
-                factors,
-                bias=spec["bias"],
-                transposed=spec["transposed"],
-                weight_shapes={k: tuple(v) for k, v in spec["weight_shapes"].items()},
-                counts=spec.get("counts"),  # files from before counts were saved have none
-            )
-        if kind in ("blocks", "sum"):
-            parts = [  # "index": a part's place in the saved file (restricted specs skip parts)
-                _decode(p, tensors, f"{prefix}{kind}{p.get('index', i)}/", defer=defer)
-                for i, p in enumerate(spec["parts"])
-            ]
-            return Blocks(parts) if kind == "blocks" else Sum(parts)
-    except KeyError as err:
-        raise FileFormatError(f"curvature file is missing tensor or field {err}") from err
-    raise FileFormatError(f"unknown curvature structure {kind!r} in file")
 
 
 # ----- lazy, partial reading ----------------------------------------------------------------------
@@ -411,7 +333,7 @@ class CurvatureFile:
             return None
         tensors = _LazyTensors(self)
         try:
-            curvature = _simplify(_decode(spec, tensors, defer=not check_finite))
+            curvature = _simplify(decode(spec, tensors, defer=not check_finite))
         except Exception as err:
             if isinstance(err, (FileFormatError, StructureError)) or not _is_safetensors(err):
                 raise

@@ -15,14 +15,16 @@ of the ranks' estimates — exactly for every quantity that is itself a sum over
 - ``Blocks`` (K-FAC plus a diagonal block for what K-FAC does not cover): block by block.
 
 Every rank must hold an estimate of the same structure (same keys, shapes and dtypes, in the same
-order): :func:`describe` lists it for the cross-rank comparison that precedes the reduction.
+order): :func:`describe` lists it for the cross-rank comparison that precedes the reduction. The
+tensors are named and the structure rebuilt by the curvature files' codec
+(:mod:`gradmerge.curvature.codec`).
 
 Example (one process: the "reduction" over one rank is the identity):
     >>> import torch, gradmerge as gm
     >>> from gradmerge.distributed.reduce import contributions, rebuild
     >>> C = gm.KFAC({"fc": (2 * torch.eye(2), torch.eye(1))})
     >>> parts = contributions(C, counts={"fc": 3}, diagonal_a=set())
-    >>> parts["kfac/fc/A"]                                  # M_r A_r, to be summed over ranks
+    >>> parts["kfac/fc/0/A"]                                # M_r A_r, to be summed over ranks
     tensor([[6., 0.],
             [0., 6.]])
     >>> rebuild(C, parts, counts={"fc": 3}, diagonal_a=set()).terms["fc"][0][0]
@@ -32,15 +34,19 @@ Example (one process: the "reduction" over one rank is the identity):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Iterator, Mapping, Set
 
 import torch
 from torch import Tensor
 
-from gradmerge.curvature import KFAC, Blocks, Curvature, Dense, Diagonal
-from gradmerge.errors import StructureError
+from gradmerge.curvature import Curvature
+from gradmerge.curvature.codec import Spec, decode, encode, kfac_key, nodes
+from gradmerge.errors import ArgumentError, StructureError
 
 Description = list[tuple[str, tuple[int, ...], str]]
+
+ESTIMATES = ("diag", "dense", "kfac", "blocks")
+"""The structures an estimate is made of (the spec types of :mod:`gradmerge.curvature.codec`)."""
 
 
 def contributions(
@@ -56,38 +62,16 @@ def contributions(
     Returns:
         key → tensor, in a fixed order; the tensors are fresh or the estimate's own (summed in
         place by the reduction).
+
+    Raises:
+        StructureError: ``curvature`` is not an estimate's structure.
     """
     out: dict[str, Tensor] = {}
-    _collect(curvature, "", counts, diagonal_a, out)
+    spec = _estimate_spec(curvature, out)
+    for key, layer in _a_factors(spec):
+        a = out[key].diagonal() if layer in diagonal_a else out[key]
+        out[key] = a * counts[layer]  # Σ over positions = M_r · mean
     return out
-
-
-def _collect(
-    c: Curvature, prefix: str, counts: Mapping[str, int], diag_a: Set[str], out: dict[str, Tensor]
-) -> None:
-    if isinstance(c, Diagonal):
-        for k, v in c.values.items():
-            out[f"{prefix}diag/{k}"] = v
-    elif isinstance(c, Dense):
-        out[f"{prefix}dense"] = c.matrix
-    elif isinstance(c, KFAC):
-        for m, terms in c.terms.items():
-            if len(terms) != 1:
-                raise StructureError(
-                    f"K-FAC layer {m!r} holds {len(terms)} Kronecker terms; an estimate has one"
-                )
-            a, g = terms[0]
-            a = a.diagonal() if m in diag_a else a
-            out[f"{prefix}kfac/{m}/A"] = a * counts[m]  # Σ over positions = M_r · mean
-            out[f"{prefix}kfac/{m}/G"] = g
-    elif isinstance(c, Blocks):
-        for i, block in enumerate(c.blocks):
-            _collect(block, f"{prefix}block{i}/", counts, diag_a, out)
-    else:
-        raise StructureError(
-            f"cannot sum a {type(c).__name__} curvature over ranks: estimates are Diagonal, "
-            "Dense, KFAC or Blocks of these"
-        )
 
 
 def describe(parts: Mapping[str, Tensor]) -> Description:
@@ -102,40 +86,48 @@ def rebuild(
     counts: Mapping[str, int],
     diagonal_a: Set[str],
 ) -> Curvature:
-    """``curvature``'s structure with the summed tensors; K-FAC's A divided by M = Σ_r M_r."""
-    return _build(curvature, "", summed, counts, diagonal_a)
+    """``curvature``'s structure with the summed tensors; K-FAC's A divided by M = Σ_r M_r.
+
+    K-FAC layers get the counts M > 0 and the default solver settings (those of every estimate).
+    """
+    spec = _estimate_spec(curvature, {})
+    tensors = dict(summed)
+    for key, layer in _a_factors(spec):
+        a = tensors[key] / max(counts[layer], 1)
+        tensors[key] = torch.diag(a) if layer in diagonal_a else a
+    for _, node in nodes(spec):
+        if node["type"] == "kfac":
+            node["counts"] = {m: counts[m] for m in node["terms"] if counts[m] > 0}
+    return decode(spec, tensors)
 
 
-def _build(
-    c: Curvature,
-    prefix: str,
-    summed: Mapping[str, Tensor],
-    counts: Mapping[str, int],
-    diag_a: Set[str],
-) -> Curvature:
-    if isinstance(c, Diagonal):
-        return Diagonal({k: summed[f"{prefix}diag/{k}"] for k in c.values})
-    if isinstance(c, Dense):
-        return Dense(summed[f"{prefix}dense"], c._like())
-    if isinstance(c, KFAC):
-        factors: dict[str, tuple[Tensor, Tensor]] = {}
-        for m in c.terms:
-            a = summed[f"{prefix}kfac/{m}/A"] / max(counts[m], 1)
-            factors[m] = (torch.diag(a) if m in diag_a else a, summed[f"{prefix}kfac/{m}/G"])
-        return KFAC(
-            factors,
-            bias=c.bias,
-            transposed=c.transposed,
-            weight_shapes=c.weight_shapes,
-            cg_tol=c.cg_tol,
-            cg_maxiter=c.cg_maxiter,
-            counts={m: counts[m] for m in c.terms if counts[m] > 0},
-        )
-    if isinstance(c, Blocks):
-        return Blocks(
-            [
-                _build(b, f"{prefix}block{i}/", summed, counts, diag_a)
-                for i, b in enumerate(c.blocks)
-            ]
-        )
-    raise StructureError(f"cannot rebuild a {type(c).__name__} curvature")  # see _collect
+def _estimate_spec(curvature: Curvature, tensors: dict[str, Tensor]) -> Spec:
+    """The codec's spec of ``curvature`` (its tensors into ``tensors``), refused unless it is an
+    estimate: Diagonal, Dense, KFAC with one term per layer, or Blocks of these."""
+    refusal = (
+        f"cannot sum a {type(curvature).__name__} curvature over ranks: estimates are Diagonal, "
+        "Dense, KFAC or Blocks of these"
+    )
+    try:
+        spec = encode(curvature, "", tensors)
+    except ArgumentError as err:  # not stored as tensors (MatrixFree)
+        raise StructureError(refusal) from err
+    for _, node in nodes(spec):
+        if node["type"] not in ESTIMATES:
+            raise StructureError(refusal)
+        if node["type"] != "kfac":
+            continue
+        for layer, terms in node["terms"].items():
+            if terms != 1:
+                raise StructureError(
+                    f"K-FAC layer {layer!r} holds {terms} Kronecker terms; an estimate has one"
+                )
+    return spec
+
+
+def _a_factors(spec: Spec) -> Iterator[tuple[str, str]]:
+    """(tensor name, layer) of every K-FAC layer's A factor in ``spec``."""
+    for prefix, node in nodes(spec):
+        if node["type"] == "kfac":
+            for layer in node["terms"]:
+                yield kfac_key(prefix, layer, 0, "A"), layer

@@ -167,7 +167,7 @@ def test_summed_contributions_equal_the_estimate_on_all_the_data(structure, fish
     torch.testing.assert_close(result.dense(), ref, rtol=1e-12, atol=1e-13 * float(ref.abs().max()))
     if structure == "kfac":
         assert local[0].diagonal_a == {"tok"}  # the embedding's A travels as its diagonal
-        assert parts[0]["block0/kfac/tok/A"].ndim == 1
+        assert parts[0]["blocks0/kfac/tok/0/A"].ndim == 1
 
 
 def test_a_rank_without_kept_positions_contributes_nothing():

@@ -77,3 +77,66 @@ def test_saving_curvatures_that_share_tensors(tmp_path):
     for c in (k + k, k + 0.5 * k):
         back = gm.load_curvature(c.save(tmp_path / "c.safetensors"))
         torch.testing.assert_close(back.dense(), c.dense(), rtol=0, atol=0)
+
+
+def test_file_layout_is_the_documented_format(tmp_path):
+    """Tensor names and spec of format gradmerge-curvature/1 (docs/architecture.md), written out
+    literally: files saved before the codec was shared with the distributed reduction load, and
+    new files are the same."""
+    from safetensors import safe_open
+
+    eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
+    k = gm.KFAC(
+        {"c": (eye(3), eye(2)), "conv": (eye(4), eye(2))},
+        bias=["c"],
+        transposed=["c"],
+        weight_shapes={"conv": (2, 1, 2, 2)},
+        counts={"c": 5},
+    )
+    d = gm.Diagonal({"n": torch.ones(2, dtype=torch.float64)})
+    dense = gm.Dense(eye(2), {"e": torch.zeros(2, dtype=torch.float64)})
+    s = gm.Sum([gm.Diagonal({"m": torch.ones(1, dtype=torch.float64)}), gm.ScaledIdentity(0.5)])
+    c = gm.Blocks([k, d, dense, s])
+    path = c.save(tmp_path / "c.safetensors")
+    with safe_open(str(path), "pt") as f:
+        names, meta = sorted(f.keys()), f.metadata()
+    assert names == [
+        "blocks0/kfac/c/0/A",
+        "blocks0/kfac/c/0/G",
+        "blocks0/kfac/conv/0/A",
+        "blocks0/kfac/conv/0/G",
+        "blocks1/diag/n",
+        "blocks2/dense",
+        "blocks3/sum0/diag/m",
+    ]
+    assert meta["format"] == "gradmerge-curvature/1" and meta["structure"] == "blocks"
+    assert json.loads(meta["spec"]) == {
+        "type": "blocks",
+        "parts": [
+            {
+                "type": "kfac",
+                "terms": {"c": 1, "conv": 1},
+                "bias": ["c"],
+                "transposed": ["c"],
+                "weight_shapes": {"conv": [2, 1, 2, 2]},
+                "counts": {"c": 5},
+            },
+            {"type": "diag", "keys": ["n"]},
+            {"type": "dense", "layout": [["e", [2]]]},
+            {
+                "type": "sum",
+                "parts": [{"type": "diag", "keys": ["m"]}, {"type": "identity", "delta": 0.5}],
+            },
+        ],
+    }
+    # a file from before K-FAC counts were saved (no "counts" in its spec) still loads
+    old = json.loads(meta["spec"])
+    del old["parts"][0]["counts"]
+    from safetensors.torch import load_file, save_file
+
+    save_file(
+        load_file(str(path)), str(tmp_path / "old.safetensors"), {**meta, "spec": json.dumps(old)}
+    )
+    back = gm.load_curvature(tmp_path / "old.safetensors")
+    assert back.blocks[0].counts == {}
+    torch.testing.assert_close(back.dense(), c.dense(), rtol=0, atol=0)
