@@ -67,7 +67,7 @@ examples:
   # K-FAC of a LLaMA-style model whose untied lm_head (vocab × hidden) would need a vocab² G:
   # layers with a factor side above 8192 get a diagonal block instead (none: no limit)
   gradmerge curvature runs/ft-llama data/task_a.safetensors a.curvature.safetensors \\
-      --structure kfac --kfac-max-side 8192 --shift-labels
+      --structure kfac --kfac-max-factor-side 8192 --shift-labels
 """
 
 
@@ -81,7 +81,7 @@ PASSES = {
 
 
 def max_side(text: str) -> int | None:
-    """``--kfac-max-side``: a positive int, or ``none`` for no limit."""
+    """``--kfac-max-factor-side``: a positive int, or ``none`` for no limit."""
     if text.strip().lower() == "none":
         return None
     try:
@@ -119,7 +119,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws")
     p.add_argument("--kfac-approx", choices=["expand", "reduce"], default="expand")
     p.add_argument(
-        "--kfac-max-side",
+        "--kfac-max-factor-side",
+        "--kfac-max-side",  # the flag's first name, still accepted
+        dest="kfac_max_factor_side",
         type=max_side,
         default=MAX_FACTOR_SIDE,
         metavar="N",
@@ -145,7 +147,7 @@ def estimate_options(args: argparse.Namespace) -> dict[str, Any]:
         "ignore_index": args.ignore_index,
         "kfac_approx": args.kfac_approx,
         "max_params": args.max_params,
-        "kfac_max_factor_side": args.kfac_max_side,
+        "kfac_max_factor_side": args.kfac_max_factor_side,
     }
 
 

@@ -284,7 +284,7 @@ def _estimate_local(
         module,
         data,
         kfac_approx=options["kfac_approx"],
-        max_factor_size=options["kfac_max_factor_side"],
+        max_factor_side=options["kfac_max_factor_side"],
         **common,
     )
     curvature = kfac_curvature(module, data, factors, **common)

@@ -157,7 +157,7 @@ def estimate_curvature(
             seed=seed,
             ignore_index=ignore_index,
             progress=progress,
-            max_factor_size=kfac_max_factor_side,
+            max_factor_side=kfac_max_factor_side,
         )
         curvature = kfac_curvature(
             model,

@@ -61,7 +61,7 @@ row-major, i.e. (W[0, :], b[0], W[1, :], b[1], ...). W is the weight viewed as (
 
 Not covered (listed in ``KFACFactors.uncovered``, by ``named_parameters`` name, for a diagonal or
 other block): parameters of other module types (LayerNorm, ...), a weight shared by several
-modules (tied embeddings and output layer), layers with a factor side above ``max_factor_size``
+modules (tied embeddings and output layer), layers with a factor side above ``max_factor_side``
 (e.g. an untied 32k-vocabulary output layer; see *Factor size*), layers called with a batch
 dimension other than the batch's (e.g. position embeddings broadcast over the batch; with one
 example per batch they are covered, and exact), modules whose forward is never called
@@ -74,7 +74,7 @@ Factor size. A layer with weight (out, in) holds a dense A of side in (+1 with a
 dense G of side out: side² entries each, 4 bytes apiece in float32. An untied language-model
 head ``nn.Linear(hidden, vocab)`` has G of side vocab: 4 GB at a 32k vocabulary, 92 GB at 152k,
 accumulated (and later decomposed for a merge, O(side³)) per estimate. Layers with a side above
-``max_factor_size`` (default :data:`MAX_FACTOR_SIDE`) are therefore not given factors at all —
+``max_factor_side`` (default :data:`MAX_FACTOR_SIDE`) are therefore not given factors at all —
 nothing of that size is allocated — and their parameters are left to the diagonal block
 (``gm.estimate_curvature``). Embeddings store A as a vector (their diagonal), so only their G
 side counts here.
@@ -248,7 +248,7 @@ def _sides(weight: Tensor, kind: LayerKind) -> tuple[int, int]:
     return int(weight[0].numel()), int(weight.shape[0])
 
 
-def check_max_factor_side(value: object, name: str = "max_factor_size") -> int | None:
+def check_max_factor_side(value: object, name: str = "max_factor_side") -> int | None:
     """``value`` if it is a usable factor-side limit (a positive int, or None for no limit)."""
     if value is None:
         return None
@@ -280,7 +280,7 @@ def _largest_factor(name: str, sides: dict[str, int], dtype: torch.dtype) -> str
 def _select_layers(
     model: nn.Module,
     modules: Sequence[str] | None,
-    max_factor_size: int | None,
+    max_factor_side: int | None,
     left_out: dict[str, str],
 ) -> dict[str, _Layer]:
     """The covered modules: supported, trainable, not sharing their weight, small enough.
@@ -324,7 +324,7 @@ def _select_layers(
         a_side = n_in + has_bias
         device, dtype = weight.device, accumulation_dtype(weight)
         sides = {"G": n_out} if kind == "embedding" else {"G": n_out, "A": a_side}  # A: a vector
-        reason = _too_large(sides, max_factor_size)
+        reason = _too_large(sides, max_factor_side)
         if reason:
             left_out[name] = reason
             too_large.append(_largest_factor(name, sides, dtype))
@@ -343,7 +343,7 @@ def _select_layers(
     if too_large:
         warnings.warn(
             f"K-FAC gives no Kronecker factors to {', '.join(too_large)}: a factor side above "
-            f"the limit of {max_factor_size}; gm.estimate_curvature covers their parameters "
+            f"the limit of {max_factor_side}; gm.estimate_curvature covers their parameters "
             "with a diagonal block. To keep them on K-FAC, raise the limit "
             "(gm.estimate_curvature's kfac_max_factor_side; None for no limit).",
             stacklevel=3,
@@ -764,7 +764,7 @@ def estimate_kfac_factors(
     modules: Sequence[str] | None = None,
     progress: bool = False,
     max_ggn_columns: int = 256,
-    max_factor_size: int | None = MAX_FACTOR_SIDE,
+    max_factor_side: int | None = MAX_FACTOR_SIDE,
 ) -> KFACFactors:
     """K-FAC factors (A, G) of every supported layer, normalised so A ⊗ G ≈ Σ_i curvature_i.
 
@@ -781,7 +781,7 @@ def estimate_kfac_factors(
         modules: restrict to these module names (default: every supported layer).
         progress: print one line per batch to stderr.
         max_ggn_columns: refuse ``fisher="ggn"`` with more output columns than this.
-        max_factor_size: leave layers with a factor side above this uncovered, without
+        max_factor_side: leave layers with a factor side above this uncovered, without
             allocating their factors (one warning names them; module docstring, *Factor size*);
             None: no limit.
 
@@ -790,15 +790,15 @@ def estimate_kfac_factors(
 
     Raises:
         ArgumentError: unknown options, unknown ``modules``, empty data, too many GGN columns,
-            a ``max_factor_size`` that is not a positive int or None.
+            a ``max_factor_side`` that is not a positive int or None.
         StructureError: no supported layer; targets that do not fit the outputs or the loss.
         NonFiniteError: a NaN/Inf loss (naming the batch) or factor.
     """
     _check_options(fisher, loss, kfac_approx, mc_samples)
-    max_factor_size = check_max_factor_side(max_factor_size)
+    max_factor_side = check_max_factor_side(max_factor_side)
     loss_spec = Loss(loss, ignore_index)
     left_out: dict[str, str] = {}
-    layers = _select_layers(model, modules, max_factor_size, left_out)
+    layers = _select_layers(model, modules, max_factor_side, left_out)
     if progress:
         for name, reason in left_out.items():
             print(f"kfac: {name!r} gets no factors: {reason}", file=sys.stderr)
@@ -815,7 +815,7 @@ def estimate_kfac_factors(
             loss,
             _uncovered(model, {}),
             left_out,
-            max_factor_size,
+            max_factor_side,
         )
     recorder = _Recorder(layers, kfac_approx)
     wrt = [layer.weight for layer in layers.values()]
@@ -866,7 +866,7 @@ def estimate_kfac_factors(
         loss=loss,
         uncovered=_uncovered(model, layers),
         left_out=left_out,
-        max_factor_side=max_factor_size,
+        max_factor_side=max_factor_side,
     )
 
 

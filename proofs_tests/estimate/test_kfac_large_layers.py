@@ -113,7 +113,7 @@ def test_a_side_and_boundary() -> None:
     model = nn.Sequential(nn.Linear(100, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
     data = [(torch.randn(5, 100, dtype=DT), torch.randint(0, 3, (5,)))]
     with pytest.warns(UserWarning, match=r"'0' \(A: 101 × 101"):
-        kf = estimate_kfac_factors(model, data, max_factor_size=100)
+        kf = estimate_kfac_factors(model, data, max_factor_side=100)
     assert set(kf.factors) == {"2"} and kf.uncovered == ["0.weight", "0.bias"]
     assert kf.left_out == {"0": "A would be 101 × 101: a factor side above the limit of 100"}
     assert kf.max_factor_side == 100
@@ -121,7 +121,7 @@ def test_a_side_and_boundary() -> None:
     model[0].bias = None  # A of side 100 = the limit: K-FAC
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kf = estimate_kfac_factors(model, data, max_factor_size=100)
+        kf = estimate_kfac_factors(model, data, max_factor_side=100)
     assert set(kf.factors) == {"0", "2"} and kf.left_out == {}
 
 
@@ -182,8 +182,8 @@ def test_bad_limits_are_argument_errors(bad: object) -> None:
     model, data = _lm(), _tokens()
     with pytest.raises(gm.ArgumentError, match="kfac_max_factor_side must be a positive int"):
         gm.estimate_curvature(model, data, structure="kfac", kfac_max_factor_side=bad)  # type: ignore[arg-type]
-    with pytest.raises(gm.ArgumentError, match="max_factor_size must be a positive int"):
-        estimate_kfac_factors(model, data, max_factor_size=bad)  # type: ignore[arg-type]
+    with pytest.raises(gm.ArgumentError, match="max_factor_side must be a positive int"):
+        estimate_kfac_factors(model, data, max_factor_side=bad)  # type: ignore[arg-type]
 
 
 def test_a_mixed_curvature_survives_save_and_load(tmp_path) -> None:

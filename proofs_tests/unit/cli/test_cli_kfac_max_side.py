@@ -1,4 +1,5 @@
-"""`gradmerge curvature --kfac-max-side N|none`: passed to gm.estimate_curvature, and bad values.
+"""`gradmerge curvature --kfac-max-factor-side N|none` (its first name, --kfac-max-side, still
+accepted): passed to gm.estimate_curvature, and bad values.
 
 Reference: the library call with the same options (whose diagonal block is checked against
 ``structure="diag"`` in proofs_tests/estimate/test_kfac_large_layers.py).
@@ -90,7 +91,7 @@ def test_the_flag_routes_the_head_as_the_library_does(workdir):
 
 def test_none_lifts_the_limit(workdir):
     out = workdir / "k.safetensors"
-    assert _run(workdir, out, "--kfac-max-side", "none") == 0
+    assert _run(workdir, out, "--kfac-max-factor-side", "none") == 0
     loaded = gm.load_curvature(out)
     assert isinstance(loaded, gm.KFAC) and set(loaded.terms) == {"0", "1", "3"}
     assert loaded.meta["kfac_max_factor_side"] == "none"
@@ -151,4 +152,4 @@ def test_help_shows_the_flag_and_an_example(capsys):
     with pytest.raises(SystemExit):
         cli.main(["curvature", "--help"])
     text = capsys.readouterr().out
-    assert "--kfac-max-side N" in text and "--kfac-max-side 8192" in text
+    assert "--kfac-max-factor-side N" in text and "--kfac-max-factor-side 8192" in text
