@@ -58,6 +58,8 @@ from gradmerge.distributed.fingerprint import (
 )
 from gradmerge.distributed.reduce import Description, contributions, describe, rebuild
 from gradmerge.errors import ArgumentError
+from gradmerge.estimate import check_structure
+from gradmerge.estimate._data import FISHERS, check_fisher
 from gradmerge.estimate.kfac import MAX_FACTOR_SIDE, check_max_factor_side
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -231,16 +233,8 @@ def estimate_curvature(
 def _check_options(options: dict[str, Any]) -> None:
     """The option checks of ``gm.estimate_curvature`` that do not need the data (fail early)."""
     check_max_factor_side(options["kfac_max_factor_side"], "kfac_max_factor_side")
-    if options["structure"] not in ("diag", "kfac", "full"):
-        raise ArgumentError(
-            f"structure must be 'diag', 'kfac' or 'full', got {options['structure']!r}"
-        )
-    if options["fisher"] not in ("empirical", "mc", "ggn", "hessian"):
-        raise ArgumentError(
-            f"fisher must be 'empirical', 'mc', 'ggn' or 'hessian', got {options['fisher']!r}"
-        )
-    if options["fisher"] == "hessian" and options["structure"] != "full":
-        raise ArgumentError("fisher='hessian' is available for structure='full' only")
+    check_structure(options["structure"], options["fisher"])
+    check_fisher(options["fisher"], (*FISHERS, "hessian"))
     if options["structure"] == "kfac" and options["params"] is not None:
         raise ArgumentError("params= restricts 'diag' and 'full' estimates; K-FAC covers the model")
     expected = options["expected_examples"]

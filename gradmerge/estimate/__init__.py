@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from gradmerge import _weight_sample
 from gradmerge.curvature import KFAC, Blocks, Curvature
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate._data import FisherName, num_examples, split_batch
+from gradmerge.estimate._data import FisherName, check_fisher, num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
 from gradmerge.estimate.diagonal import estimate_diagonal
 from gradmerge.estimate.gradient import gradient_fn
@@ -31,6 +31,27 @@ MAX_DIAGONAL_FACTOR = 4096
 """Embeddings whose diagonal A factor is larger than this (or than the factor-side limit) get a
 diagonal block instead of K-FAC (``gm.KFAC`` stores A as a dense vocab × vocab matrix; see
 ``kfac_curvature``)."""
+
+
+STRUCTURES = ("diag", "kfac", "full")
+"""The structures :func:`estimate_curvature` estimates."""
+
+
+def check_structure(structure: object, fisher: object) -> None:
+    """The checks of ``structure`` and its pairing with ``fisher`` shared by every estimator
+    front end (:func:`estimate_curvature`, ``gm.distributed.estimate_curvature``).
+
+    Raises:
+        ArgumentError: an unknown structure, or ``fisher="hessian"`` with another structure
+            than ``"full"``.
+    """
+    if structure not in STRUCTURES:
+        raise ArgumentError(f"structure must be 'diag', 'kfac' or 'full', got {structure!r}")
+    if fisher == "hessian" and structure != "full":
+        raise ArgumentError(
+            "fisher='hessian' is available for structure='full' (and gm.MatrixFree) only: "
+            "diagonal and K-FAC estimates are of a Fisher or GGN"
+        )
 
 
 def estimate_curvature(
@@ -103,13 +124,7 @@ def estimate_curvature(
         >>> [type(block).__name__ for block in C.blocks], json.loads(C.meta["kfac_diagonal_layers"])
         (['KFAC', 'Diagonal'], {'1': 'G would be 40 × 40: a factor side above the limit of 32'})
     """
-    if structure not in ("diag", "kfac", "full"):
-        raise ArgumentError(f"structure must be 'diag', 'kfac' or 'full', got {structure!r}")
-    if fisher == "hessian" and structure != "full":
-        raise ArgumentError(
-            "fisher='hessian' is available for structure='full' (and gm.MatrixFree) only: "
-            "diagonal and K-FAC estimates are of a Fisher or GGN"
-        )
+    check_structure(structure, fisher)
     kfac_max_factor_side = check_max_factor_side(kfac_max_factor_side, "kfac_max_factor_side")
     data = _Counted(data)
     curvature: Curvature
@@ -277,9 +292,7 @@ class _Counted:
 
 
 def _fisher(fisher: str) -> FisherName:
-    if fisher not in ("empirical", "mc", "ggn"):
-        raise ArgumentError(f"fisher must be 'empirical', 'mc' or 'ggn', got {fisher!r}")
-    return cast(FisherName, fisher)
+    return cast(FisherName, check_fisher(fisher))
 
 
 def _weight(model: nn.Module, name: str) -> Tensor:

@@ -29,6 +29,22 @@ from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
 
 LossName = Literal["cross_entropy", "mse"]
 FisherName = Literal["empirical", "mc", "ggn"]
+FISHERS: tuple[str, ...] = ("empirical", "mc", "ggn")
+"""The curvature types every structure estimates; ``"hessian"`` joins them for dense estimates."""
+
+
+def check_fisher(fisher: object, allowed: tuple[str, ...] = FISHERS) -> str:
+    """``fisher`` if it names one of ``allowed``; the one check (and message) of every estimator.
+
+    Raises:
+        ArgumentError: any other value, naming the allowed ones.
+    """
+    if not isinstance(fisher, str) or fisher not in allowed:
+        names = ", ".join(repr(f) for f in allowed[:-1]) + f" or {allowed[-1]!r}"
+        raise ArgumentError(f"fisher must be {names}, got {fisher!r}")
+    return fisher
+
+
 Inputs = Tensor | Mapping[str, Tensor]
 
 

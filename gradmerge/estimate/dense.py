@@ -23,7 +23,14 @@ from torch.func import hessian, jacrev
 
 from gradmerge.curvature import Dense
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate._data import Loss, batches, per_example_loss, sample_targets
+from gradmerge.estimate._data import (
+    FISHERS,
+    Loss,
+    batches,
+    check_fisher,
+    per_example_loss,
+    sample_targets,
+)
 from gradmerge.estimate._functional import FlatModel, check_size, trainable
 from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.params import unflatten
@@ -55,8 +62,7 @@ def estimate_dense(
         tensor([[1., 0.],
                 [0., 4.]], dtype=torch.float64)
     """
-    if fisher not in ("hessian", "ggn", "empirical", "mc"):
-        raise ArgumentError(f"fisher must be 'hessian', 'ggn', 'empirical' or 'mc', got {fisher!r}")
+    check_fisher(fisher, (*FISHERS, "hessian"))
     if mc_samples < 1:
         raise ArgumentError(f"mc_samples must be at least 1, got {mc_samples}")
     spec = Loss(loss, ignore_index)

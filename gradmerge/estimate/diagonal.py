@@ -48,6 +48,7 @@ from gradmerge.estimate._data import (
     LossName,
     accumulation_dtype,
     batches,
+    check_fisher,
     forward,
     loss_gradient,
     num_examples,
@@ -194,8 +195,7 @@ class _State:
 
 
 def _check_fisher(fisher: str, mc_samples: int) -> None:
-    if fisher not in ("empirical", "mc", "ggn"):
-        raise ArgumentError(f"fisher must be 'empirical', 'mc' or 'ggn', got {fisher!r}")
+    check_fisher(fisher)
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
         raise ArgumentError(f"mc_samples must be an integer ≥ 1, got {mc_samples!r}")
 

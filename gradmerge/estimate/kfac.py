@@ -127,6 +127,7 @@ from gradmerge.estimate._data import (
     Loss,
     accumulation_dtype,
     batches,
+    check_fisher,
     forward,
     loss_gradient,
     num_examples,
@@ -696,8 +697,7 @@ def _backward(
 
 
 def _check_options(fisher: str, loss: str, kfac_approx: str, mc_samples: int) -> None:
-    if fisher not in ("empirical", "mc", "ggn"):
-        raise ArgumentError(f"fisher must be 'empirical', 'mc' or 'ggn', got {fisher!r}")
+    check_fisher(fisher)
     if kfac_approx not in ("expand", "reduce"):
         raise ArgumentError(f"kfac_approx must be 'expand' or 'reduce', got {kfac_approx!r}")
     if not isinstance(mc_samples, int) or mc_samples < 1:
