@@ -267,7 +267,7 @@ BAD = {  # case → what every rank's DistributedError must say
     "failure": "rank 1: NonFiniteError: batch 1",
     "empty": "rank 1: ArgumentError: data is empty",
     "examples": "saw 12 examples in all (rank 0: 4, rank 1: 8), expected 13",
-    "coverage": "only on rank 0: ['block0/kfac/pos/A', 'block0/kfac/pos/G']",
+    "coverage": "only on rank 0: ['blocks0/kfac/pos/0/A', 'blocks0/kfac/pos/0/G']",
     "fsdp": "the model is sharded",
 }
 
