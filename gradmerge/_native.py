@@ -14,7 +14,9 @@ with every operation rounded once to the tensors' type in the chunked path's ord
 (``-ffp-contract=off``: no fused multiply-adds; ``FLT_EVAL_METHOD == 0`` is required), so the
 result is bit-identical to :mod:`gradmerge._elementwise` and the operator algebra. The same loop
 counts the elements where θ is not finite, H̄ ≤ 0 or some h < 0; a count above zero sends the
-tensor back to the chunked path for the exact diagnosis.
+tensor back to the chunked path for the exact diagnosis. A tensor of at least
+:data:`PARALLEL_MIN_NUMEL` elements per thread is split over ``torch.get_num_threads()`` threads
+(the ctypes call releases the GIL; each element is computed alone, so the split changes nothing).
 
 Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
 ``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
@@ -41,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
 
@@ -51,6 +54,10 @@ from gradmerge import _memory
 
 MIN_NUMEL = 1 << 12
 """Tensors from this many elements on take the C loop (below, the call costs more than it saves)."""
+
+PARALLEL_MIN_NUMEL = 1 << 18
+"""Elements per thread from which a tensor's loop is split over ``torch.get_num_threads()``
+threads (the result does not depend on the split: each element is computed alone)."""
 
 DTYPES = {torch.float32: "float", torch.float64: "double"}
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC")
@@ -84,8 +91,25 @@ def merge_tensor(
     tensors = [out, base, *finetuned, *(x for x in h if isinstance(x, Tensor))]
     flat = [x.reshape(-1).contiguous() for x in tensors]
     array = (ctypes.c_double * len(consts))(*consts)
-    bad = function(base.numel(), array, *(ctypes.c_void_p(x.data_ptr()) for x in flat))
+    n, size = base.numel(), base.element_size()
+    pointers = [x.data_ptr() for x in flat]
+
+    def run(start: int, stop: int) -> int:  # elements [start, stop); the call releases the GIL
+        return int(function(stop - start, array, *(p + start * size for p in pointers)))
+
+    threads = min(torch.get_num_threads(), n // PARALLEL_MIN_NUMEL)
+    if threads <= 1:
+        return out if run(0, n) == 0 else None
+    step = -(-n // threads // 64) * 64  # whole cache lines per thread
+    starts = range(0, n, step)
+    bad = sum(_pool(threads, os.getpid()).map(lambda a: run(a, min(a + step, n)), starts))
     return out if bad == 0 else None
+
+
+@functools.cache
+def _pool(threads: int, pid: int) -> ThreadPoolExecutor:
+    """Worker threads, per process (a forked child has none of its parent's threads)."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradmerge-eq6")
 
 
 def _constants(

@@ -319,3 +319,22 @@ def test_c_loops_are_cached_only_in_a_private_folder(tmp_path, monkeypatch):
         assert _native._cache_dir() == tmp_path / "mine" / "kernels"
     finally:
         _native._cache_dir.cache_clear()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_c_loop_split_over_threads_gives_the_same_bits(monkeypatch, threads):
+    """Tensors split over threads (here from 1024 elements per thread, so 5003 elements make
+    two or three uneven parts) give the chunked result, and still catch a negative h."""
+    monkeypatch.setattr(_native, "PARALLEL_MIN_NUMEL", 1024)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(8)
+        base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), 0.3]
+        fused, chunked = _both(lambda: gm.gradient_matching(base, fts, hs, prior=0.1))
+        assert all(torch.equal(fused[k], chunked[k]) for k in base)
+        hs[0].values["big"][5002] = -1.0  # in the last part
+        h = [0.1, hs[0].values["big"], 0.3]
+        assert _native.merge_tensor(base["big"], [ft["big"] for ft in fts], [1.0, 1.0], h) is None
+    finally:
+        torch.set_num_threads(before)
