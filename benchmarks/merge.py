@@ -30,6 +30,8 @@ Sections (each writes its part of the JSON report; ratios are measured in the sa
     arithmetic), and mergekit's ``task_arithmetic`` (``mergekit-yaml``). Wall time of the whole
     process (start-up included) and of the work alone, peak RSS and peak anonymous memory
     (RssAnon, sampled from /proc every 5 ms), and agreement of the outputs.
+(b') ``cli``: ``gradmerge merge`` against ``mergekit-yaml`` (task arithmetic of the same base and
+    two fine-tunes), whole processes alternated, beside ``python -c "import torch"``.
 (c) ``large``: peak memory of a streaming Eq. 6 merge whose inputs (base + 2 models + 2 diagonal
     curvatures) total more than half of RAM, in a fresh process; files are deleted afterwards.
 (d) ``kfac``: Eq. 6 for one layer with K-FAC curvatures (one task: two Kronecker terms with the
@@ -808,6 +810,81 @@ def _print_run(label: str, r: dict[str, Any]) -> None:
     )
 
 
+def cli_task_arithmetic(tmp: Path, repeats: int) -> dict[str, Any]:
+    """``gradmerge merge`` against ``mergekit-yaml``, task arithmetic of a GPT-2-124M base and two
+    fine-tunes, each a fresh process run from the shell's point of view (start-up included),
+    alternated ``repeats`` times, beside ``python -c "import torch"`` (what both pay first)."""
+    import yaml
+
+    folder = tmp / "cli"
+    folder.mkdir()
+    paths = build_gpt2(folder)
+    ours = folder / "gradmerge.yaml"
+    ours.write_text(
+        yaml.safe_dump(
+            {
+                "method": "task_arithmetic",
+                "base_model": str(paths["base"]),
+                "models": [{"model": str(m), "alpha": 1.0} for m in paths["models"]],
+            }
+        )
+    )
+    theirs = folder / "mergekit.yaml"
+    theirs.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {"model": str(m), "parameters": {"weight": 1.0}} for m in paths["models"]
+                ],
+                "base_model": str(paths["base"]),
+                "merge_method": "task_arithmetic",
+                "dtype": "float32",
+            }
+        )
+    )
+    bin_dir = Path(sys.executable).parent
+    commands = {
+        "gradmerge merge": [str(bin_dir / "gradmerge"), "merge", str(ours), "OUT", "--no-progress"],
+        "mergekit-yaml --lazy-unpickle": [
+            *(str(bin_dir / "mergekit-yaml"), str(theirs), "OUT"),
+            *("--lazy-unpickle", "--quiet"),
+        ],
+        'python -c "import torch"': [sys.executable, "-c", "import torch"],
+        'python -c "import gradmerge"': [sys.executable, "-c", "import gradmerge"],
+    }
+    walls: dict[str, list[float]] = {name: [] for name in commands}
+    for i in range(repeats):
+        for name, cmd in commands.items():
+            out = folder / f"out-{i}"
+            r = run_measured([str(out) if c == "OUT" else c for c in cmd])
+            if r["returncode"]:
+                raise RuntimeError(f"{name} failed: {r.get('error')}")
+            walls[name].append(r["wall_seconds"])
+            shutil.rmtree(out, ignore_errors=True)
+    result: dict[str, Any] = {
+        "parameters": paths["parameters"],
+        "models": 1 + len(paths["models"]),
+        "repeats": repeats,
+        "wall_seconds": walls,
+        "median_wall_seconds": {k: statistics.median(v) for k, v in walls.items()},
+    }
+    med = result["median_wall_seconds"]
+    result["mergekit_over_gradmerge_median"] = (
+        med["mergekit-yaml --lazy-unpickle"] / med["gradmerge merge"]
+    )
+    result["mergekit_over_gradmerge_per_round"] = [
+        m / g
+        for m, g in zip(
+            walls["mergekit-yaml --lazy-unpickle"], walls["gradmerge merge"], strict=True
+        )
+    ]
+    for name, v in med.items():
+        print(f"  {name:34s} median {v:6.2f} s ({', '.join(f'{x:.1f}' for x in walls[name])})")
+    print(f"  mergekit / gradmerge: {result['mergekit_over_gradmerge_median']:.2f}× (medians)")
+    shutil.rmtree(folder)
+    return result
+
+
 # ----- (c) a streaming merge bigger than half of RAM --------------------------------------------
 def write_large(folder: Path, gib_per_file: float, tasks: int = 2) -> dict[str, Any]:
     """Files of ~``gib_per_file`` each, written one at a time (4096×4096 float32 tensors)."""
@@ -989,7 +1066,7 @@ def kfac_section(sizes: list[tuple[int, int, bool]], repeats: int) -> list[dict[
 
 
 # ----- driver -----------------------------------------------------------------------------------
-SECTIONS = ("roofline", "diagonal", "streaming", "gpt2sized", "gpt2", "large", "kfac")
+SECTIONS = ("roofline", "diagonal", "streaming", "gpt2sized", "gpt2", "cli", "large", "kfac")
 
 
 def main() -> None:
@@ -1076,6 +1153,11 @@ def main() -> None:
         if "gpt2" in args.sections:
             print("(b) GPT-2-124M checkpoints, T = 2, fresh process per method", flush=True)
             report["gpt2_side_by_side"] = gpt2_side_by_side(tmp)
+        if "cli" in args.sections:
+            print(
+                "(b') gradmerge merge vs mergekit-yaml, task arithmetic of 3 GPT-2-124M", flush=True
+            )
+            report["cli_task_arithmetic"] = cli_task_arithmetic(tmp, repeats)
         if "large" in args.sections:
             print(f"(c) streaming merge of 5 files × {large_gib} GiB", flush=True)
             report["large_streaming"] = large_streaming(tmp, large_gib, info["mem_total_bytes"])
