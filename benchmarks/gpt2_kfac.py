@@ -21,6 +21,12 @@ Measured, each command in a fresh process (wall time and peak anonymous memory s
    arithmetic of the same models.
 
     python benchmarks/gpt2_kfac.py            # writes benchmarks/results/gpt2-kfac-cpu.json
+
+``--per-layer LAYER [...] --keep FOLDER`` instead solves single layers of block 0 (e.g.
+``attn.c_proj``) from a kept folder's K-FAC files at several δ (``--relative-delta``, relative to
+the layer's largest ‖A_t‖₂‖G_t‖₂): CG iterations, certified residual and wall time per solve,
+the PSD checks' time, and one factor-sized GEMM as the machine's yardstick in the same run
+(``results/gpt2-kfac-layers-cpu.json``).
 """
 
 from __future__ import annotations
@@ -136,6 +142,55 @@ def mergekit(folder: Path, paths: dict[str, Any], tasks: int) -> dict[str, Any]:
     return result
 
 
+def per_layer(folder: Path, layers: list[str], deltas: list[float], tasks: int) -> list[dict]:
+    """Solve δI + Σ_t A_t ⊗ G_t for single layers of block 0 (see the module docstring)."""
+    from safetensors import safe_open
+
+    import gradmerge as gm
+    from gradmerge.solvers import kfac_cg
+
+    files = [safe_open(str(folder / f"ft{t}.kfac.safetensors"), "pt") for t in range(tasks)]
+    rows = []
+    for layer in layers:
+        key = f"blocks0/kfac/transformer.h.0.{layer}/0"
+        terms = [(f.get_tensor(f"{key}/A"), f.get_tensor(f"{key}/G")) for f in files]
+        start = time.perf_counter()
+        for a, g in terms:
+            gm.KFAC({layer: (a, g)}, bias=[layer]).check_psd(name=layer)
+        psd = time.perf_counter() - start
+        big = max(terms[0][0].shape[0], terms[0][1].shape[0])
+        m = torch.randn(big, big)
+        start = time.perf_counter()
+        m @ m
+        gemm = time.perf_counter() - start
+        scale = max(
+            float(torch.linalg.matrix_norm(a.double(), 2) * torch.linalg.matrix_norm(g.double(), 2))
+            for a, g in terms
+        )
+        b = torch.randn(
+            terms[0][1].shape[0], terms[0][0].shape[0], generator=torch.Generator().manual_seed(0)
+        )
+        for rel in deltas:
+            start = time.perf_counter()
+            s = kfac_cg.solve(layer, rel * scale, terms, b)
+            row = {
+                "layer": layer,
+                "A_side": terms[0][0].shape[0],
+                "G_side": terms[0][1].shape[0],
+                "tasks": tasks,
+                "delta_relative": rel,
+                "solve_seconds": time.perf_counter() - start,
+                "psd_check_seconds": psd,
+                "gemm_seconds_largest_side": gemm,
+                "cg_iterations": s.iterations,
+                "residual": s.residual,
+                "method": s.method,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def show(label: str, r: dict[str, Any]) -> None:
     if r.get("returncode"):
         print(f"{label:44s} FAILED: {r.get('error')}", flush=True)
@@ -159,7 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delta", type=float, nargs="+", default=[1e-3])
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--keep", type=Path, default=None, help="build in this folder, keep it")
+    parser.add_argument("--per-layer", nargs="+", default=None, metavar="LAYER")
+    parser.add_argument("--relative-delta", type=float, nargs="+", default=[1e-6, 1e-4, 1e-2])
     args = parser.parse_args(argv)
+    if args.per_layer:
+        if args.keep is None:
+            parser.error("--per-layer reads the K-FAC files of a --keep folder")
+        rows = per_layer(args.keep, args.per_layer, args.relative_delta, min(args.tasks))
+        out = args.out if args.out != RESULT else RESULT.with_name("gpt2-kfac-layers-cpu.json")
+        report = {"machine": machine(), "rows": rows}
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
     most = max(args.tasks)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="gpt2-kfac-"))
     folder.mkdir(parents=True, exist_ok=True)
