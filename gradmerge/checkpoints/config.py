@@ -30,7 +30,11 @@ Both also take ``compute_dtype`` (float32 | float64: the precision of the arithm
 (bytes, or "5GB", "500MB", "2GiB"), ``allow_mixed_dtypes`` (let float tensors of one name
 differ in dtype between inputs) and ``curvature_weights`` (warn | refuse | ignore: what to do
 when a curvature file was estimated at other weights than both the model it is paired with and
-the base, judged by a sample hash of the weights recorded at estimation; default warn). Relative paths are relative to the YAML file's folder. Unknown
+the base, judged by a sample hash of the weights recorded at estimation; default warn) and
+``solver: {tol: 1.0e-6, maxiter: 2000}`` (the relative residual every K-FAC layer's solve is
+certified to — default 1e-5 in float32, 1e-10 in float64 — and the CG iterations per round;
+each layer's method, iterations and residual go into the record). Relative paths are relative
+to the YAML file's folder. Unknown
 keys, missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and
 missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
 shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
@@ -152,6 +156,8 @@ class Options(FromYaml):
     max_shard_size: int = 5 * 10**9
     allow_mixed_dtypes: bool = False
     curvature_weights: str = "warn"
+    solver_tol: float | None = None
+    solver_maxiter: int = 1000
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -320,6 +326,7 @@ _OPTION_KEYS = (
     "max_shard_size",
     "allow_mixed_dtypes",
     "curvature_weights",
+    "solver",
 )
 CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
 STEP_CHECKS = ("refuse", "warn", "ignore")
@@ -345,7 +352,31 @@ def _options(r: _Reader) -> dict[str, Any]:
         "max_shard_size": r.size("max_shard_size", default=5 * 10**9),
         "allow_mixed_dtypes": r.flag("allow_mixed_dtypes", default=False),
         "curvature_weights": r.choice("curvature_weights", CURVATURE_WEIGHTS, default="warn"),
+        **_solver(r),
     }
+
+
+def _solver(r: _Reader) -> dict[str, Any]:
+    """``solver: {tol, maxiter}``: the certified relative residual of every K-FAC layer's solve
+    (default 1e-5 in float32, 1e-10 in float64) and CG iterations per round (default 1000)."""
+    if r.data.get("solver") is None:
+        return {}
+    s = r.sub(r.data["solver"], "solver")
+    s.allow("tol", "maxiter")
+    out: dict[str, Any] = {}
+    if s.data.get("tol") is not None:
+        tol = s.number("tol")
+        if not 0 < tol < 1:
+            raise ConfigError(
+                f"`solver.tol` is a relative residual: it must be > 0 and < 1, got {_shown(tol)} "
+                "(e.g. 1.0e-6)"
+            )
+        out["solver_tol"] = tol
+    maxiter = s.number("maxiter", default=1000, minimum=1)
+    if maxiter != int(maxiter):
+        raise ConfigError(f"`solver.maxiter` must be a whole number, got {_shown(maxiter)}")
+    out["solver_maxiter"] = int(maxiter)
+    return out
 
 
 def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:

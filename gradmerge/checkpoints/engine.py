@@ -51,7 +51,7 @@ from gradmerge.checkpoints.lora import open_model
 from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.curvature import Curvature
+from gradmerge.curvature import KFAC, Curvature
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     PD_FIX,
@@ -409,8 +409,8 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         keys = unit.keys
         theta = _read(base, keys, device, dtype)
         fts = [_read(m, keys, device, dtype) for m in models]
-        hs = [_restrict(c, keys, device, dtype) for c in curvs]
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
+        hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
         return rules.merge_unit(
             config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
         )
@@ -471,7 +471,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
 
-        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype)
+        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype, config)
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
@@ -481,8 +481,8 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             remaining=remaining,
             alpha=config.alpha,
             finetuned=finetuned,
-            curvature=_restrict(curv, keys, device, dtype),
-            prior=_term_precision(config.prior, prior_files, keys, device, dtype),
+            curvature=_restrict(curv, keys, device, dtype, config),
+            prior=_term_precision(config.prior, prior_files, keys, device, dtype, config),
             gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
         )
         reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
@@ -563,22 +563,34 @@ def _term_precision(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
+    options: Options,
 ) -> rules.Precision | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts)."""
     if term is None:
         return None
-    parts = [c for f in files.values() if (c := _restrict(f, keys, device, dtype)) is not None]
+    parts = [
+        c for f in files.values() if (c := _restrict(f, keys, device, dtype, options)) is not None
+    ]
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
 def _restrict(
-    file: CurvatureFile | None, keys: Sequence[str], device: torch.device, dtype: torch.dtype
+    file: CurvatureFile | None,
+    keys: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    options: Options,
 ) -> Curvature | None:
-    """The unit's part of a curvature file; NaN/Inf values are caught by the merge rule that
-    uses them (:meth:`CurvatureFile.restrict` with ``check_finite=False``): one read less."""
+    """The unit's part of a curvature file, its K-FAC solves set to ``solver:`` of ``options``;
+    NaN/Inf values are caught by the merge rule that uses them
+    (:meth:`CurvatureFile.restrict` with ``check_finite=False``): one read less."""
     if file is None:
         return None
-    return file.restrict(keys, device=device, dtype=dtype, check_finite=False)
+    part = file.restrict(keys, device=device, dtype=dtype, check_finite=False)
+    for kfac in [part] if isinstance(part, KFAC) else getattr(part, "blocks", ()):
+        if isinstance(kfac, KFAC):  # sums made from it inherit these (KFAC algebra)
+            kfac.cg_tol, kfac.cg_maxiter = options.solver_tol, options.solver_maxiter
+    return part
 
 
 def _read(

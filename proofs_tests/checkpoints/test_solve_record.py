@@ -91,3 +91,53 @@ def test_cli_prints_the_largest_residual(tmp_path, capsys):
     record = json.loads((tmp_path / "out" / "gradmerge_merge.json").read_text())
     assert f"largest relative residual {record['max_residual']:.1e}" in out
     assert 0 < record["max_residual"] <= 1e-5  # float32 compute: certified to 1e-5
+
+
+def _three_task_config(ws, **extra):
+    return {
+        "method": "gradient_matching",
+        "base_model": str(ws.base),
+        "models": [
+            {"model": str(m), "curvature": str(c)}
+            for m, c in zip(ws.models, ws.curvatures, strict=True)
+        ],
+        "prior": {"delta": 1e-3},
+        **extra,
+    }
+
+
+def test_solver_keys_set_every_k_fac_solve(tmp_path):
+    """`solver: {tol, maxiter}`: a tighter tolerance shows in the recorded residuals; a budget
+    of one CG iteration with a tolerance CG cannot meet in it is a NotConvergedError naming the
+    layer and the YAML fix, and no output folder is left."""
+    ws = make_workspace(tmp_path, "kfac", tasks=3)
+    tight = ws.yaml("tight.yaml", _three_task_config(ws, solver={"tol": 1e-7}))
+    gm.run_merge(gm.MergeConfig.from_yaml(tight), tmp_path / "tight")
+    record = json.loads((tmp_path / "tight" / "gradmerge_merge.json").read_text())
+    assert record["config"]["solver_tol"] == 1e-7
+    assert all(e["residual"] <= 1e-7 for e in record["solves"].values())
+    starved = ws.yaml("starved.yaml", _three_task_config(ws, solver={"tol": 1e-9, "maxiter": 1}))
+    config = gm.MergeConfig.from_yaml(starved)
+    assert config.solver_maxiter == 1
+    with pytest.raises(gm.NotConvergedError, match=r"prior: \{delta"):
+        gm.run_merge(config, tmp_path / "starved")
+    assert not (tmp_path / "starved").exists()
+
+
+@pytest.mark.parametrize(
+    ("solver", "message"),
+    [
+        ({"tol": 0}, "solver.tol"),
+        ({"tol": 2.0}, "solver.tol"),
+        ({"tol": "x"}, "solver.tol"),
+        ({"maxiter": 0}, "solver.maxiter"),
+        ({"maxiter": 2.5}, "solver.maxiter"),
+        ({"iterations": 5}, "unknown key 'iterations'"),
+        ("fast", "solver must be a mapping"),
+    ],
+)
+def test_bad_solver_keys_are_config_errors(tmp_path, solver, message):
+    ws = make_workspace(tmp_path, "kfac", tasks=1)
+    path = ws.yaml("bad.yaml", _three_task_config(ws, solver=solver))
+    with pytest.raises(gm.ConfigError, match=message):
+        gm.MergeConfig.from_yaml(path)
