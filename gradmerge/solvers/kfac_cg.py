@@ -189,7 +189,8 @@ class _Basis:
                 (torch.outer(g.diagonal(), a.diagonal()) for a, g in self.rotated),
                 torch.zeros_like(terms[0][1][:, :1] * terms[0][0][:1]),
             )
-            self.method = f"eigenbasis-preconditioned CG ({len(terms)} Kronecker terms + δI)"
+            prior = " + δI" if delta else ""
+            self.method = f"eigenbasis-preconditioned CG ({len(terms)} Kronecker terms{prior})"
         low = float(self.diagonal.min())
         if not low > 0:
             raise NotPositiveDefiniteError(
