@@ -23,17 +23,7 @@ def ws(tmp_path_factory):
 
 
 def _gm_config(ws, **changes):
-    config = {
-        "method": "gradient_matching",
-        "base_model": "base.safetensors",
-        "models": [
-            {"model": m.name, "curvature": c.name}
-            for m, c in zip(ws.models, ws.curvatures, strict=True)
-        ],
-        "prior": {"delta": 1e-2},
-    }
-    config.update(changes)
-    return MergeConfig.from_dict(config, root=ws.root)
+    return MergeConfig.from_dict(ws.merge_dict(**changes), root=ws.root)
 
 
 def _variant(ws, tmp_path, name, change):

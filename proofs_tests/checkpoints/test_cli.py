@@ -15,16 +15,8 @@ def ws(tmp_path_factory):
 
 
 def _merge_yaml(ws, **changes):
-    config = {
-        "method": "gradient_matching",
-        "base_model": "base.safetensors",
-        "models": [
-            {"model": m.name, "curvature": c.name, "alpha": 0.5}
-            for m, c in zip(ws.models, ws.curvatures, strict=True)
-        ],
-        "prior": {"delta": 1.0e-2, "curvature": "base.curvature.safetensors"},
-    }
-    config.update(changes)
+    prior = {"delta": 1.0e-2, "curvature": "base.curvature.safetensors"}
+    config = ws.merge_dict(alpha=0.5, **{"prior": prior, **changes})
     return str(ws.yaml("merge.yaml", config))
 
 

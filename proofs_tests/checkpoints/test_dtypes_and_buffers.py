@@ -23,17 +23,7 @@ def bf16(tmp_path_factory):
 
 
 def _config(ws, **changes):
-    config = {
-        "method": "gradient_matching",
-        "base_model": "base.safetensors",
-        "models": [
-            {"model": m.name, "curvature": c.name}
-            for m, c in zip(ws.models, ws.curvatures, strict=True)
-        ],
-        "prior": {"delta": 1e-2},
-        "passthrough": ["*.running_mean"],
-    }
-    config.update(changes)
+    config = ws.merge_dict(**{"passthrough": ["*.running_mean"], **changes})
     return MergeConfig.from_dict(config, root=ws.root)
 
 

@@ -24,20 +24,10 @@ def _matrix(params, layer):
 def test_recorded_residuals_equal_dense_residuals(tmp_path, tasks):
     ws = make_workspace(tmp_path, "kfac", tasks=tasks, dtype=DT, curvature_dtype=DT)
     alphas, delta = [1.0, 0.5, 0.8][:tasks], 1e-3
-    cfg = ws.yaml(
-        "m.yaml",
-        {
-            "method": "gradient_matching",
-            "base_model": str(ws.base),
-            "models": [
-                {"model": str(m), "curvature": str(c), "alpha": a}
-                for m, c, a in zip(ws.models, ws.curvatures, alphas, strict=True)
-            ],
-            "prior": {"delta": delta},
-            "compute_dtype": "float64",
-            "dtype": "float64",
-        },
-    )
+    config = ws.merge_dict(prior={"delta": delta}, compute_dtype="float64", dtype="float64")
+    for model, alpha in zip(config["models"], alphas, strict=True):
+        model["alpha"] = alpha
+    cfg = ws.yaml("m.yaml", config)
     report = gm.run_merge(gm.MergeConfig.from_yaml(cfg), tmp_path / "out")
     record = json.loads((tmp_path / "out" / "gradmerge_merge.json").read_text())
     merged = load_file(tmp_path / "out" / "model.safetensors")
@@ -74,18 +64,7 @@ def test_cli_prints_the_largest_residual(tmp_path, capsys):
     from gradmerge.cli import main
 
     ws = make_workspace(tmp_path, "kfac", tasks=2)
-    cfg = ws.yaml(
-        "m.yaml",
-        {
-            "method": "gradient_matching",
-            "base_model": str(ws.base),
-            "models": [
-                {"model": str(m), "curvature": str(c)}
-                for m, c in zip(ws.models, ws.curvatures, strict=True)
-            ],
-            "prior": {"delta": 1e-2},
-        },
-    )
+    cfg = ws.yaml("m.yaml", ws.merge_dict())
     assert main(["merge", str(cfg), str(tmp_path / "out"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "out" / "gradmerge_merge.json").read_text())
@@ -94,16 +73,7 @@ def test_cli_prints_the_largest_residual(tmp_path, capsys):
 
 
 def _three_task_config(ws, **extra):
-    return {
-        "method": "gradient_matching",
-        "base_model": str(ws.base),
-        "models": [
-            {"model": str(m), "curvature": str(c)}
-            for m, c in zip(ws.models, ws.curvatures, strict=True)
-        ],
-        "prior": {"delta": 1e-3},
-        **extra,
-    }
+    return ws.merge_dict(prior={"delta": 1e-3}, **extra)
 
 
 def test_solver_keys_set_every_k_fac_solve(tmp_path):

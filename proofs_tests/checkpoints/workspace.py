@@ -65,6 +65,22 @@ class Workspace:
     def curvature(self, path: Path, dtype: torch.dtype = DT) -> gm.Curvature:
         return gm.load_curvature(path).to(dtype=dtype)
 
+    def merge_dict(self, alpha: float | None = None, **changes: object) -> dict:
+        """A gradient-matching merge of every fine-tune with its curvature and δ = 1e-2 (paths
+        relative to the workspace, where its YAML files go), with ``changes`` on top."""
+        models = [
+            {"model": m.name, "curvature": c.name, **({} if alpha is None else {"alpha": alpha})}
+            for m, c in zip(self.models, self.curvatures, strict=True)
+        ]
+        config = {
+            "method": "gradient_matching",
+            "base_model": self.base.name,
+            "models": models,
+            "prior": {"delta": 1.0e-2},
+        }
+        config.update(changes)
+        return config
+
     def yaml(self, name: str, config: dict) -> Path:
         path = self.root / name
         path.write_text(yaml.safe_dump(config))

@@ -30,17 +30,7 @@ def _remove(ws, **changes):
 
 
 def _merge(ws, **changes):
-    config = {
-        "method": "gradient_matching",
-        "base_model": "base.safetensors",
-        "models": [
-            {"model": m.name, "curvature": c.name}
-            for m, c in zip(ws.models, ws.curvatures, strict=True)
-        ],
-        "prior": {"delta": 1.0e-2},
-    }
-    config.update(changes)
-    return str(ws.yaml("merge.yaml", config))
+    return str(ws.yaml("merge.yaml", ws.merge_dict(**changes)))
 
 
 def _fails(argv, capsys):
