@@ -295,16 +295,16 @@ class KFAC(Curvature):
         low = max(_rayleigh(a) * _rayleigh(g) for a, g in pairs)
         tol = r * max(1.0, low)  # ≤ the exact test's tolerance
         eps64 = torch.finfo(torch.float64).eps
-        for a, g in pairs:
-            upper = [float(torch.linalg.matrix_norm(m.to(torch.float64))) for m in (a, g)]
-            for m, other_upper, own_upper in ((a, upper[1], upper[0]), (g, upper[0], upper[1])):
-                if identity_multiple(m) is not None and float(m[0, 0]) >= 0:
+        for pair in pairs:  # one layer's factors in float64 at a time
+            wa, wg = (m.to(torch.float64) for m in pair)
+            ua, ug = (float(torch.linalg.matrix_norm(w)) for w in (wa, wg))
+            for wide, other_upper, own_upper in ((wa, ug, ua), (wg, ua, ug)):
+                if identity_multiple(wide) is not None and float(wide[0, 0]) >= 0:
                     continue
                 tau = tol / (2 * max(other_upper, torch.finfo(torch.float64).tiny))
-                rounding = m.shape[0] * eps64 * own_upper
+                rounding = wide.shape[0] * eps64 * own_upper
                 if not tau > 2 * rounding:
                     return False
-                wide = m.to(torch.float64)
                 shifted = (wide + wide.T) / 2 + (tau - rounding) * eye_like(wide)
                 if int(torch.linalg.cholesky_ex(shifted).info) != 0:
                     return False
