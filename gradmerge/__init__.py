@@ -38,7 +38,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StructureError,
 )
-from gradmerge.estimate import estimate_curvature, gradient_fn
+from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.merge import (
     fisher_average,
@@ -126,6 +126,7 @@ __all__ = [
     "load_curvature",
     # curvature estimation (SUMS over examples)
     "estimate_curvature",
+    "EstimateOptions",
     "gradient_fn",
     # diagnostics (Eq. 2)
     "gradient_mismatch",

@@ -89,14 +89,12 @@ from gradmerge.checkpoints.writer import refuse_existing, staged_output
 from gradmerge.curvature import Curvature, load_curvature
 from gradmerge.diagnostics import gradient_mismatch
 from gradmerge.errors import StructureError
-from gradmerge.estimate import estimate_curvature, gradient_fn
+from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
+from gradmerge.estimate.options import Fisher, LossFunction, Structure
 from gradmerge.merge import refine
 from gradmerge.params import Params
 from gradmerge.text_data import TEXT_SUFFIXES, TextOptions
 
-STRUCTURES = ("diag", "kfac", "full")
-FISHERS = ("empirical", "mc", "ggn", "hessian")
-LOSSES = ("cross_entropy", "mse")
 RECORD = "gradmerge_refine.json"
 
 
@@ -128,6 +126,17 @@ class RefineConfig(FromYaml):
     device: str = "auto"
     text: TextOptions = field(default_factory=TextOptions)
     source: Path | None = field(default=None, compare=False)
+
+    @property
+    def estimate_options(self) -> EstimateOptions:
+        """How H_t is re-estimated at each iterate (``gm.estimate_curvature``'s options)."""
+        return EstimateOptions(
+            structure=self.structure,  # type: ignore[arg-type]  # checked by from_dict
+            fisher=self.fisher,  # type: ignore[arg-type]
+            loss=self.loss,  # type: ignore[arg-type]
+            seed=self.seed,
+            ignore_index=self.ignore_index,
+        )
 
     @property
     def alphas(self) -> list[float]:
@@ -175,8 +184,8 @@ class RefineConfig(FromYaml):
             )
         prior = _term(r, "prior", required=True)
         assert prior is not None  # required=True raises instead
-        structure = r.choice("structure", STRUCTURES, default="kfac")
-        fisher = r.choice("fisher", FISHERS, default="empirical")
+        structure = r.choice("structure", tuple(Structure), default="kfac")
+        fisher = r.choice("fisher", tuple(Fisher), default="empirical")
         if fisher == "hessian" and structure != "full":
             raise ConfigError("`fisher: hessian` needs `structure: full` (diag and kfac are GGNs)")
         return cls(
@@ -187,7 +196,7 @@ class RefineConfig(FromYaml):
             steps=_integer(r, "steps", _REQUIRED, minimum=1),
             structure=structure,
             fisher=fisher,
-            loss=r.choice("loss", LOSSES, default="cross_entropy"),
+            loss=r.choice("loss", tuple(LossFunction), default="cross_entropy"),
             batch_size=_integer(r, "batch_size", 16, minimum=1),
             shift_labels=r.flag("shift_labels", default=False),
             ignore_index=_integer(r, "ignore_index", -100),
@@ -444,20 +453,13 @@ def _curvature_at(
     model: nn.Module, data: list[Any], config: RefineConfig
 ) -> Callable[[Params], Curvature]:
     """θ ↦ H_t(θ): the model's weights set to θ, then ``gm.estimate_curvature`` on D_t."""
+    options = config.estimate_options
 
     def at(theta: Params) -> Curvature:
         with torch.no_grad():
             for key, value in theta.items():
                 model.get_parameter(key).copy_(value)
-        return estimate_curvature(
-            model,
-            data,
-            structure=config.structure,  # type: ignore[arg-type]
-            fisher=config.fisher,  # type: ignore[arg-type]
-            loss=config.loss,  # type: ignore[arg-type]
-            seed=config.seed,
-            ignore_index=config.ignore_index,
-        )
+        return estimate_with(model, data, options)
 
     return at
 

@@ -37,10 +37,18 @@ from gradmerge.commands._inputs import (
 )
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
-from gradmerge.distributed.estimate import estimate_curvature as distributed_estimate
+from gradmerge.distributed.estimate import estimate_with as distributed_estimate
 from gradmerge.distributed.launch import init_from_env, rank_device, save_on_rank0
 from gradmerge.distributed.shard import shard
-from gradmerge.estimate.kfac import MAX_FACTOR_SIDE
+from gradmerge.errors import ArgumentError
+from gradmerge.estimate import estimate_with
+from gradmerge.estimate.options import (
+    MAX_FACTOR_SIDE,
+    EstimateOptions,
+    Fisher,
+    KFACApprox,
+    Structure,
+)
 
 EXAMPLES = """\
 examples:
@@ -107,20 +115,20 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES + "\n" + DISTRIBUTED_EPILOG,
     )
     add_source_arguments(p, "curvature file to write (.safetensors)")
-    p.add_argument("--structure", choices=["diag", "kfac", "full"], default="diag")
+    p.add_argument("--structure", choices=[s.value for s in Structure], default="diag")
     p.add_argument(
         "--fisher",
-        choices=["empirical", "mc", "ggn", "hessian"],
+        choices=[f.value for f in Fisher],
         default="empirical",
         help="empirical (observed labels), mc (sampled labels), ggn (exact GGN), "
         "hessian (--structure full only); default: empirical",
     )
     p.add_argument("--mc-samples", type=int, default=1, help="labels drawn per example (mc)")
     p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws")
-    p.add_argument("--kfac-approx", choices=["expand", "reduce"], default="expand")
+    p.add_argument("--kfac-approx", choices=[a.value for a in KFACApprox], default="expand")
     p.add_argument(
         "--kfac-max-factor-side",
-        "--kfac-max-side",  # the flag's first name, still accepted
+        "--kfac-max-side",  # the flag's first name: an alias, still accepted
         dest="kfac_max_factor_side",
         type=max_side,
         default=MAX_FACTOR_SIDE,
@@ -136,30 +144,34 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run, check=check)
 
 
-def estimate_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The estimator's keywords from the command-line options (also under --distributed)."""
-    return {
-        "structure": args.structure,
-        "fisher": args.fisher,
-        "loss": args.loss,
-        "mc_samples": args.mc_samples,
-        "seed": args.seed,
-        "ignore_index": args.ignore_index,
-        "kfac_approx": args.kfac_approx,
-        "max_params": args.max_params,
-        "kfac_max_factor_side": args.kfac_max_factor_side,
-    }
+def estimate_options(args: argparse.Namespace) -> EstimateOptions:
+    """The estimator's options from the command-line flags (also under --distributed).
+
+    Raises:
+        ArgumentError: flags the options refuse (:class:`gradmerge.EstimateOptions`).
+    """
+    return EstimateOptions(
+        structure=args.structure,
+        fisher=args.fisher,
+        loss=args.loss,
+        mc_samples=args.mc_samples,
+        seed=args.seed,
+        ignore_index=args.ignore_index,
+        kfac_approx=args.kfac_approx,
+        max_params=args.max_params,
+        kfac_max_factor_side=args.kfac_max_factor_side,
+    )
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    if args.fisher == "hessian" and args.structure != "full":
-        parser.error(
-            "--fisher hessian needs --structure full (diag and kfac estimate a Fisher/GGN)"
-        )
+    """Reject unusable arguments before any work (argparse error: exit 2 with usage); the
+    estimator's options are checked by :class:`gradmerge.EstimateOptions`, whose message names
+    the option (``mc_samples`` for ``--mc-samples``)."""
+    try:
+        estimate_options(args)
+    except ArgumentError as err:
+        parser.error(str(err))
     check_distributed(parser, args)
-    if args.mc_samples < 1:
-        parser.error(f"--mc-samples must be at least 1, got {args.mc_samples}")
     check_sources(parser, args)
 
 
@@ -179,8 +191,6 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace) -> int:
     """Load, estimate, save; print one summary line. Raises the typed errors of
     :mod:`gradmerge.errors` on bad input (see :mod:`gradmerge.sources`)."""
-    import gradmerge as gm
-
     if getattr(args, "distributed", False):  # under torchrun: gradmerge.distributed's path
         return run_distributed(args)
 
@@ -195,7 +205,7 @@ def execute(args: argparse.Namespace) -> int:
         )
     label = f"curvature {args.structure} {args.fisher}"
     batches = data if args.no_progress else progress(data, label, passes)
-    curvature = gm.estimate_curvature(model, batches, **estimate_options(args))
+    curvature = estimate_with(model, batches, estimate_options(args))
     curvature.meta.update(provenance(args, device, data))
     path = curvature.save(args.out)
     covered = sum(
@@ -298,9 +308,9 @@ def run_distributed(args: argparse.Namespace) -> int:
         curvature = distributed_estimate(
             model,
             data,
+            estimate_options(args),
             timeout=args.timeout,
             expected_examples=args.expected_examples,
-            **estimate_options(args),
         )
         curvature.meta.update(provenance(args, device, loaded))
         save_on_rank0(curvature, args.out, args.timeout)

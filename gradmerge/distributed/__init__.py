@@ -6,7 +6,7 @@ added with ``all_reduce``, so the result equals the single-process estimate on a
 
 - :func:`estimate_curvature` — ``gm.estimate_curvature`` across ranks (DDP models accepted; FSDP
   refused), with agreement checks and a timeout: failures raise :class:`DistributedError` on every
-  rank.
+  rank; :func:`estimate_with` the same with a ``gm.EstimateOptions``.
 - :func:`shard`, :func:`shard_range` — contiguous parts of the data, no padding, no dropping.
 - :func:`rank_seed` — the per-rank seed of Monte-Carlo draws.
 - :func:`model_fingerprint` — what the ranks compare to be sure they hold the same model.
@@ -21,7 +21,12 @@ added with ``all_reduce``, so the result equals the single-process estimate on a
 from typing import Any
 
 from gradmerge.distributed.errors import DistributedError
-from gradmerge.distributed.estimate import DEFAULT_TIMEOUT, estimate_curvature, rank_seed
+from gradmerge.distributed.estimate import (
+    DEFAULT_TIMEOUT,
+    estimate_curvature,
+    estimate_with,
+    rank_seed,
+)
 from gradmerge.distributed.fingerprint import ModelFingerprint, model_fingerprint
 from gradmerge.distributed.shard import shard, shard_range
 
@@ -40,6 +45,7 @@ __all__ = [
     "DistributedError",
     "ModelFingerprint",
     "estimate_curvature",
+    "estimate_with",
     "model_fingerprint",
     "rank_seed",
     "run_merge",

@@ -39,15 +39,14 @@ Usage, in a script run by ``torchrun --nproc-per-node 2 script.py``::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from gradmerge import _weight_sample
-from gradmerge.curvature import Curvature
+from gradmerge.curvature import KFAC, Blocks, Curvature
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.fingerprint import (
@@ -58,9 +57,13 @@ from gradmerge.distributed.fingerprint import (
 )
 from gradmerge.distributed.reduce import Description, contributions, describe, rebuild
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate import check_structure
-from gradmerge.estimate._data import FISHERS, check_fisher
-from gradmerge.estimate.kfac import MAX_FACTOR_SIDE, check_max_factor_side
+from gradmerge.estimate import EstimateOptions
+from gradmerge.estimate import estimate_with as single_process_estimate
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from gradmerge.estimate.options import EstimateKeywords
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits for the others at a synchronisation point (before the estimate, and
@@ -118,17 +121,7 @@ def estimate_curvature(
     group: Any = None,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     expected_examples: int | None = None,
-    structure: Literal["diag", "kfac", "full"] = "diag",
-    fisher: Literal["empirical", "mc", "ggn", "hessian"] = "empirical",
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-    mc_samples: int = 1,
-    seed: int = 0,
-    ignore_index: int = -100,
-    kfac_approx: Literal["expand", "reduce"] = "expand",
-    kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
-    params: Sequence[str] | None = None,
-    max_params: int = 20_000,
-    progress: bool = False,
+    **options: Unpack[EstimateKeywords],
 ) -> Curvature:
     r"""The curvature of ``model`` on the union of every rank's ``data``: H = Σ_r Σ_{i ∈ shard r} H_i.
 
@@ -149,10 +142,11 @@ def estimate_curvature(
         expected_examples: if given, the total number of examples over all ranks must equal it
             (catches samplers that pad or drop, e.g. ``DistributedSampler(drop_last=False)``,
             which repeats examples so that they would be counted twice).
-        structure, fisher, loss, mc_samples, seed, ignore_index, kfac_approx,
-            kfac_max_factor_side, params, max_params, progress: as in
-            :func:`gradmerge.estimate_curvature`; they must agree across ranks (``progress``
-            excepted).
+        **options: the keywords of :func:`gradmerge.estimate_curvature` (structure, fisher,
+            loss, mc_samples, seed, ignore_index, kfac_approx, kfac_max_factor_side, params,
+            max_params, progress), with its defaults: the fields of
+            :class:`gradmerge.EstimateOptions`, checked by it on every rank. They must agree
+            across ranks (``progress`` excepted).
 
     Returns:
         The summed curvature, on every rank; ``C.meta`` as in the single-process estimate, with
@@ -177,40 +171,58 @@ def estimate_curvature(
         (tensor([[1., 4.]], dtype=torch.float64), '2', '1')
         >>> dist.destroy_process_group()
     """
-    options: dict[str, Any] = {
-        "structure": structure,
-        "fisher": fisher,
-        "loss": loss,
-        "mc_samples": mc_samples,
-        "seed": seed,
-        "ignore_index": ignore_index,
-        "kfac_approx": kfac_approx,
-        "kfac_max_factor_side": kfac_max_factor_side,
-        "params": None if params is None else list(params),
-        "max_params": max_params,
-        "expected_examples": expected_examples,
-    }
+    return estimate_with(
+        model, data, options, group=group, timeout=timeout, expected_examples=expected_examples
+    )
+
+
+def estimate_with(
+    model: nn.Module,
+    data: Iterable[Any],
+    options: EstimateOptions | EstimateKeywords,
+    *,
+    group: Any = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    expected_examples: int | None = None,
+) -> Curvature:
+    """:func:`estimate_curvature` with the options as one object: an :class:`EstimateOptions`
+    (or its keywords, checked on every rank so that bad ones fail on all of them alike).
+
+    Each rank runs the single-process path, :func:`gradmerge.estimate.estimate_with`, on its
+    shard with its :func:`rank_seed`; see :func:`estimate_curvature` for the rest.
+    """
     with Comm.open(group, timeout) as comm:
         # 1. Agree on the model and the options before any work.
         module: nn.Module | None = None
+        checked: EstimateOptions | None = None
         fingerprint, failure, cause = None, None, None
         try:
-            _check_options(options)
+            checked = (
+                options if isinstance(options, EstimateOptions) else EstimateOptions(**options)
+            )
+            if expected_examples is not None and (
+                not isinstance(expected_examples, int) or expected_examples < 1
+            ):
+                raise ArgumentError(
+                    f"expected_examples must be a positive int, got {expected_examples!r}"
+                )
             module = unwrap(model)
             fingerprint = model_fingerprint(module)
         except Exception as err:
             failure, cause = _failure(err), err
+        agreed = {k: v for k, v in (vars(checked) if checked else {}).items() if k != "progress"}
+        agreed["expected_examples"] = expected_examples
         hellos: list[_Hello] = comm.exchange(
-            "check the model and options", _Hello(options, fingerprint, failure)
+            "check the model and options", _Hello(agreed, fingerprint, failure)
         )
         _raise_failures([h.failure for h in hellos], comm.rank, "before estimating", cause)
         _check_agreement(hellos)
-        assert module is not None  # no failure anywhere, so not on this rank either
+        assert module is not None and checked is not None  # no failure anywhere, nor here
 
         # 2. Estimate on this rank's shard.
         local, cause = None, None
         try:
-            local = _estimate_local(module, data, options, rank_seed(seed, comm.rank), progress)
+            local = _estimate_local(module, data, checked, comm.rank)
             parts = contributions(local.curvature, counts=local.counts, diagonal_a=local.diagonal_a)
             done = _Done(None, local.num_examples, describe(parts), local.counts)
         except Exception as err:
@@ -230,71 +242,22 @@ def estimate_curvature(
     return result
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    """The option checks of ``gm.estimate_curvature`` that do not need the data (fail early)."""
-    check_max_factor_side(options["kfac_max_factor_side"], "kfac_max_factor_side")
-    check_structure(options["structure"], options["fisher"])
-    check_fisher(options["fisher"], (*FISHERS, "hessian"))
-    if options["structure"] == "kfac" and options["params"] is not None:
-        raise ArgumentError("params= restricts 'diag' and 'full' estimates; K-FAC covers the model")
-    expected = options["expected_examples"]
-    if expected is not None and (not isinstance(expected, int) or expected < 1):
-        raise ArgumentError(f"expected_examples must be a positive int, got {expected!r}")
-
-
 def _estimate_local(
-    module: nn.Module, data: Iterable[Any], options: dict[str, Any], seed: int, progress: bool
+    module: nn.Module, data: Iterable[Any], options: EstimateOptions, rank: int
 ) -> _Local:
-    """This rank's single-process estimate (with its K-FAC counts, which A is a mean over)."""
-    from gradmerge.estimate import estimate_curvature, estimate_kfac_factors, kfac_curvature
-
-    common = {
-        "fisher": options["fisher"],
-        "loss": options["loss"],
-        "mc_samples": options["mc_samples"],
-        "seed": seed,
-        "ignore_index": options["ignore_index"],
-        "progress": progress,
-    }
-    if options["structure"] != "kfac":
-        curvature = estimate_curvature(
-            module,
-            data,
-            structure=options["structure"],
-            params=options["params"],
-            max_params=options["max_params"],
-            kfac_approx=options["kfac_approx"],
-            **common,
-        )
-        return _Local(curvature, int(curvature.meta["num_examples"]))
-    # K-FAC as in gm.estimate_curvature, keeping KFACFactors.counts (the public curvature does not
-    # carry them, and the reduction needs them: A is a mean over them).
-    if isinstance(data, Iterator):
-        raise ArgumentError(
-            "structure='kfac' passes over the data more than once: pass a list or a "
-            "DataLoader, not a one-shot iterator"
-        )
-    factors = estimate_kfac_factors(
-        module,
-        data,
-        kfac_approx=options["kfac_approx"],
-        max_factor_side=options["kfac_max_factor_side"],
-        **common,
-    )
-    curvature = kfac_curvature(module, data, factors, **common)
-    curvature.meta.update(
-        {
-            "structure": "kfac",
-            "fisher": options["fisher"],
-            "loss": options["loss"],
-            "num_examples": str(factors.num_examples),
-            "normalisation": "sum over examples",
-            "kfac_approx": options["kfac_approx"],
-        }
-    )
-    _weight_sample.record(curvature, dict(module.named_parameters()))
-    diagonal_a = {m for m, (a, _) in factors.factors.items() if a.ndim == 1}
-    return _Local(curvature, factors.num_examples, dict(factors.counts), diagonal_a)
+    """This rank's single-process estimate (seeded with :func:`rank_seed`), with what the
+    reduction needs of its K-FAC layers: the counts M_r that A_r is a mean over (carried by
+    ``gm.KFAC``; 0 where the rank kept no position) and which A are diagonal (embeddings)."""
+    seeded = replace(options, seed=rank_seed(options.seed, rank))
+    curvature = single_process_estimate(module, data, seeded)
+    local = _Local(curvature, int(curvature.meta["num_examples"]))
+    parts = curvature.blocks if isinstance(curvature, Blocks) else [curvature]
+    for kfac in (part for part in parts if isinstance(part, KFAC)):
+        for layer in kfac.terms:
+            local.counts[layer] = kfac.counts.get(layer, 0)
+            if isinstance(module.get_submodule(layer), nn.Embedding):
+                local.diagonal_a.add(layer)
+    return local
 
 
 def _failure(err: BaseException) -> str:

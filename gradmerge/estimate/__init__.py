@@ -8,50 +8,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from gradmerge import _weight_sample
 from gradmerge.curvature import KFAC, Blocks, Curvature
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate._data import FisherName, check_fisher, num_examples, split_batch
+from gradmerge.estimate._data import num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
 from gradmerge.estimate.diagonal import estimate_diagonal
 from gradmerge.estimate.gradient import gradient_fn
-from gradmerge.estimate.kfac import (
-    MAX_FACTOR_SIDE,
-    KFACFactors,
-    check_max_factor_side,
-    estimate_kfac_factors,
-)
+from gradmerge.estimate.kfac import KFACFactors, estimate_kfac_factors
 from gradmerge.estimate.matrix_free import MatrixFree
+from gradmerge.estimate.options import (
+    MAX_FACTOR_SIDE,
+    EstimateOptions,
+    Fisher,
+    KFACApprox,
+    LossFunction,
+    Structure,
+)
 
 MAX_DIAGONAL_FACTOR = 4096
 """Embeddings whose diagonal A factor is larger than this (or than the factor-side limit) get a
 diagonal block instead of K-FAC (``gm.KFAC`` stores A as a dense vocab × vocab matrix; see
 ``kfac_curvature``)."""
-
-
-STRUCTURES = ("diag", "kfac", "full")
-"""The structures :func:`estimate_curvature` estimates."""
-
-
-def check_structure(structure: object, fisher: object) -> None:
-    """The checks of ``structure`` and its pairing with ``fisher`` shared by every estimator
-    front end (:func:`estimate_curvature`, ``gm.distributed.estimate_curvature``).
-
-    Raises:
-        ArgumentError: an unknown structure, or ``fisher="hessian"`` with another structure
-            than ``"full"``.
-    """
-    if structure not in STRUCTURES:
-        raise ArgumentError(f"structure must be 'diag', 'kfac' or 'full', got {structure!r}")
-    if fisher == "hessian" and structure != "full":
-        raise ArgumentError(
-            "fisher='hessian' is available for structure='full' (and gm.MatrixFree) only: "
-            "diagonal and K-FAC estimates are of a Fisher or GGN"
-        )
 
 
 def estimate_curvature(
@@ -71,6 +53,10 @@ def estimate_curvature(
     progress: bool = False,
 ) -> Curvature:
     r"""The curvature of ``model`` on ``data``, a SUM over examples: H = Σ_i H_i.
+
+    The keywords are the fields of :class:`EstimateOptions`, checked there before any work (an
+    :class:`~gradmerge.errors.ArgumentError` names the option): this is
+    ``estimate_with(model, data, EstimateOptions(**keywords))``.
 
     Args:
         model: any ``nn.Module``, at the point where the curvature is wanted (θ_t for a task's
@@ -124,78 +110,77 @@ def estimate_curvature(
         >>> [type(block).__name__ for block in C.blocks], json.loads(C.meta["kfac_diagonal_layers"])
         (['KFAC', 'Diagonal'], {'1': 'G would be 40 × 40: a factor side above the limit of 32'})
     """
-    check_structure(structure, fisher)
-    kfac_max_factor_side = check_max_factor_side(kfac_max_factor_side, "kfac_max_factor_side")
-    data = _Counted(data)
+    # The keywords above are EstimateOptions' fields, in order (a test holds them equal).
+    options = EstimateOptions(
+        structure, fisher, loss, mc_samples, seed, ignore_index, kfac_approx, params,
+        max_params, kfac_max_factor_side, progress,
+    )  # fmt: skip
+    return estimate_with(model, data, options)
+
+
+def estimate_with(model: nn.Module, data: Iterable[Any], options: EstimateOptions) -> Curvature:
+    r"""The curvature of ``model`` on ``data`` with ``options``: the one path behind
+    :func:`estimate_curvature` (``estimate_curvature(model, data, **kw)`` is
+    ``estimate_with(model, data, EstimateOptions(**kw))``), ``gm.distributed.estimate_curvature``
+    (on each rank's shard) and ``gradmerge curvature``.
+
+    H = Σ_i H_i, a SUM over the examples of ``data``; the structures and curvature types are
+    those of :class:`EstimateOptions` (:func:`estimate_curvature` documents them and ``C.meta``).
+
+    Args:
+        model: any ``nn.Module``, at the point where the curvature is wanted.
+        data: batches ``(inputs, targets)`` or dicts with ``"labels"``; re-iterable (a list or a
+            DataLoader) for ``structure="kfac"``.
+        options: the estimator's options, checked when they were made.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> model = torch.nn.Linear(2, 1, bias=False).double()
+        >>> X = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> data = [(X, torch.zeros(2, 1, dtype=torch.float64))]
+        >>> C = gm.estimate.estimate_with(model, data, gm.EstimateOptions(structure="full", fisher="ggn", loss="mse"))
+        >>> C.matrix, C.meta["structure"]
+        (tensor([[1., 0.],
+                [0., 4.]], dtype=torch.float64), 'full')
+
+    References:
+        Martens, "New Insights and Perspectives on the Natural Gradient Method", JMLR 2020
+        (Fisher and GGN); Martens & Grosse, ICML 2015 (K-FAC).
+    """
+    counted = _Counted(data)
     curvature: Curvature
-    if structure == "full":
+    if options.structure == Structure.FULL:
         curvature = estimate_dense(
-            model,
-            data,
-            fisher=fisher,
-            loss=loss,
-            mc_samples=mc_samples,
-            seed=seed,
-            ignore_index=ignore_index,
-            params=params,
-            max_params=max_params,
+            model, counted, params=options.params, max_params=options.max_params, **_draws(options)
         )
-    elif structure == "diag":
-        curvature = estimate_diagonal(
-            model,
-            data,
-            fisher=_fisher(fisher),
-            loss=loss,
-            mc_samples=mc_samples,
-            seed=seed,
-            ignore_index=ignore_index,
-            params=params,
-            progress=progress,
-        )
+    elif options.structure == Structure.DIAG:
+        curvature = _diagonal(model, counted, options, options.params)
     else:
-        if params is not None:
-            raise ArgumentError(
-                "params= restricts 'diag' and 'full' estimates; K-FAC covers the model"
-            )
-        if isinstance(data.data, Iterator):
+        if isinstance(data, Iterator):
             raise ArgumentError(
                 "structure='kfac' passes over the data more than once: pass a list or a "
                 "DataLoader, not a one-shot iterator"
             )
         factors = estimate_kfac_factors(
             model,
-            data,
-            fisher=_fisher(fisher),
-            loss=loss,
-            kfac_approx=kfac_approx,
-            mc_samples=mc_samples,
-            seed=seed,
-            ignore_index=ignore_index,
-            progress=progress,
-            max_factor_side=kfac_max_factor_side,
+            counted,
+            kfac_approx=options.kfac_approx,
+            kfac_max_factor_side=options.kfac_max_factor_side,
+            progress=options.progress,
+            **_draws(options),
         )
-        curvature = kfac_curvature(
-            model,
-            data,
-            factors,
-            fisher=_fisher(fisher),
-            loss=loss,
-            mc_samples=mc_samples,
-            seed=seed,
-            ignore_index=ignore_index,
-            progress=progress,
-        )
+        curvature = kfac_curvature(model, counted, factors, options)
     curvature.meta.update(
         {
-            "structure": structure,
-            "fisher": fisher,
-            "loss": loss,
-            "num_examples": str(data.examples),
+            "structure": str(options.structure),
+            "fisher": str(options.fisher),
+            "loss": str(options.loss),
+            "num_examples": str(counted.examples),
             "normalisation": "sum over examples",
         }
     )
-    if structure == "kfac":
-        curvature.meta["kfac_approx"] = kfac_approx
+    if options.structure == Structure.KFAC:
+        curvature.meta["kfac_approx"] = str(options.kfac_approx)
     _weight_sample.record(curvature, dict(model.named_parameters()))
     return curvature
 
@@ -204,29 +189,32 @@ def kfac_curvature(
     model: nn.Module,
     data: Iterable[Any],
     factors: KFACFactors,
-    *,
-    fisher: FisherName = "empirical",
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-    mc_samples: int = 1,
-    seed: int = 0,
-    ignore_index: int = -100,
-    progress: bool = False,
+    options: EstimateOptions | None = None,
 ) -> Curvature:
     """``gm.KFAC`` from estimated factors, plus a diagonal block for what K-FAC does not cover.
 
     The diagonal block holds ``factors.uncovered`` (layers left out by the estimator: too large
-    for ``factors.max_factor_side``, shared weights, other module types, ...), estimated by
-    :func:`estimate_diagonal` with the same fisher type, seed and data, so its values are those
-    of ``structure="diag"``. Embedding factors with a diagonal A larger than
-    :data:`MAX_DIAGONAL_FACTOR` (or ``factors.max_factor_side``) are not stored as K-FAC either
-    (their A would be a dense vocab × vocab matrix): those embeddings join the diagonal block.
+    for ``factors.kfac_max_factor_side``, shared weights, other module types, ...), estimated by
+    :func:`estimate_diagonal` with ``options`` (fisher type, seed, ...; default: the factors'
+    fisher and loss) on the same data, so its values are those of ``structure="diag"``. Embedding
+    factors with a diagonal A larger than :data:`MAX_DIAGONAL_FACTOR` (or
+    ``factors.kfac_max_factor_side``) are not stored as K-FAC either (their A would be a dense
+    vocab × vocab matrix): those embeddings join the diagonal block.
 
     ``C.meta`` records the limit (``kfac_max_factor_side``) and, as a JSON object, every
     supported layer routed to the diagonal block with the reason (``kfac_diagonal_layers``).
     """
+    if options is None:
+        options = EstimateOptions(
+            structure=Structure.KFAC,
+            fisher=Fisher.check(factors.fisher, "fisher"),
+            loss=LossFunction.check(factors.loss, "loss"),
+            kfac_approx=KFACApprox.check(factors.kfac_approx, "kfac_approx"),
+            kfac_max_factor_side=factors.kfac_max_factor_side,
+        )
     limit = MAX_DIAGONAL_FACTOR
-    if factors.max_factor_side is not None:
-        limit = min(limit, factors.max_factor_side)
+    if factors.kfac_max_factor_side is not None:
+        limit = min(limit, factors.kfac_max_factor_side)
     kept, uncovered, routed = {}, list(factors.uncovered), dict(factors.left_out)
     for name, (a, g) in factors.factors.items():
         if a.ndim == 1:
@@ -253,26 +241,35 @@ def kfac_curvature(
             )
         )
     if uncovered:
-        parts.append(
-            estimate_diagonal(
-                model,
-                data,
-                fisher=fisher,
-                loss=loss,
-                mc_samples=mc_samples,
-                seed=seed,
-                ignore_index=ignore_index,
-                params=uncovered,
-                progress=progress,
-            )
-        )
+        parts.append(_diagonal(model, data, options, uncovered))
     if not parts:
         raise ArgumentError("K-FAC found nothing to cover in this model")
     curvature = parts[0] if len(parts) == 1 else Blocks(parts)
-    side = factors.max_factor_side
+    side = factors.kfac_max_factor_side
     curvature.meta["kfac_max_factor_side"] = "none" if side is None else str(side)
     curvature.meta["kfac_diagonal_layers"] = json.dumps(routed, ensure_ascii=False)
     return curvature
+
+
+def _diagonal(
+    model: nn.Module, data: Iterable[Any], options: EstimateOptions, params: Sequence[str] | None
+) -> Curvature:
+    """:func:`estimate_diagonal` with ``options``, over ``params`` (None: every parameter)."""
+    return estimate_diagonal(
+        model, data, params=params, progress=options.progress, **_draws(options)
+    )
+
+
+def _draws(options: EstimateOptions) -> dict[str, Any]:
+    """The keywords every estimator takes from the options: which curvature of which loss, and
+    the Monte-Carlo draws (``fisher="mc"``) and ignored targets behind it."""
+    return {
+        "fisher": options.fisher,
+        "loss": options.loss,
+        "mc_samples": options.mc_samples,
+        "seed": options.seed,
+        "ignore_index": options.ignore_index,
+    }
 
 
 class _Counted:
@@ -291,10 +288,6 @@ class _Counted:
             self.examples, self._counted = seen, True
 
 
-def _fisher(fisher: str) -> FisherName:
-    return cast(FisherName, check_fisher(fisher))
-
-
 def _weight(model: nn.Module, name: str) -> Tensor:
     weight = getattr(model.get_submodule(name), "weight", None)
     if not isinstance(weight, Tensor):
@@ -304,11 +297,13 @@ def _weight(model: nn.Module, name: str) -> Tensor:
 
 __all__ = [
     "MAX_FACTOR_SIDE",
+    "EstimateOptions",
     "MatrixFree",
     "estimate_curvature",
     "estimate_dense",
     "estimate_diagonal",
     "estimate_kfac_factors",
+    "estimate_with",
     "gradient_fn",
     "kfac_curvature",
 ]

@@ -20,30 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
-
-LossName = Literal["cross_entropy", "mse"]
-FisherName = Literal["empirical", "mc", "ggn"]
-FISHERS: tuple[str, ...] = ("empirical", "mc", "ggn")
-"""The curvature types every structure estimates; ``"hessian"`` joins them for dense estimates."""
-
-
-def check_fisher(fisher: object, allowed: tuple[str, ...] = FISHERS) -> str:
-    """``fisher`` if it names one of ``allowed``; the one check (and message) of every estimator.
-
-    Raises:
-        ArgumentError: any other value, naming the allowed ones.
-    """
-    if not isinstance(fisher, str) or fisher not in allowed:
-        names = ", ".join(repr(f) for f in allowed[:-1]) + f" or {allowed[-1]!r}"
-        raise ArgumentError(f"fisher must be {names}, got {fisher!r}")
-    return fisher
-
+from gradmerge.estimate.options import LossFunction, LossName
 
 Inputs = Tensor | Mapping[str, Tensor]
 
@@ -52,12 +35,11 @@ Inputs = Tensor | Mapping[str, Tensor]
 class Loss:
     """Which loss, and which target value marks a position to ignore (cross-entropy only)."""
 
-    name: LossName = "cross_entropy"
+    name: LossFunction | LossName = LossFunction.CROSS_ENTROPY
     ignore_index: int = -100
 
     def __post_init__(self) -> None:
-        if self.name not in ("cross_entropy", "mse"):
-            raise ArgumentError(f"loss must be 'cross_entropy' or 'mse', got {self.name!r}")
+        object.__setattr__(self, "name", LossFunction.check(self.name, "loss"))
 
 
 def accumulation_dtype(t: Tensor) -> torch.dtype:

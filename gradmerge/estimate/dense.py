@@ -22,17 +22,17 @@ from torch import Tensor, nn
 from torch.func import hessian, jacrev
 
 from gradmerge.curvature import Dense
-from gradmerge.errors import ArgumentError
-from gradmerge.estimate._data import (
-    FISHERS,
-    Loss,
-    batches,
-    check_fisher,
-    per_example_loss,
-    sample_targets,
-)
+from gradmerge.estimate._data import Loss, batches, per_example_loss, sample_targets
 from gradmerge.estimate._functional import FlatModel, check_size, trainable
 from gradmerge.estimate._output_hessian import OutputHessian
+from gradmerge.estimate.options import (
+    Fisher,
+    LossFunction,
+    LossName,
+    check_fisher,
+    check_mc_samples,
+    check_params,
+)
 from gradmerge.params import unflatten
 
 DenseKind = Literal["hessian", "ggn", "empirical", "mc"]
@@ -42,8 +42,8 @@ def estimate_dense(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    fisher: DenseKind = "ggn",
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy",
+    fisher: Fisher | DenseKind = "ggn",
+    loss: LossFunction | LossName = "cross_entropy",
     mc_samples: int = 1,
     seed: int = 0,
     ignore_index: int = -100,
@@ -62,11 +62,10 @@ def estimate_dense(
         tensor([[1., 0.],
                 [0., 4.]], dtype=torch.float64)
     """
-    check_fisher(fisher, (*FISHERS, "hessian"))
-    if mc_samples < 1:
-        raise ArgumentError(f"mc_samples must be at least 1, got {mc_samples}")
+    fisher = check_fisher(fisher, list(Fisher))
+    check_mc_samples(mc_samples)
     spec = Loss(loss, ignore_index)
-    chosen = trainable(model, params)
+    chosen = trainable(model, check_params(params))
     flat = FlatModel(model, chosen, spec)
     check_size(flat.numel, max_params, "a dense curvature")
     generator = torch.Generator().manual_seed(seed)

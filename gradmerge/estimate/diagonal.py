@@ -42,13 +42,10 @@ from gradmerge.errors import ArgumentError
 from gradmerge.estimate import _hooks
 from gradmerge.estimate._batched import Backward, group_size, groups
 from gradmerge.estimate._data import (
-    FisherName,
     Inputs,
     Loss,
-    LossName,
     accumulation_dtype,
     batches,
-    check_fisher,
     forward,
     loss_gradient,
     num_examples,
@@ -56,6 +53,15 @@ from gradmerge.estimate._data import (
     sample_targets,
 )
 from gradmerge.estimate._output_hessian import OutputHessian
+from gradmerge.estimate.options import (
+    Fisher,
+    FisherName,
+    LossFunction,
+    LossName,
+    check_fisher,
+    check_mc_samples,
+    check_params,
+)
 
 MAX_GGN_COLUMNS = 4096
 """Most backward passes per batch that ``fisher="ggn"`` accepts (classes × positions)."""
@@ -65,8 +71,8 @@ def estimate_diagonal(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    fisher: FisherName = "empirical",
-    loss: LossName = "cross_entropy",
+    fisher: Fisher | FisherName = "empirical",
+    loss: LossFunction | LossName = "cross_entropy",
     mc_samples: int = 1,
     seed: int = 0,
     ignore_index: int = -100,
@@ -138,7 +144,8 @@ def estimate_diagonal(
         (['0.bias', '0.weight', '2.bias', '2.weight'], torch.Size([4, 3]))
     """
     spec = Loss(loss, ignore_index)
-    _check_fisher(fisher, mc_samples)
+    fisher = check_fisher(fisher)
+    check_mc_samples(mc_samples)
     selected = _select(model, params)
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ArgumentError(
@@ -174,7 +181,7 @@ class _State:
     """What the batches share: the parameters, the accumulators and the sampler."""
 
     params: dict[str, nn.Parameter]
-    fisher: FisherName
+    fisher: Fisher
     mc_samples: int
     loss: Loss
     generator: torch.Generator
@@ -194,12 +201,6 @@ class _State:
         return next(iter(self.params.values())).device
 
 
-def _check_fisher(fisher: str, mc_samples: int) -> None:
-    check_fisher(fisher)
-    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-        raise ArgumentError(f"mc_samples must be an integer ≥ 1, got {mc_samples!r}")
-
-
 def _select(model: nn.Module, params: Sequence[str] | None) -> dict[str, nn.Parameter]:
     """The trainable parameters to cover, by name (all, or the subset ``params``)."""
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -207,10 +208,9 @@ def _select(model: nn.Module, params: Sequence[str] | None) -> dict[str, nn.Para
         raise ArgumentError(
             "the model has no trainable parameters (requires_grad=True): nothing to estimate"
         )
+    params = check_params(params)
     if params is None:
         return trainable
-    if isinstance(params, str):
-        raise ArgumentError(f"params must be a list of parameter names, got the string {params!r}")
     unknown = [n for n in params if n not in trainable]
     if unknown:
         raise ArgumentError(

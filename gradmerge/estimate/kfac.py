@@ -61,7 +61,7 @@ row-major, i.e. (W[0, :], b[0], W[1, :], b[1], ...). W is the weight viewed as (
 
 Not covered (listed in ``KFACFactors.uncovered``, by ``named_parameters`` name, for a diagonal or
 other block): parameters of other module types (LayerNorm, ...), a weight shared by several
-modules (tied embeddings and output layer), layers with a factor side above ``max_factor_side``
+modules (tied embeddings and output layer), layers with a factor side above ``kfac_max_factor_side``
 (e.g. an untied 32k-vocabulary output layer; see *Factor size*), layers called with a batch
 dimension other than the batch's (e.g. position embeddings broadcast over the batch; with one
 example per batch they are covered, and exact), modules whose forward is never called
@@ -74,7 +74,7 @@ Factor size. A layer with weight (out, in) holds a dense A of side in (+1 with a
 dense G of side out: side² entries each, 4 bytes apiece in float32. An untied language-model
 head ``nn.Linear(hidden, vocab)`` has G of side vocab: 4 GB at a 32k vocabulary, 92 GB at 152k,
 accumulated (and later decomposed for a merge, O(side³)) per estimate. Layers with a side above
-``max_factor_side`` (default :data:`MAX_FACTOR_SIDE`) are therefore not given factors at all —
+``kfac_max_factor_side`` (default :data:`MAX_FACTOR_SIDE`) are therefore not given factors at all —
 nothing of that size is allocated — and their parameters are left to the diagonal block
 (``gm.estimate_curvature``). Embeddings store A as a vector (their diagonal), so only their G
 side counts here.
@@ -122,12 +122,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
 from gradmerge.estimate._batched import Backward, group_size, groups
 from gradmerge.estimate._data import (
-    FisherName,
     Inputs,
     Loss,
     accumulation_dtype,
     batches,
-    check_fisher,
     forward,
     loss_gradient,
     num_examples,
@@ -135,8 +133,21 @@ from gradmerge.estimate._data import (
     sample_targets,
 )
 from gradmerge.estimate._output_hessian import OutputHessian
+from gradmerge.estimate.options import (
+    MAX_FACTOR_SIDE,
+    Fisher,
+    FisherName,
+    KFACApprox,
+    KFACApproxName,
+    LossFunction,
+    LossName,
+    check_fisher,
+    check_kfac_max_factor_side,
+    check_mc_samples,
+)
 
-KFACApprox = Literal["expand", "reduce"]
+_FIRST_NAME_UNSET: Any = object()  # max_factor_side= not given (None means "no limit")
+
 LayerKind = Literal["linear", "conv2d", "conv1d", "embedding"]
 
 # Gram matrices (``_add_gram``) from this side on skip their blocks below the diagonal: below,
@@ -154,13 +165,6 @@ _GRAM_ROWS = 1024
 # one per factor, while they fit: 64 MiB holds 16k float32 columns of buffers, e.g. every factor
 # of a 4-layer MLP of width 2048; the others take their calls' products one by one).
 _GRAM_BUFFER_BYTES = 64 * 2**20
-
-MAX_FACTOR_SIDE = 16384
-"""Default largest side of a K-FAC factor: 16384² × 4 bytes = 1 GiB per float32 factor (2 GiB in
-float64), the most that one layer's A or G may take. It keeps every layer inside the blocks of
-common transformers on K-FAC (hidden sizes ≤ 8192, MLP widths ≤ 14336 in LLaMA-2-13B, Mistral-7B,
-LLaMA-3-8B) and sends their vocabulary-sized output heads (30k–152k: 3.7–92 GB per G) to the
-diagonal. ``None`` lifts the limit."""
 
 SUPPORTED_LAYERS = (
     "nn.Linear, nn.Conv2d (groups=1, zero padding), nn.Embedding, transformers Conv1D"
@@ -182,9 +186,9 @@ class KFACFactors:
         fisher, kfac_approx, loss: the options used.
         uncovered: trainable parameters (``named_parameters`` names) covered by no factor.
         left_out: supported module (``named_modules`` name) with a trainable weight → why it
-            has no factors (a factor side above ``max_factor_side``, a shared weight, never
+            has no factors (a factor side above ``kfac_max_factor_side``, a shared weight, never
             called, ...); its parameters are among ``uncovered``.
-        max_factor_side: the factor-side limit used (None: no limit).
+        kfac_max_factor_side: the factor-side limit used (None: no limit).
     """
 
     factors: dict[str, tuple[Tensor, Tensor]]
@@ -197,7 +201,12 @@ class KFACFactors:
     loss: str
     uncovered: list[str] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
-    max_factor_side: int | None = MAX_FACTOR_SIDE
+    kfac_max_factor_side: int | None = MAX_FACTOR_SIDE
+
+    @property
+    def max_factor_side(self) -> int | None:
+        """``kfac_max_factor_side`` under its first name (an alias, still read)."""
+        return self.kfac_max_factor_side
 
     def dense(self, name: str) -> Tensor:
         """``kron(G, A)``: the dense block of module ``name`` over row-major ``vec([W | b])``."""
@@ -249,18 +258,6 @@ def _sides(weight: Tensor, kind: LayerKind) -> tuple[int, int]:
     return int(weight[0].numel()), int(weight.shape[0])
 
 
-def check_max_factor_side(value: object, name: str = "max_factor_side") -> int | None:
-    """``value`` if it is a usable factor-side limit (a positive int, or None for no limit)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ArgumentError(
-            f"{name} must be a positive int (the largest side of a K-FAC factor; default "
-            f"{MAX_FACTOR_SIDE}) or None for no limit, got {value!r}"
-        )
-    return value
-
-
 def _too_large(sides: dict[str, int], limit: int | None) -> str:
     """Why factors of these sides (``{"G": out, "A": in + bias}``) are above the side limit, or
     "" when they are not."""
@@ -281,7 +278,7 @@ def _largest_factor(name: str, sides: dict[str, int], dtype: torch.dtype) -> str
 def _select_layers(
     model: nn.Module,
     modules: Sequence[str] | None,
-    max_factor_side: int | None,
+    kfac_max_factor_side: int | None,
     left_out: dict[str, str],
 ) -> dict[str, _Layer]:
     """The covered modules: supported, trainable, not sharing their weight, small enough.
@@ -325,7 +322,7 @@ def _select_layers(
         a_side = n_in + has_bias
         device, dtype = weight.device, accumulation_dtype(weight)
         sides = {"G": n_out} if kind == "embedding" else {"G": n_out, "A": a_side}  # A: a vector
-        reason = _too_large(sides, max_factor_side)
+        reason = _too_large(sides, kfac_max_factor_side)
         if reason:
             left_out[name] = reason
             too_large.append(_largest_factor(name, sides, dtype))
@@ -344,7 +341,7 @@ def _select_layers(
     if too_large:
         warnings.warn(
             f"K-FAC gives no Kronecker factors to {', '.join(too_large)}: a factor side above "
-            f"the limit of {max_factor_side}; gm.estimate_curvature covers their parameters "
+            f"the limit of {kfac_max_factor_side}; gm.estimate_curvature covers their parameters "
             "with a diagonal block. To keep them on K-FAC, raise the limit "
             "(gm.estimate_curvature's kfac_max_factor_side; None for no limit).",
             stacklevel=3,
@@ -618,7 +615,7 @@ class _Recorder:
             return
         layer.calls += 1
         self.called.add(name)
-        approx = "expand" if layer.kind == "embedding" else self.approx
+        approx = KFACApprox.EXPAND if layer.kind == "embedding" else self.approx
         if approx == "reduce" and layer.calls > 1:
             raise StructureError(
                 f"module {name!r} is called more than once per forward pass; "
@@ -696,17 +693,6 @@ def _backward(
         recorder.collect_vectors(outputs, columns, wrt, 1.0, backward)
 
 
-def _check_options(fisher: str, loss: str, kfac_approx: str, mc_samples: int) -> None:
-    check_fisher(fisher)
-    if kfac_approx not in ("expand", "reduce"):
-        raise ArgumentError(f"kfac_approx must be 'expand' or 'reduce', got {kfac_approx!r}")
-    if not isinstance(mc_samples, int) or mc_samples < 1:
-        raise ArgumentError(f"mc_samples must be a positive int, got {mc_samples!r}")
-    if fisher != "mc" and mc_samples != 1:
-        raise ArgumentError(f"mc_samples={mc_samples} only applies to fisher='mc'")
-    Loss(loss)  # type: ignore[arg-type]  # validates the name
-
-
 def _check_ggn_size(outputs: Tensor, max_ggn_columns: int) -> None:
     columns = 1 if outputs.ndim == 1 else outputs.shape[-1]
     if columns > max_ggn_columns:
@@ -755,16 +741,17 @@ def estimate_kfac_factors(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    fisher: FisherName = "empirical",
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-    kfac_approx: KFACApprox = "expand",
+    fisher: Fisher | FisherName = "empirical",
+    loss: LossFunction | LossName = "cross_entropy",
+    kfac_approx: KFACApprox | KFACApproxName = "expand",
     mc_samples: int = 1,
     seed: int = 0,
     ignore_index: int = -100,
     modules: Sequence[str] | None = None,
     progress: bool = False,
     max_ggn_columns: int = 256,
-    max_factor_side: int | None = MAX_FACTOR_SIDE,
+    kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
+    max_factor_side: int | None = _FIRST_NAME_UNSET,
 ) -> KFACFactors:
     """K-FAC factors (A, G) of every supported layer, normalised so A ⊗ G ≈ Σ_i curvature_i.
 
@@ -781,24 +768,34 @@ def estimate_kfac_factors(
         modules: restrict to these module names (default: every supported layer).
         progress: print one line per batch to stderr.
         max_ggn_columns: refuse ``fisher="ggn"`` with more output columns than this.
-        max_factor_side: leave layers with a factor side above this uncovered, without
+        kfac_max_factor_side: leave layers with a factor side above this uncovered, without
             allocating their factors (one warning names them; module docstring, *Factor size*);
             None: no limit.
+        max_factor_side: ``kfac_max_factor_side`` under its first name (an alias, still
+            accepted; give one of the two).
 
     Returns:
         The factors, with ``num_examples`` = N and the uncovered parameter names.
 
     Raises:
         ArgumentError: unknown options, unknown ``modules``, empty data, too many GGN columns,
-            a ``max_factor_side`` that is not a positive int or None.
+            a ``kfac_max_factor_side`` that is not a positive int or None.
         StructureError: no supported layer; targets that do not fit the outputs or the loss.
         NonFiniteError: a NaN/Inf loss (naming the batch) or factor.
     """
-    _check_options(fisher, loss, kfac_approx, mc_samples)
-    max_factor_side = check_max_factor_side(max_factor_side)
+    fisher = check_fisher(fisher)
+    kfac_approx = KFACApprox.check(kfac_approx, "kfac_approx")
+    check_mc_samples(mc_samples, fisher)
     loss_spec = Loss(loss, ignore_index)
+    if max_factor_side is not _FIRST_NAME_UNSET:
+        if kfac_max_factor_side != MAX_FACTOR_SIDE:
+            raise ArgumentError(
+                "max_factor_side is the first name of kfac_max_factor_side: pass one of the two"
+            )
+        kfac_max_factor_side = max_factor_side
+    kfac_max_factor_side = check_kfac_max_factor_side(kfac_max_factor_side)
     left_out: dict[str, str] = {}
-    layers = _select_layers(model, modules, max_factor_side, left_out)
+    layers = _select_layers(model, modules, kfac_max_factor_side, left_out)
     if progress:
         for name, reason in left_out.items():
             print(f"kfac: {name!r} gets no factors: {reason}", file=sys.stderr)
@@ -812,10 +809,10 @@ def estimate_kfac_factors(
             total,
             fisher,
             kfac_approx,
-            loss,
+            loss_spec.name,
             _uncovered(model, {}),
             left_out,
-            max_factor_side,
+            kfac_max_factor_side,
         )
     recorder = _Recorder(layers, kfac_approx)
     wrt = [layer.weight for layer in layers.values()]
@@ -863,11 +860,11 @@ def estimate_kfac_factors(
         num_examples=total,
         fisher=fisher,
         kfac_approx=kfac_approx,
-        loss=loss,
+        loss=loss_spec.name,
         uncovered=_uncovered(model, layers),
         left_out=left_out,
-        max_factor_side=max_factor_side,
+        kfac_max_factor_side=kfac_max_factor_side,
     )
 
 
-__all__ = ["MAX_FACTOR_SIDE", "KFACFactors", "check_max_factor_side", "estimate_kfac_factors"]
+__all__ = ["MAX_FACTOR_SIDE", "KFACFactors", "estimate_kfac_factors"]

@@ -139,20 +139,9 @@ SIMULATED = [
 def test_summed_contributions_equal_the_estimate_on_all_the_data(structure, fisher, approx):
     """What all_reduce would do, by hand: Σ_r contributions_r, rebuilt, against all the data."""
     model, data = cases.lm_model(), cases.lm_batches()
-    options = {
-        "structure": structure,
-        "fisher": fisher,
-        "loss": "cross_entropy",
-        "mc_samples": 1,
-        "ignore_index": -100,
-        "kfac_approx": approx,
-        "kfac_max_factor_side": gm.estimate.MAX_FACTOR_SIDE,
-        "params": None,
-        "max_params": 20_000,
-    }
+    options = gm.EstimateOptions(structure=structure, fisher=fisher, kfac_approx=approx)
     local = [
-        _estimate_local(model, shard(data, rank=r, world_size=2), options, 0, False)
-        for r in range(2)
+        _estimate_local(model, shard(data, rank=r, world_size=2), options, rank=r) for r in range(2)
     ]
     parts = [contributions(x.curvature, counts=x.counts, diagonal_a=x.diagonal_a) for x in local]
     assert list(parts[0]) == list(parts[1])
@@ -174,18 +163,8 @@ def test_a_rank_without_kept_positions_contributes_nothing():
     """All of rank 1's targets ignored: M_1 = 0, A_1 = 0, and the sum is rank 0's estimate."""
     model, data = cases.lm_model(), cases.lm_batches()
     ignored = [(x, torch.full_like(y, -100)) for x, y in data[1:]]
-    options = {
-        "structure": "kfac",
-        "fisher": "empirical",
-        "loss": "cross_entropy",
-        "mc_samples": 1,
-        "ignore_index": -100,
-        "kfac_approx": "expand",
-        "kfac_max_factor_side": gm.estimate.MAX_FACTOR_SIDE,
-        "params": None,
-        "max_params": 20_000,
-    }
-    local = [_estimate_local(model, d, options, 0, False) for d in (data[:1], ignored)]
+    options = gm.EstimateOptions(structure="kfac")
+    local = [_estimate_local(model, d, options, rank=r) for r, d in enumerate((data[:1], ignored))]
     assert all(c == 0 for c in local[1].counts.values())
     parts = [contributions(x.curvature, counts=x.counts, diagonal_a=x.diagonal_a) for x in local]
     summed = {k: parts[0][k] + parts[1][k] for k in parts[0]}

@@ -232,8 +232,15 @@ def test_tensor_batches_shift_and_mask():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--structure", "diag", "--fisher", "hessian"], "--fisher hessian needs --structure full"),
-        (["--mc-samples", "0"], "--mc-samples must be at least 1"),
+        (
+            ["--structure", "diag", "--fisher", "hessian"],
+            "fisher='hessian' is available for structure='full'",
+        ),
+        (["--mc-samples", "0"], "mc_samples must be a positive int"),
+        (
+            ["--kfac-max-factor-side", "none", "--max-params", "0"],
+            "max_params must be a positive int",
+        ),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
     ],
 )
