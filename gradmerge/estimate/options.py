@@ -33,7 +33,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, TypedDict, TypeVar
@@ -166,11 +166,14 @@ def check_params(params: object) -> tuple[str, ...] | None:
     """``params`` (parameter names) as a tuple, or None."""
     if params is None:
         return None
-    if isinstance(params, str) or not all(isinstance(p, str) for p in params):  # type: ignore[attr-defined]
+    names: tuple[object, ...] | None = None
+    if isinstance(params, Iterable) and not isinstance(params, str):
+        names = tuple(params)
+    if names is None or not all(isinstance(name, str) for name in names):
         raise ArgumentError(
             f"params must be a list of parameter names, got {params!r}; pass e.g. ['0.weight']"
         )
-    return tuple(params)  # type: ignore[arg-type]
+    return tuple(str(name) for name in names)
 
 
 @dataclass(frozen=True)
