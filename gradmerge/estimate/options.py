@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -242,7 +243,7 @@ class EstimateOptions:
                 "diagonal and K-FAC estimates are of a Fisher or GGN"
             )
         kfac = structure == Structure.KFAC
-        checked = {
+        checked: dict[str, object] = {
             "structure": structure,
             "fisher": fisher,
             "loss": LossFunction.check(self.loss, "loss"),
@@ -257,9 +258,10 @@ class EstimateOptions:
             )
         for name in ("seed", "ignore_index", "max_params"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ArgumentError(f"{name} must be an int, got {value!r}")
-        if self.max_params < 1:
+            checked[name] = int(value)  # numpy integers too
+        if int(self.max_params) < 1:
             raise ArgumentError(f"max_params must be a positive int, got {self.max_params!r}")
         if not isinstance(self.progress, bool):
             raise ArgumentError(f"progress must be True or False, got {self.progress!r}")

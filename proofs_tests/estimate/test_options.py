@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -197,3 +198,9 @@ def test_max_factor_side_is_an_alias_of_kfac_max_factor_side():
     assert all(torch.equal(by_alias.dense(m), by_name.dense(m)) for m in by_name.factors)
     with pytest.raises(gm.ArgumentError, match="first name of kfac_max_factor_side"):
         estimate_kfac_factors(model, data, max_factor_side=4, kfac_max_factor_side=5)
+
+
+def test_numpy_integers_count_as_ints():
+    options = EstimateOptions(seed=np.int64(3), ignore_index=np.int32(-1), max_params=np.int64(9))
+    values = (options.seed, options.ignore_index, options.max_params)
+    assert values == (3, -1, 9) and all(type(v) is int for v in values)
