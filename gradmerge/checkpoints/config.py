@@ -33,7 +33,10 @@ when a curvature file was estimated at other weights than both the model it is p
 the base, judged by a sample hash of the weights recorded at estimation; default warn) and
 ``solver: {tol: 1.0e-6, maxiter: 2000}`` (the relative residual every K-FAC layer's solve is
 certified to — default 1e-5 in float32, 1e-10 in float64 — and the CG iterations per round;
-each layer's method, iterations and residual go into the record). Relative paths are relative
+each layer's method, iterations and residual go into the record; ``approximate: true``, never
+the default, accepts each layer after at most ``maxiter`` CG iterations, default 0 = the
+eigenbasis preconditioner's solve alone, with its measured residual, instead of an error).
+Relative paths are relative
 to the YAML file's folder. Unknown
 keys, missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and
 missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
@@ -158,6 +161,7 @@ class Options(FromYaml):
     curvature_weights: str = "warn"
     solver_tol: float | None = None
     solver_maxiter: int = 1000
+    solver_approximate: bool = False
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -357,12 +361,15 @@ def _options(r: _Reader) -> dict[str, Any]:
 
 
 def _solver(r: _Reader) -> dict[str, Any]:
-    """``solver: {tol, maxiter}``: the certified relative residual of every K-FAC layer's solve
-    (default 1e-5 in float32, 1e-10 in float64) and CG iterations per round (default 1000)."""
+    """``solver: {tol, maxiter, approximate}``: the certified relative residual of every K-FAC
+    layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
+    1000) and, with ``approximate: true`` (never the default), accepting each layer after at
+    most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
+    measured residual instead of an error."""
     if r.data.get("solver") is None:
         return {}
     s = r.sub(r.data["solver"], "solver")
-    s.allow("tol", "maxiter")
+    s.allow("tol", "maxiter", "approximate")
     out: dict[str, Any] = {}
     if s.data.get("tol") is not None:
         tol = s.number("tol")
@@ -372,10 +379,15 @@ def _solver(r: _Reader) -> dict[str, Any]:
                 "(e.g. 1.0e-6)"
             )
         out["solver_tol"] = tol
-    maxiter = s.number("maxiter", default=1000, minimum=1)
-    if maxiter != int(maxiter):
-        raise ConfigError(f"`solver.maxiter` must be a whole number, got {_shown(maxiter)}")
+    approximate = s.flag("approximate", default=False)
+    maxiter = s.number("maxiter", default=0 if approximate else 1000, minimum=0)
+    if maxiter != int(maxiter) or (maxiter == 0 and not approximate):
+        raise ConfigError(
+            f"`solver.maxiter` must be a whole number ≥ 1 (≥ 0 with `approximate: true`), got "
+            f"{_shown(maxiter)}"
+        )
     out["solver_maxiter"] = int(maxiter)
+    out["solver_approximate"] = approximate
     return out
 
 

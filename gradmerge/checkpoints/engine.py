@@ -85,7 +85,9 @@ class MergeReport:
             gradmerge), left in place.
         notes: lines for the user, e.g. a removal's step size (:class:`StepSize`).
         solves: per solved block (a K-FAC layer, or a unit's name), how its system was solved:
-            ``{"method", "iterations", "residual"}`` (also in the record, under ``"solves"``).
+            ``{"method", "iterations", "residual", "success"}`` (also in the record, under
+            ``"solves"``); ``success`` is False only for ``solver: {approximate: true}`` solves
+            that stopped above ``solver.tol``.
         max_residual: the largest relative residual ‖b − Kx‖/‖b‖ measured over ``solves``
             (0.0 when no solve measured one, e.g. elementwise merges).
     """
@@ -590,6 +592,7 @@ def _restrict(
     for kfac in [part] if isinstance(part, KFAC) else getattr(part, "blocks", ()):
         if isinstance(kfac, KFAC):  # sums made from it inherit these (KFAC algebra)
             kfac.cg_tol, kfac.cg_maxiter = options.solver_tol, options.solver_maxiter
+            kfac.cg_approximate = options.solver_approximate
     return part
 
 

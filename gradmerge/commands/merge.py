@@ -120,6 +120,12 @@ def run_command(
             f"solved {len(report.solves)} systems ({iterations} CG iterations); largest relative "
             f"residual {report.max_residual:.1e} ({worst}; every one in gradmerge_{command}.json)"
         )
+        short = [k for k, v in report.solves.items() if not v.get("success", True)]
+        if short:
+            print(
+                f"approximate solves (solver.approximate): {len(short)} of {len(report.solves)} "
+                "systems stopped above solver.tol; their residuals are in the record"
+            )
     for path in report.stale_removed:
         print(f"removed {path.name}, a staging folder left by a run that was killed")
     for path in report.stale_left:

@@ -58,6 +58,9 @@ class KFAC(Curvature):
         cg_tol: the relative residual every solve must reach (certified in float64); default
             1e-10 in float64, 1e-5 in float32.
         cg_maxiter: CG iterations per round before :class:`NotConvergedError`.
+        cg_approximate: accept each layer's solve after at most ``cg_maxiter`` CG iterations
+            (0: the eigenbasis preconditioner alone) with whatever residual it has, still
+            measured and reported (:func:`gradmerge.solvers.kfac_cg.solve`); never the default.
         counts: module name → M, the number of rows (kept positions, or examples) the layer's
             A is a mean over, as estimated (``KFACFactors.counts``); M·A = Σ a aᵀ is the raw
             input Gram that RegMean needs. Kept by ``to`` and ``scaled`` (they leave A alone),
@@ -83,6 +86,7 @@ class KFAC(Curvature):
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
         cg_tol: float | None = None,
         cg_maxiter: int = 1000,
+        cg_approximate: bool = False,
         counts: Mapping[str, int] | None = None,
     ) -> None:
         if not factors:
@@ -98,7 +102,7 @@ class KFAC(Curvature):
         for name, value in factors.items():
             terms = list(value) if isinstance(value, list) else [value]
             self.terms[name] = [self._check_term(name, a, g) for a, g in terms]
-        self.cg_tol, self.cg_maxiter = cg_tol, cg_maxiter
+        self.cg_tol, self.cg_maxiter, self.cg_approximate = cg_tol, cg_maxiter, cg_approximate
         self._cache: dict[str, Any] = {}
 
     # ----- construction checks ------------------------------------------------------------
@@ -186,17 +190,27 @@ class KFAC(Curvature):
                 layer = self._direct(name, rest, b)
             else:
                 layer = kfac_cg.solve(
-                    name, delta, rest, b, tol=self.cg_tol, maxiter=self.cg_maxiter
+                    name,
+                    delta,
+                    rest,
+                    b,
+                    tol=self.cg_tol,
+                    maxiter=self.cg_maxiter,
+                    approximate=self.cg_approximate,
                 )
             values: dict[str, Tensor] = {}
             self._split(name, layer.x, values)
             out.update(values)
-            parts[name] = Solution(values, layer.method, layer.iterations, layer.residual)
+            tol = default_tol(b.dtype) if self.cg_tol is None else self.cg_tol
+            parts[name] = Solution(
+                values, layer.method, layer.iterations, layer.residual, layer.residual <= tol
+            )
         return Solution(
             out,
             "K-FAC per layer",
             iterations=sum(p.iterations for p in parts.values()),
             residual=max((p.residual for p in parts.values()), default=0.0),
+            success=all(p.success for p in parts.values()),
             parts=parts,
         )
 
@@ -223,6 +237,7 @@ class KFAC(Curvature):
             weight_shapes=self.weight_shapes,
             cg_tol=self.cg_tol,
             cg_maxiter=self.cg_maxiter,
+            cg_approximate=self.cg_approximate,
             counts=self.counts if keep_counts else None,
         )
 

@@ -47,9 +47,14 @@ class Solution:
         return max(measured, default=0.0)
 
     def summary(self) -> dict[str, object]:
-        """A JSON-ready record: method, iterations, residual per part (no tensors)."""
+        """A JSON-ready record: method, iterations, residual, success per part (no tensors)."""
         if not self.parts:
-            return {"method": self.method, "iterations": self.iterations, "residual": self.residual}
+            return {
+                "method": self.method,
+                "iterations": self.iterations,
+                "residual": self.residual,
+                "success": self.success,
+            }
         return {name: part.summary() for name, part in self.parts.items()}
 
 

@@ -101,6 +101,8 @@ def test_solver_keys_set_every_k_fac_solve(tmp_path):
         ({"tol": 2.0}, "solver.tol"),
         ({"tol": "x"}, "solver.tol"),
         ({"maxiter": 0}, "solver.maxiter"),
+        ({"maxiter": -1, "approximate": True}, "solver.maxiter"),
+        ({"approximate": "yes"}, "solver.approximate"),
         ({"maxiter": 2.5}, "solver.maxiter"),
         ({"iterations": 5}, "unknown key 'iterations'"),
         ("fast", "solver must be a mapping"),
@@ -111,3 +113,39 @@ def test_bad_solver_keys_are_config_errors(tmp_path, solver, message):
     path = ws.yaml("bad.yaml", _three_task_config(ws, solver=solver))
     with pytest.raises(gm.ConfigError, match=message):
         gm.MergeConfig.from_yaml(path)
+
+
+def test_approximate_solver_records_unmet_residuals_and_the_cli_says_so(tmp_path, capsys):
+    """`solver: {approximate: true}` (maxiter 0: the eigenbasis preconditioner alone): the merge
+    succeeds, each layer's true residual is recorded with ``success: false`` where it is above
+    tol, the CLI says how many systems stopped short, and with a CG budget the same merge gets
+    closer to the certified one."""
+    from gradmerge.cli import main
+
+    ws = make_workspace(tmp_path, "kfac", tasks=3)
+    exact = ws.yaml("exact.yaml", _three_task_config(ws, solver={"tol": 1e-6}))
+    gm.run_merge(gm.MergeConfig.from_yaml(exact), tmp_path / "exact")
+    approx = ws.yaml("a.yaml", _three_task_config(ws, solver={"tol": 1e-6, "approximate": True}))
+    config = gm.MergeConfig.from_yaml(approx)
+    assert config.solver_approximate and config.solver_maxiter == 0
+    assert main(["merge", str(approx), str(tmp_path / "approx"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "approx" / "gradmerge_merge.json").read_text())
+    assert record["config"]["solver_approximate"] is True
+    short = [e for e in record["solves"].values() if not e["success"]]
+    assert short and all(e["residual"] > 1e-6 and e["iterations"] == 0 for e in short)
+    assert all(e["residual"] <= 1e-6 for e in record["solves"].values() if e["success"])
+    assert f"{len(short)} of {len(record['solves'])} systems stopped above solver.tol" in out
+    budget = ws.yaml(
+        "b.yaml", _three_task_config(ws, solver={"tol": 1e-6, "approximate": True, "maxiter": 3})
+    )
+    gm.run_merge(gm.MergeConfig.from_yaml(budget), tmp_path / "budget")
+    merged = {
+        name: load_file(tmp_path / name / "model.safetensors")
+        for name in ("exact", "approx", "budget")
+    }
+    err = {
+        name: sum(float((m[k].double() - merged["exact"][k].double()).norm()) for k in m)
+        for name, m in merged.items()
+    }
+    assert 0 < err["budget"] < err["approx"]

@@ -274,3 +274,31 @@ def test_kfac_cg_preconditioner_accepts_ill_conditioned_but_positive_definite_sy
     cond = 4e4  # λ_max/λ_min of the system, bounding the relative error of any solve
     tol = cond * torch.finfo(dtype).eps * 10
     torch.testing.assert_close(flat(x), ref, rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("maxiter", [0, 2, 1000])
+def test_approximate_solve_returns_its_true_residual_and_never_raises(maxiter):
+    """``cg_approximate``: at most ``maxiter`` CG iterations (0: the eigenbasis preconditioner
+    D⁻¹ alone), no error when the residual stays above tol; the reported residual is the one
+    recomputed from the dense matrix, ``success`` says whether tol was met, and with enough
+    iterations the answer is the exact solve's."""
+    gen = torch.Generator().manual_seed(7)
+    n_out, n_in = 6, 5
+    terms = [(_decaying_spd(gen, n_in + 1), _decaying_spd(gen, n_out)) for _ in range(3)]
+    k = gm.KFAC({"m": terms}, bias=["m"], cg_tol=1e-10, cg_maxiter=maxiter, cg_approximate=True)
+    op = k + 1e-4
+    v = {n: torch.randn(s, dtype=DT, generator=gen) for n, s in k.layout}
+    info = op.solve_info(v)
+    part = info.parts["m"]
+    b, x = _flat(v), _flat(info.value)
+    dense = _dense(terms, 1, n_out, n_in, 1e-4)
+    true_residual = float(torch.linalg.norm(b - dense @ x) / torch.linalg.norm(b))
+    assert part.residual == pytest.approx(true_residual, rel=1e-6, abs=1e-13)
+    assert part.iterations <= maxiter
+    assert info.success == part.success == (true_residual <= 1e-10)
+    if maxiter < 1000:  # this system needs more than a few iterations
+        assert not info.success and "approximate: stopped after" in part.method
+        exact = gm.KFAC({"m": terms}, bias=["m"], cg_tol=1e-10) + 1e-4
+        assert part.residual > exact.solve_info(v).parts["m"].residual
+    else:
+        assert info.success and torch.allclose(x, torch.linalg.solve(dense, b), rtol=1e-6)
