@@ -17,6 +17,10 @@ values is folded into the same pass: running minima of every h_t (PSD) and of th
 non-finite); when one fails, the exact per-input checks run to name the culprit, with the same
 errors as the generic path.
 
+A prior δ·I + s·C built lazily (:meth:`gradmerge.Diagonal.shifted`, as the streaming engine
+builds it) reaches the C loop as C, s and δ, and h_0 = (s·C) + δ is formed inside the loop (never
+written to memory); every other path forms it as the operator algebra does, bit for bit the same.
+
 Tensors usually take one compiled loop instead (:mod:`gradmerge._fused`: on a CPU a C loop for
 float32/float64 tensors from 4096 elements; elsewhere large tensors in large calls; same result
 bit for bit); one that comes out uncertified (a NaN/Inf, H̄ ≤ 0 or h < 0 somewhere) is redone
@@ -31,9 +35,10 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _memory
+from gradmerge import _fused, _memory, _native
 from gradmerge import params as P
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
+from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.errors import not_pd
 from gradmerge.params import Params
 
@@ -44,14 +49,17 @@ DEVICE_CHUNK = 1 << 24
 """Elements per step on other devices (GPUs): each operation is a kernel launch, so steps are
 large (64 MiB per float32 buffer), which keeps launches rare and temporaries bounded."""
 
-Part = float | dict[str, Tensor]
-"""An elementwise curvature: δ (for δ·I) or diagonal values per parameter."""
+Part = float | dict[str, Tensor] | ShiftedDiagonal
+"""An elementwise curvature: δ (for δ·I), diagonal values per parameter, or a diagonal
+δ·I + s·C whose values are not formed yet."""
 
 
 def parts(curvature: Curvature) -> Part | None:
     """The elementwise form of ``curvature``, or ``None`` when it is not elementwise."""
     if isinstance(curvature, ScaledIdentity):
         return curvature.delta
+    if isinstance(curvature, ShiftedDiagonal) and not curvature.formed:
+        return curvature
     if isinstance(curvature, Diagonal):
         return curvature.values
     return None
@@ -76,14 +84,15 @@ def merge(
     minima: list[Tensor | None] = [None] * (1 + len(curvatures))
     fused = _fused.wanted(b.numel() for b in base.values())
     for key, b in base.items():
-        h = [_at(prior, key), *(_at(c, key) for c in curvatures)]
+        lazy = [_lazy_at(prior, key), *(_lazy_at(c, key) for c in curvatures)]
         thetas = [ft[key] for ft in finetuned]
-        if _fused.takes(b, [*thetas, *(x for x in h if isinstance(x, Tensor))], fused):
-            result = _fused.merge_tensor(b, thetas, alphas, h)  # one compiled loop, certified
+        if _fused.takes(b, [*thetas, *_native.tensors(lazy)], fused):
+            result = _fused.merge_tensor(b, thetas, alphas, lazy)  # one compiled loop, certified
             if result is not None:
                 out[key] = result
                 continue
-        result, den_min, total, h_min = _merge_tensor(b, [ft[key] for ft in finetuned], alphas, h)
+        h = [_at(prior, key), *(_at(c, key) for c in curvatures)]
+        result, den_min, total, h_min = _merge_tensor(b, thetas, alphas, h)
         for i, m in enumerate(h_min):
             if m is not None:
                 minima[i] = m if minima[i] is None else torch.minimum(minima[i], m)  # type: ignore[arg-type]
@@ -104,8 +113,9 @@ def _check_psd(
 ) -> None:
     """The exact PSD check of the generic path, run only where a negative value was seen."""
     for part, m, name, precision in zip(parts, minima, names, precisions, strict=True):
-        if m is not None and float(m) < 0 and isinstance(part, dict):
-            diagonal = Diagonal._checked_already(part)
+        if m is not None and float(m) < 0 and not isinstance(part, float):
+            values = part.values if isinstance(part, ShiftedDiagonal) else part
+            diagonal = Diagonal._checked_already(values)
             diagonal._remember_precision(precision)
             diagonal.check_psd(name=name)
 
@@ -133,7 +143,19 @@ def _refuse_singular(
 
 
 def _at(part: Part, key: str) -> float | Tensor:
+    """The curvature at ``key``: δ, or the tensor of values (formed, if they were not yet)."""
+    if isinstance(part, ShiftedDiagonal):
+        return part.values[key]
     return part if isinstance(part, float) else part[key]
+
+
+def _lazy_at(part: Part, key: str) -> _native.H:
+    """As :func:`_at`, but a diagonal whose values are not formed yet as an Affine for the loop."""
+    if isinstance(part, ShiftedDiagonal):
+        shifted = part
+        c = shifted.unshifted.values[key]
+        return _native.Affine(c, shifted.scale, shifted.delta, lambda: shifted.values[key])
+    return _at(part, key)
 
 
 def _merge_tensor(

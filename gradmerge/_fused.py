@@ -121,12 +121,13 @@ def merge_tensor(
     base: Tensor,
     finetuned: Sequence[Tensor],
     alphas: Sequence[float],
-    h: Sequence[float | Tensor],
+    h: Sequence[_native.H],
 ) -> Tensor | None:
     """Eq. 6 for one tensor by a compiled kernel, or ``None``: no kernel for this device, or the
-    result is not certified (then the caller's chunked path decides what is wrong)."""
-    pattern = tuple(isinstance(x, Tensor) for x in h)
-    if _native.supports(base, [*finetuned, *(x for x in h if isinstance(x, Tensor))]):
+    result is not certified (then the caller's chunked path decides what is wrong). An
+    :class:`~gradmerge._native.Affine` h is formed in the C loop; ``torch.compile``'s kernel
+    takes it formed (``form()``)."""
+    if _native.supports(base, [*finetuned, *_native.tensors(h)]):
         if "native" in _failed:
             return None
         try:
@@ -134,13 +135,15 @@ def merge_tensor(
         except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
             _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
             return None
-    if not any(pattern) and _scalar_denominator(alphas, h) <= 0:
+    formed = [x.form() if isinstance(x, _native.Affine) else x for x in h]
+    pattern = tuple(isinstance(x, Tensor) for x in formed)
+    if not any(pattern) and _scalar_denominator(alphas, formed) <= 0:
         return None  # H̄ = c·I with c ≤ 0: the chunked path raises
     key = (pattern, base.dtype, base.device.type)
     if key in _failed:
         return None
     out = _memory.empty(base.shape, like=base)
-    flat = [x.reshape(-1) if isinstance(x, Tensor) else float(x) for x in h]
+    flat = [x.reshape(-1) if isinstance(x, Tensor) else float(x) for x in formed]
     args = [out.reshape(-1), base.reshape(-1), *(f.reshape(-1) for f in finetuned), *flat]
     try:
         total = _kernel(pattern)(*args, *(float(a) for a in alphas))

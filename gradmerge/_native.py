@@ -1,8 +1,9 @@
 """Eq. 6 for elementwise curvatures as one C loop, built by the system C compiler and cached.
 
 The CPU backend of :mod:`gradmerge._fused`: for float32 and float64 tensors on a CPU it writes,
-for each *pattern* (the number of tasks T and which of H_0, H_1..H_T are tensors rather than
-δ·I), a C function whose loop reads θ_LLM, every θ_t and h_t once and writes θ once,
+for each *pattern* (the number of tasks T and whether each of H_0, H_1..H_T is δ·I, a tensor h_i,
+or an :class:`Affine` tensor c_i·s_i + δ_i formed in the loop), a C function whose loop reads
+θ_LLM, every θ_t and h_t (or c_t) once and writes θ once,
 
 .. math::
 
@@ -12,11 +13,13 @@ for each *pattern* (the number of tasks T and which of H_0, H_1..H_T are tensors
 
 with every operation rounded once to the tensors' type in the chunked path's order
 (``-ffp-contract=off``: no fused multiply-adds; ``FLT_EVAL_METHOD == 0`` is required), so the
-result is bit-identical to :mod:`gradmerge._elementwise` and the operator algebra. The same loop
-counts the elements where θ is not finite, H̄ ≤ 0 or some h < 0; a count above zero sends the
-tensor back to the chunked path for the exact diagnosis. A tensor of at least
-:data:`PARALLEL_MIN_NUMEL` elements per thread is split over ``torch.get_num_threads()`` threads
-(the ctypes call releases the GIL; each element is computed alone, so the split changes nothing).
+result is bit-identical to :mod:`gradmerge._elementwise` and the operator algebra. An affine
+h_i = (c_i·s_i) + δ_i (a prior δ·I + s·C, :meth:`gradmerge.Diagonal.shifted`) is rounded as the
+operator algebra rounds it, so it is never written to memory. The same loop counts the elements
+where θ is not finite, H̄ ≤ 0 or some h < 0; a count above zero sends the tensor back to the
+chunked path for the exact diagnosis. A tensor of at least :data:`PARALLEL_MIN_NUMEL` elements
+per thread is split over ``torch.get_num_threads()`` threads (the ctypes call releases the GIL;
+each element is computed alone, so the split changes nothing).
 
 Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
 ``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
@@ -45,7 +48,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -64,6 +67,34 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c1
 CACHE_ENV = "GRADMERGE_CACHE_DIR"
 
 
+class Affine(NamedTuple):
+    """A curvature's values formed elementwise inside the loop: h = (c·scale) + delta, each
+    operation rounded to c's type, as ``Diagonal.scaled(scale) + delta`` rounds it.
+
+    ``form`` returns h as the operator algebra forms it (the tensor), for every path that does
+    not take the C loop (the chunked pass, its diagnosis, other devices).
+    """
+
+    values: Tensor
+    scale: float
+    delta: float
+    form: Callable[[], Tensor]
+
+
+H = float | Tensor | Affine
+"""One curvature at one tensor: δ (δ·I), the tensor h, or an :class:`Affine` h."""
+
+
+def kind(h: H) -> str:
+    """A curvature's letter in a pattern: ``d`` (δ·I), ``h`` (a tensor), ``a`` (an Affine)."""
+    return "a" if isinstance(h, Affine) else "h" if isinstance(h, Tensor) else "d"
+
+
+def tensors(h: Sequence[H]) -> list[Tensor]:
+    """The tensors the loop reads for ``h`` (an Affine's ``values``)."""
+    return [x.values if isinstance(x, Affine) else x for x in h if isinstance(x, (Tensor, Affine))]
+
+
 def supports(base: Tensor, others: Sequence[Tensor]) -> bool:
     """Whether the C loop handles these tensors: CPU, float32/float64, one dtype for all."""
     return (
@@ -77,19 +108,18 @@ def merge_tensor(
     base: Tensor,
     finetuned: Sequence[Tensor],
     alphas: Sequence[float],
-    h: Sequence[float | Tensor],
+    h: Sequence[H],
 ) -> Tensor | None:
     """Eq. 6 for one tensor by the C loop, or ``None`` when the result is not certified (a
     NaN/Inf, H̄ ≤ 0 or h < 0 somewhere). Raises ``RuntimeError`` (or ``OSError``) when the loop
-    cannot be built; :func:`supports` must hold."""
-    pattern = tuple(isinstance(x, Tensor) for x in h)
-    consts, scalar_den = _constants(alphas, h, base.dtype)
+    cannot be built; :func:`supports` must hold for ``base`` and ``finetuned`` + ``tensors(h)``."""
+    pattern = "".join(kind(x) for x in h)
+    consts, scalar_den = _constants(alphas, h)
     if scalar_den is not None and scalar_den <= 0:
         return None  # H̄ = c·I with c ≤ 0: the chunked path raises
     function = _function(pattern, DTYPES[base.dtype])
     out = _memory.empty(base.shape, like=base)
-    tensors = [out, base, *finetuned, *(x for x in h if isinstance(x, Tensor))]
-    flat = [x.reshape(-1).contiguous() for x in tensors]
+    flat = [x.reshape(-1).contiguous() for x in [out, base, *finetuned, *tensors(h)]]
     array = (ctypes.c_double * len(consts))(*consts)
     n, size = base.numel(), base.element_size()
     pointers = [x.data_ptr() for x in flat]
@@ -112,58 +142,64 @@ def _pool(threads: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradmerge-eq6")
 
 
-def _constants(
-    alphas: Sequence[float], h: Sequence[float | Tensor], dtype: torch.dtype
-) -> tuple[list[float], float | None]:
+def _constants(alphas: Sequence[float], h: Sequence[H]) -> tuple[list[float], float | None]:
     """The scalars the loop needs, as the chunked path forms them (Python floats, rounded to the
-    tensors' type inside the loop), and H̄ when every h is a scalar (else ``None``)."""
+    tensors' type inside the loop), and H̄ when every h is a scalar (else ``None``): α_1..α_T,
+    then per h_i in order δ_i (δ·I) or scale_i, δ_i (Affine), then the scalar terms of H̄."""
     consts = [float(a) for a in alphas]
-    consts += [float(x) for x in h if not isinstance(x, Tensor)]
-    tensor_seen = isinstance(h[0], Tensor)
-    acc = 0.0 if tensor_seen else float(cast(float, h[0]))  # H̄ while it is a Python float
+    for x in h:
+        if isinstance(x, Affine):
+            consts += [float(x.scale), float(x.delta)]
+        elif not isinstance(x, Tensor):
+            consts.append(float(x))
+    tensor_seen = kind(h[0]) != "d"
+    acc = 0.0 if tensor_seen else float(h[0])  # type: ignore[arg-type]  # H̄ while a Python float
     for alpha, x in zip(alphas, h[1:], strict=True):
-        if isinstance(x, Tensor):
+        if kind(x) != "d":
             if not tensor_seen:  # de = α·h_t + acc: acc is the scalar prefix
                 consts.append(acc)
             tensor_seen = True
         elif tensor_seen:  # de += α·x, the product in Python
-            consts.append(float(alpha) * float(x))
+            consts.append(float(alpha) * float(x))  # type: ignore[arg-type]
         else:
-            acc = acc + float(alpha) * float(x)
+            acc = acc + float(alpha) * float(x)  # type: ignore[arg-type]
     if not tensor_seen:
         consts.append(acc)
         return consts, acc
     return consts, None
 
 
-def source(pattern: tuple[bool, ...], ctype: str) -> str:
-    """C source of the loop for one pattern (``pattern[i]``: whether h_i is a tensor).
+def source(pattern: str, ctype: str) -> str:
+    """C source of the loop for one pattern (``pattern[i]``: :func:`kind` of h_i).
 
     Signature: ``int64_t eq6(int64_t n, const double *c, T *out, const T *b, const T *f_1..f_T,
-    const T *h_i (tensors only))`` with ``c`` = α_1..α_T, the scalar h_i in order, then the
-    scalar terms of H̄ as :func:`_constants` lists them; returns the count of uncertified
-    elements.
+    const T *h_i (tensors and Affine values only))`` with ``c`` as :func:`_constants` lists it;
+    returns the count of uncertified elements.
     """
     tasks = len(pattern) - 1
     args = ["int64_t n", "const double *c", f"{ctype} *restrict out", f"const {ctype} *restrict b"]
     args += [f"const {ctype} *restrict f{t}" for t in range(tasks)]
-    args += [f"const {ctype} *restrict h{i}" for i, p in enumerate(pattern) if p]
+    args += [f"const {ctype} *restrict h{i}" for i, p in enumerate(pattern) if p != "d"]
     k = tasks  # next constant
     prelude = [f"const {ctype} a{t} = ({ctype})c[{t}];" for t in range(tasks)]
-    value = {}
+    value, body = {}, []
     for i, p in enumerate(pattern):
-        if p:
+        if p == "h":
             value[i] = f"h{i}[i]"
+        elif p == "a":  # h_i = (c_i·scale_i) + δ_i, rounded as the operator algebra rounds it
+            prelude.append(f"const {ctype} s{i} = ({ctype})c[{k}];")
+            prelude.append(f"const {ctype} e{i} = ({ctype})c[{k + 1}];")
+            body.append(f"const {ctype} v{i} = ({ctype})(h{i}[i] * s{i}) + e{i};")
+            value[i], k = f"v{i}", k + 2
         else:
             prelude.append(f"const {ctype} s{i} = ({ctype})c[{k}];")
             value[i], k = f"s{i}", k + 1
-    body = []
-    vector = pattern[0]  # H̄ is a vector once a tensor term has entered it
+    vector = pattern[0] != "d"  # H̄ is a vector once a tensor term has entered it
     if vector:
-        body.append(f"{ctype} den = h0[i];")
+        body.append(f"{ctype} den = {value[0]};")
     for t in range(1, tasks + 1):
-        if pattern[t]:
-            product = f"h{t}[i] * a{t - 1}"
+        if pattern[t] != "d":
+            product = f"{value[t]} * a{t - 1}"
             if vector:
                 body.append(f"den = den + ({ctype})({product});")
             else:
@@ -188,9 +224,9 @@ def source(pattern: tuple[bool, ...], ctype: str) -> str:
     body.append(f"const {ctype} theta = bi + rhs / den;")
     body.append("out[i] = theta;")
     checks = ["(theta - theta != 0)"]
-    if any(pattern):
+    if pattern != "d" * len(pattern):
         checks.append("(den <= 0)")
-    checks += [f"(h{i}[i] < 0)" for i, p in enumerate(pattern) if p]
+    checks += [f"({value[i]} < 0)" for i, p in enumerate(pattern) if p != "d"]
     body.append(f"bad += {' | '.join(checks)};")
     lines = [
         "#include <float.h>",
@@ -211,11 +247,11 @@ def source(pattern: tuple[bool, ...], ctype: str) -> str:
 
 
 @functools.cache
-def _function(pattern: tuple[bool, ...], ctype: str) -> Callable[..., int]:
+def _function(pattern: str, ctype: str) -> Callable[..., int]:
     """The loaded C function of one pattern and type (built, or found in the cache)."""
     library = ctypes.CDLL(str(_built(source(pattern, ctype))))  # CDLL: calls release the GIL
     function = library.eq6
-    tensors = 2 + sum(pattern) + len(pattern) - 1
+    tensors = 2 + sum(p != "d" for p in pattern) + len(pattern) - 1
     function.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
     function.argtypes += [ctypes.c_void_p] * tensors
     function.restype = ctypes.c_int64

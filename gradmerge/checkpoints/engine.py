@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _weight_sample
+from gradmerge import _fused, _memory, _weight_sample
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
@@ -618,7 +618,11 @@ def _execute(
     bar = _progress(progress, plan.out_bytes(), job.command, len(entries))
     numels = [math.prod(plan.shapes[k]) for k in plan.merged]
     removed, left = remove_stale_stages(target)
-    with staged_output(target, overwrite=overwrite) as stage, _fused.job(numels):
+    with (
+        staged_output(target, overwrite=overwrite) as stage,
+        _fused.job(numels),
+        _memory.recycling(),  # each output is written and dropped before the next is made
+    ):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
             for unit in plan.units:

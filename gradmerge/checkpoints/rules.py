@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from gradmerge import merge
-from gradmerge.curvature import KFAC, Blocks, Curvature, ScaledIdentity
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.kronecker import eye_like
@@ -22,9 +22,14 @@ Precision = Curvature | float
 
 
 def precision(delta: float, scale: float, curvature: Curvature | None) -> Precision:
-    """δ·I + scale·C (a prior H_0 or a remaining curvature H̄_\\t); δ alone without a curvature."""
+    """δ·I + scale·C (a prior H_0 or a remaining curvature H̄_\\t); δ alone without a curvature.
+
+    A diagonal C gives :meth:`Diagonal.shifted` (the same values, formed only where used: the
+    diagonal merge forms them inside its loop)."""
     if curvature is None:
         return delta
+    if isinstance(curvature, Diagonal):
+        return curvature.shifted(scale, delta)
     return curvature.scaled(scale) + delta
 
 

@@ -103,6 +103,29 @@ class Diagonal(Curvature):
         scaled = {k: c * d for k, d in self.values.items()}
         return Diagonal._checked_already(scaled, unverified=self._unverified)
 
+    def shifted(self, scale: float, delta: float) -> Curvature:
+        """``scale·D + δ·I`` (a prior δ·I + s·C), its values formed only where they are used.
+
+        The result is a :class:`ShiftedDiagonal`: any use of its values forms them exactly as
+        ``self.scaled(scale) + delta`` does (the same tensors, bit for bit), while the diagonal
+        merge (:func:`gradmerge.gradient_matching` with elementwise curvatures) reads D once and
+        forms each value inside its loop, never writing them to memory. Values of other dtypes
+        than float32/float64, and δ = 0, are formed at once.
+
+        Example:
+            >>> import torch, gradmerge as gm
+            >>> C = gm.Diagonal({"w": torch.tensor([1.0, 4.0])})
+            >>> H0 = C.shifted(0.5, 1e-3)
+            >>> torch.equal(H0.values["w"], (C.scaled(0.5) + 1e-3).values["w"])
+            True
+        """
+        formed = delta == 0.0 or any(
+            d.dtype not in (torch.float32, torch.float64) for d in self.values.values()
+        )
+        if formed:
+            return self.scaled(scale) + float(delta)
+        return ShiftedDiagonal(self, scale, delta)
+
     @property
     def min_eigenvalue_exact(self) -> bool:
         return True
@@ -150,3 +173,54 @@ class Diagonal(Curvature):
         return Diagonal._checked_already(
             {k: torch.full_like(d, other.delta) for k, d in self.values.items()}
         )
+
+
+class ShiftedDiagonal(Diagonal):
+    """``scale·diag(c) + δ·I`` kept as (``unshifted`` = diag(c), ``scale``, ``delta``) until its
+    values are needed; made by :meth:`Diagonal.shifted`.
+
+    ``values`` forms (once) ``unshifted.scaled(scale) + delta``: every operation of
+    :class:`Diagonal` sees exactly the values of that eager expression. The diagonal merge of
+    :mod:`gradmerge._elementwise` instead hands c, scale and δ to its C loop, which forms each
+    h = (c·scale) + δ with the same roundings where it is used (one read of c, no write).
+    Finiteness and the coarsest dtype are those of ``unshifted`` (as for the eager sum).
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> H0 = gm.Diagonal({"w": torch.tensor([1.0, 4.0])}).shifted(2.0, 1.0)
+        >>> H0.formed, H0.values["w"].tolist(), H0.formed
+        (False, [3.0, 9.0], True)
+    """
+
+    def __init__(self, unshifted: Diagonal, scale: float, delta: float) -> None:
+        self.unshifted, self.scale, self.delta = unshifted, float(scale), float(delta)
+        self._layout = unshifted.layout
+        self._unverified = unshifted._unverified
+        self._formed: dict[str, Tensor] | None = None
+        self._remember_precision(unshifted.coarsest_dtype)
+
+    def __repr__(self) -> str:
+        return f"{self.scale:g}·{self.unshifted!r} + {self.delta:g}·I"
+
+    @property
+    def formed(self) -> bool:
+        """Whether the values have been formed (in memory)."""
+        return self._formed is not None
+
+    @property
+    def values(self) -> dict[str, Tensor]:
+        if self._formed is None:
+            total = self.unshifted.scaled(self.scale) + self.delta
+            assert isinstance(total, Diagonal)  # D + δ·I, δ ≠ 0, float32/float64: Diagonal.__add__
+            self._formed = total.values
+        return self._formed
+
+    @values.setter
+    def values(self, values: dict[str, Tensor]) -> None:
+        self._formed = values
+
+    def _dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        return self.unshifted._dtype_device()
+
+    def _like(self) -> dict[str, Tensor]:
+        return self.unshifted._like()

@@ -99,3 +99,49 @@ def test_diagonal_plus_delta_equals_the_promoted_sum_bit_for_bit(dtype, delta):
         assert isinstance(total, gm.Diagonal) and total.coarsest_dtype == dtype
         assert all(torch.equal(total.values[k], reference[k]) for k in reference)
     assert all(torch.equal((1.0 * d).values[k], d.values[k]) for k in d.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("scale", "delta"), [(1.0, 1e-3), (0.37, 0.25), (3.0, 0.0)])
+def test_shifted_diagonal_is_the_eager_sum_in_every_operation(dtype, scale, delta, tmp_path):
+    """``D.shifted(s, δ)`` (formed lazily, a prior δ·I + s·C) against ``D.scaled(s) + δ``: the
+    same values bit for bit once formed, and the same mv, solve, sums, dtype moves, PSD check,
+    coarsest dtype and file; δ = 0 and dtypes other than float32/float64 are formed at once."""
+    gen = torch.Generator().manual_seed(1)
+    values = {"a": torch.rand(1000, generator=gen), "b": torch.rand(3, 4, generator=gen) * 1e3}
+    d = gm.Diagonal({k: v.to(dtype) for k, v in values.items()})
+    eager = d.scaled(scale) + delta
+    lazy = d.shifted(scale, delta)
+    assert isinstance(lazy, gm.Diagonal)
+    lazy_kept = delta != 0.0 and dtype != torch.bfloat16
+    assert getattr(lazy, "formed", True) is not lazy_kept
+    assert lazy.layout == eager.layout and lazy.coarsest_dtype == eager.coarsest_dtype == dtype
+    v = {k: torch.randn(x.shape, generator=gen).to(dtype) for k, x in d.values.items()}
+    for got, want in [
+        (lazy.values, eager.values),
+        (lazy.mv(v), eager.mv(v)),
+        (lazy.solve(v), eager.solve(v)),
+        ((lazy + d).values, (eager + d).values),
+        ((lazy + 0.5).values, (eager + 0.5).values),
+        (lazy.scaled(2.0).values, eager.scaled(2.0).values),
+        (lazy.to(dtype=torch.float64).values, eager.to(dtype=torch.float64).values),
+    ]:
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert lazy.to(dtype=torch.float64).coarsest_dtype == dtype
+    if dtype != torch.bfloat16:  # safetensors round trip of the formed values
+        loaded = gm.load_curvature(lazy.save(tmp_path / "h0.curvature.safetensors"))
+        assert type(loaded) is gm.Diagonal
+        assert all(torch.equal(loaded.values[k], eager.values[k]) for k in eager.values)
+
+
+def test_shifted_diagonal_keeps_its_checks():
+    """A negative value, NaN/Inf left unchecked by a lazily read file (``_deferred``), and the
+    PSD check of the formed values, exactly as the eager sum reports them."""
+    deferred = gm.Diagonal._deferred({"w": torch.tensor([1.0, float("nan")])})
+    lazy = deferred.shifted(2.0, 0.5)
+    with pytest.raises(gm.NonFiniteError, match=r"prior\['w'\]"):
+        lazy.verify_finite(name="prior")
+    negative = gm.Diagonal({"w": torch.tensor([1.0, -3.0])}).shifted(1.0, 0.5)
+    with pytest.raises(gm.NotPositiveDefiniteError, match="prior is not positive semi-definite"):
+        negative.check_psd(name="prior")
+    assert "0.5·I" in repr(negative)

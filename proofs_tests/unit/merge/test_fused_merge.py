@@ -120,6 +120,64 @@ def test_compiled_kernel_is_bit_identical_to_the_chunked_path(
         assert torch.equal(fused[k], chunked[k]), k
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    kinds=st.sampled_from([("diag", "diag"), ("delta", "diag", "delta")]),
+    shift=st.sampled_from([(1.0, 1e-3), (0.37, 0.25), (3.0, 1e-6)]),
+    value_scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_a_shifted_prior_formed_in_the_loop_is_bit_identical(
+    name, seed, kinds, shift, value_scale, dtype
+):
+    """A prior δ·I + s·C made lazily (``C.shifted(s, δ)``, as the streaming engine makes it):
+    the C loop forms each h_0 = (c·s) + δ itself and never the tensor; the result equals, bit
+    for bit, the chunked pass with the eager prior ``C.scaled(s) + δ``."""
+    if name == "inductor" and dtype == torch.float64:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    base = {k: v.to(dtype) for k, v in _params(gen, value_scale).items()}
+    fts = [{k: v.to(dtype) for k, v in _params(gen, value_scale).items()} for _ in kinds]
+    c = _diag(gen, dtype=dtype)
+    hs = [1.7 if k == "delta" else _diag(gen, dtype=dtype) for k in kinds]
+    lazy = c.shifted(*shift)
+    with backend(name), gm.fused_kernels("on"):
+        fused = gm.gradient_matching(base, fts, hs, prior=lazy, alphas=0.8)
+    if _fused._failed:
+        pytest.skip(f"no compiled kernel here: {_fused._failed}")
+    assert lazy.formed is (name == "inductor")  # the C loop never forms the prior's values
+    with gm.fused_kernels("off"):
+        chunked = gm.gradient_matching(
+            base, fts, hs, prior=c.scaled(shift[0]) + shift[1], alphas=0.8
+        )
+    for k in base:
+        assert torch.equal(fused[k], chunked[k]), k
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (float("nan"), gm.NonFiniteError, r"prior\['big'\]"),
+        (float("inf"), gm.NonFiniteError, r"prior\['big'\]"),
+        (-1.0, gm.NotPositiveDefiniteError, "prior is not positive semi-definite"),
+    ],
+)
+def test_a_bad_value_in_a_shifted_prior_is_diagnosed_as_on_the_chunked_path(bad, error, message):
+    """The loop counts the element (θ not finite, or h_0 < 0) and hands the tensor to the
+    chunked path, whose exact checks name the prior, in either mode."""
+    gen = torch.Generator().manual_seed(9)
+    base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
+    c = _diag(gen)
+    c.values["big"][4321] = bad
+    for mode in ("on", "off"):
+        prior = gm.Diagonal._deferred(c.values).shifted(0.5, 0.1)  # read lazily, as from a file
+        with gm.fused_kernels(mode), pytest.raises(error, match=message):
+            gm.gradient_matching(base, fts, hs, prior=prior)
+
+
 @pytest.mark.usefixtures("compiled")
 def test_task_arithmetic_and_fisher_averaging_take_the_kernel_bit_identically():
     gen = torch.Generator().manual_seed(3)
@@ -215,11 +273,41 @@ def test_modes_and_the_auto_threshold(monkeypatch):
         pass
 
 
+PRIORS = {  # the config's prior, and the in-memory H_0 it stands for (c: the prior's curvature)
+    "delta": ({"delta": 1e-3}, lambda c: 1e-3),
+    "delta + scale·C": (
+        {"delta": 1e-3, "curvature": "prior.curvature.safetensors", "scale": 0.5},
+        lambda c: c.scaled(0.5) + 1e-3,
+    ),
+    "delta + C": (
+        {"delta": 0.25, "curvature": "prior.curvature.safetensors"},
+        lambda c: c + 0.25,
+    ),
+}
+
+
 @pytest.mark.usefixtures("compiled")
-def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(tmp_path):
+@pytest.mark.parametrize("prior", sorted(PRIORS))
+@pytest.mark.parametrize("recycled", [False, True])
+def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(
+    tmp_path, monkeypatch, prior, recycled
+):
+    """Also with a prior curvature (formed inside the C loop), and with every output large
+    enough to be mapped by ``_memory.empty`` (``recycled``: the engine reuses a mapping once the
+    tensor on it is written, so a later output must never overwrite an earlier one)."""
+    reused = []
+    if recycled:
+        monkeypatch.setattr(_memory, "HUGE_FROM", 4096)
+        reuse = _memory._reuse
+        monkeypatch.setattr(_memory, "_reuse", lambda *a: reused.append(reuse(*a)) or reused[-1])
+    shapes = {**SHAPES, "big2": SHAPES["big"]}  # two outputs of one size, one after the other
     gen = torch.Generator().manual_seed(5)
-    base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
+    base = _params(gen, shapes=shapes)
+    fts = [_params(gen, shapes=shapes), _params(gen, shapes=shapes)]
+    hs = [_diag(gen, shapes), _diag(gen, shapes)]
+    c = _diag(gen, shapes)
     save_file(base, tmp_path / "base.safetensors")
+    c.save(tmp_path / "prior.curvature.safetensors")
     models = []
     for t, (ft, h) in enumerate(zip(fts, hs, strict=True)):
         save_file(ft, tmp_path / f"ft{t}.safetensors")
@@ -231,12 +319,13 @@ def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(tmp_pa
                 "alpha": 0.8,
             }
         )
+    spec, h0 = PRIORS[prior]
     config = MergeConfig.from_dict(
         {
             "method": "gradient_matching",
             "base_model": "base.safetensors",
             "models": models,
-            "prior": {"delta": 1e-3},
+            "prior": spec,
         },
         root=tmp_path,
     )
@@ -246,8 +335,36 @@ def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(tmp_pa
     on, off = (tmp_path / m / "model.safetensors" for m in ("on", "off"))
     assert on.read_bytes() == off.read_bytes()
     with gm.fused_kernels("off"):
-        in_memory = gm.gradient_matching(base, fts, hs, prior=1e-3, alphas=0.8)
+        in_memory = gm.gradient_matching(base, fts, hs, prior=h0(c), alphas=0.8)
     assert all(torch.equal(v, in_memory[k]) for k, v in load_file(on).items())
+    assert any(m is not None for m in reused) is recycled
+
+
+def test_outputs_are_recycled_only_once_no_tensor_refers_to_them(monkeypatch):
+    """Within ``_memory.recycling()``: a dropped output's mapping serves the next output of its
+    size; a live one (or one a view keeps) is never handed out again; a new size releases the
+    free mappings of other sizes; outside the block nothing is reused."""
+    monkeypatch.setattr(_memory, "HUGE_FROM", 4096)
+    like = torch.zeros(1)
+    with _memory.recycling():
+        a = _memory.empty((2048,), like=like).fill_(1.0)
+        address = a.data_ptr()
+        view = a[5:]
+        del a
+        b = _memory.empty((2048,), like=like).fill_(2.0)  # a's mapping is still held by view
+        assert b.data_ptr() != address and float(view.sum()) == 2043.0
+        del view
+        c = _memory.empty((2048,), like=like)
+        assert c.data_ptr() == address  # reused
+        del b, c
+        pool = _memory._pool.get()
+        assert pool is not None and len(pool) == 2
+        d = _memory.empty((1024, 3), like=like)  # a new size: the two free mappings go
+        assert len(pool) == 1 and d.shape == (1024, 3)
+    e = _memory.empty((2048,), like=like)
+    del e
+    f = _memory.empty((2048,), like=like)
+    assert _memory._pool.get() is None and f.shape == (2048,)
 
 
 def test_fresh_outputs_are_ordinary_tensors():
