@@ -22,7 +22,9 @@ Sections (each writes its part of the JSON report; ratios are measured in the sa
     and a diagonal prior δ·I + C over 16 tensors of 2M float32 (GPT-2's larger matrices), 4
     tasks, in memory and streamed from safetensors, with the defaults (on a CPU: gradmerge's C
     loop) and with the chunked pass, each against ``torch.add(out=)`` over 16 tensors of 2M
-    floats measured just before it in the same process.
+    floats measured just before it in the same process; streamed also interleaved with an
+    ablation of the engine's savings (the prior's values formed as a tensor first, a fresh output
+    mapping per tensor), which must write the same bytes.
 (b) ``gpt2``: GPT-2-124M-sized checkpoints (random weights from a config; two "fine-tunes" =
     base + noise; random positive diagonal curvatures), each method in a fresh process: the
     paper's reference formula on whole state dicts (everything loaded, Python lists of
@@ -50,6 +52,7 @@ machine the timings move with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -61,7 +64,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -70,7 +73,7 @@ import torch
 from torch import Tensor
 
 import gradmerge as gm
-from gradmerge import _fused, _native
+from gradmerge import _fused, _memory, _native
 
 DELTA = 1e-3  # prior precision δ of every Eq. 6 merge here (H_0 = δ·I)
 GiB = 1024**3
@@ -493,6 +496,23 @@ def add_roofline(tensors: int, n: int, repeats: int) -> dict[str, Any]:
     return result
 
 
+@contextlib.contextmanager
+def _ablation() -> Iterator[None]:
+    """The streaming engine without its two savings for elementwise priors: H_0 = s·C + δ formed
+    as a tensor before the merge (``C.scaled(s) + δ``, not in the C loop) and a freshly mapped
+    output per tensor (no ``_memory.recycling``). Same result bit for bit."""
+    from gradmerge.checkpoints import rules
+
+    def eager(delta: float, scale: float, c: gm.Curvature | None) -> Any:
+        return delta if c is None else c.scaled(scale) + delta
+
+    with (
+        mock.patch.object(rules, "precision", eager),
+        mock.patch.object(_memory, "recycling", contextlib.nullcontext),
+    ):
+        yield
+
+
 def gpt2_sized(tensors: int, n: int, tasks: int, repeats: int, tmp: Path) -> dict[str, Any]:
     """Eq. 6 with diagonal H_t and a diagonal prior over ``tensors`` tensors of n float32 (issue
     14 item 3: 16 × 2M, 4 tasks), in memory and streamed, against :func:`add_roofline` measured
@@ -584,6 +604,24 @@ def gpt2_sized(tensors: int, n: int, tasks: int, repeats: int, tmp: Path) -> dic
                 f" GB/s (best {r['fraction_of_roofline_best']:4.2f}), first call {first:5.2f} s",
                 flush=True,
             )
+    pairs: dict[str, list[float]] = {"default": [], "ablation": []}
+    for _ in range(repeats):  # interleaved, so that the machine's load weighs on both alike
+        for key, context in (("default", contextlib.nullcontext), ("ablation", _ablation)):
+            with context():
+                gc.collect()
+                pairs[key].append(streamed())
+    result["streamed_ablation"] = {
+        "what": "run_merge with the C loop, interleaved with the same run without the engine's "
+        "savings for elementwise priors (the prior's values formed as a tensor first, a fresh "
+        "output mapping per tensor: _ablation)",
+        "default_seconds": statistics.median(pairs["default"]),
+        "ablation_seconds": statistics.median(pairs["ablation"]),
+    }
+    print(
+        "  run_merge interleaved: default {default_seconds:.3f} s, prior formed first and fresh "
+        "outputs {ablation_seconds:.3f} s".format(**result["streamed_ablation"]),
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as empty:  # building the C loop of this pattern anew
         pattern = "h" * (tasks + 1)  # every h_t a tensor (in memory; streamed: "a" + "h" * tasks)
         start = time.perf_counter()
@@ -598,6 +636,12 @@ def gpt2_sized(tensors: int, n: int, tasks: int, repeats: int, tmp: Path) -> dic
     with gm.fused_kernels("off"):
         chunked = in_memory()
     result["c_loop_equals_chunked_bitwise"] = all(torch.equal(loop[k], chunked[k]) for k in keys)
+    written = []
+    for context in (contextlib.nullcontext, _ablation):
+        with context():
+            run_merge(config, folder / f"kept-{len(written)}", progress=False)
+        written.append((folder / f"kept-{len(written)}" / "model.safetensors").read_bytes())
+    result["streamed_equals_ablation_bitwise"] = written[0] == written[1]
     shutil.rmtree(folder)
     return result
 
