@@ -17,6 +17,9 @@ Measured, each command in a fresh process (wall time and peak anonymous memory s
    ``prior: {delta: δ}`` for T = 2 and T = 4 (targets: ≤ 120 s and ≤ 240 s wall, ≤ 2 GiB peak
    anonymous memory), with the largest certified relative residual and the CG iterations from
    the merge record;
+   and, before each, the same merge with ``solver: {approximate: true, maxiter: M}`` for each
+   ``--approximate M`` (default 0: the eigenbasis preconditioner alone), with every layer's
+   measured residual (``--skip-exact``: only those);
 3. the same merge with diagonal curvatures, and ``gradmerge merge`` / ``mergekit-yaml`` task
    arithmetic of the same models.
 
@@ -121,6 +124,8 @@ def merge(folder: Path, name: str, config: dict[str, Any]) -> dict[str, Any]:
         result["cg_iterations"] = sum(s["iterations"] for s in solves.values())
         result["solved_layers"] = len(solves)
         result["methods"] = sorted({s["method"] for s in solves.values()})
+        result["residuals"] = {k: s["residual"] for k, s in solves.items()}
+        result["layers_above_tol"] = sum(not s.get("success", True) for s in solves.values())
     shutil.rmtree(out, ignore_errors=True)
     return result
 
@@ -198,6 +203,8 @@ def show(label: str, r: dict[str, Any]) -> None:
     extra = ""
     if "max_residual" in r and r["max_residual"] is not None:
         extra = f", max residual {r['max_residual']:.1e}, {r['cg_iterations']} CG iterations"
+        if r.get("layers_above_tol"):
+            extra += f", {r['layers_above_tol']}/{r['solved_layers']} layers above tol"
     print(
         f"{label:44s} {r['wall_seconds']:7.1f} s wall, peak anon "
         f"{r['peak_rss_anon_bytes'] / 2**30:.2f} GiB{extra}",
@@ -212,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--delta", type=float, nargs="+", default=[1e-3])
+    parser.add_argument(
+        "--approximate",
+        type=int,
+        nargs="*",
+        default=[0],
+        metavar="MAXITER",
+        help="also merge with solver: {approximate: true, maxiter: MAXITER} (none: skip)",
+    )
+    parser.add_argument("--skip-exact", action="store_true", help="only the approximate merges")
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--keep", type=Path, default=None, help="build in this folder, keep it")
     parser.add_argument("--per-layer", nargs="+", default=None, metavar="LAYER")
@@ -232,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"out": str(args.out)}}
     report["settings"]["keep"] = str(args.keep) if args.keep else None
     try:
-        if not (folder / "base").exists():
+        if not all((folder / f"ft{t}").exists() for t in range(most)):
+            # deterministic: a kept folder's earlier models are rebuilt bit-identical
             paths = build(folder, most, args.sequences, args.length)
         else:  # a kept folder from an earlier run
             paths = {
@@ -273,8 +290,16 @@ def main(argv: list[str] | None = None) -> int:
                     "prior": {"delta": delta},
                 }
                 label = f"K-FAC gradient matching T={tasks} delta={delta:g}"
-                merges[label] = merge(folder, f"kfac{tasks}_{delta:g}", config)
-                show(label, merges[label])
+                for maxiter in args.approximate:
+                    solver = {"solver": {"approximate": True, "maxiter": maxiter}}
+                    name = f"{label}, approximate maxiter={maxiter}"
+                    merges[name] = merge(
+                        folder, f"kfac{tasks}_{delta:g}_approx{maxiter}", config | solver
+                    )
+                    show(name, merges[name])
+                if not args.skip_exact:
+                    merges[label] = merge(folder, f"kfac{tasks}_{delta:g}", config)
+                    show(label, merges[label])
         diag = {
             "method": "gradient_matching",
             "base_model": str(paths["base"]),

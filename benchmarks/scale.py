@@ -44,6 +44,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -327,6 +328,134 @@ def measure_eigh(d: int, rep: int) -> dict:
     return {"d": d, **best_of(rep, lambda m: torch.linalg.eigh(a))}
 
 
+# ----- 3b. K-FAC layer solves at full size -----------------------------------------------------
+KFAC_SHAPES = [(768, 768), (3072, 768), (4096, 4096), (11008, 4096)]
+"""(out, in) of the layers measured: GPT-2-124M's attention and MLP, Llama-7B's attention and
+MLP (gate/up; the down projection is its transpose: the same cost)."""
+
+
+def _factor(d: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """A K-FAC-like factor: the mean Gram of ``rows`` random features whose scales decay over
+    three orders of magnitude (float32)."""
+    scales = 10.0 ** (-1.5 * torch.linspace(0, 1, d))
+    x = torch.randn(rows, d, generator=gen) * scales
+    return x.T @ x / rows
+
+
+def measure_kfac_layer(out_dim: int, in_dim: int, tasks: int, rel: float | None, rep: int) -> dict:
+    """One K-FAC layer of T tasks in float32: the cost of each part of its merge solve
+    (:mod:`gradmerge.solvers.kfac_cg`) and, when ``rel`` is given, the whole solve of
+    (δ·I + Σ_t A_t ⊗ G_t) X = B at δ = rel·max_t ‖A_t‖₂‖G_t‖₂ (tolerance 1e-5, certified in
+    float64), whose CG iterations and refinements the model uses."""
+    from gradmerge.solvers import kfac_cg
+
+    gen = torch.Generator().manual_seed(out_dim + in_dim)
+    rows = 2 * max(out_dim, in_dim)
+    terms = [(_factor(in_dim, rows, gen), _factor(out_dim, rows, gen)) for _ in range(tasks)]
+    b = torch.randn(out_dim, in_dim, generator=gen)
+    row: dict[str, Any] = {"out": out_dim, "in": in_dim, "tasks": tasks}
+    kfac_flops = 2 * out_dim * in_dim * (out_dim + in_dim)
+    row["kron_mv_flops"] = kfac_flops
+    a, g = terms[0]
+    row["eigh_in_seconds"] = best_of(rep, lambda m: torch.linalg.eigh(a))["seconds"]
+    row["eigh_out_seconds"] = best_of(rep, lambda m: torch.linalg.eigh(g))["seconds"]
+    row["kron_mv32_seconds"] = best_of(rep, lambda m: g @ b @ a)["seconds"]
+    row["residual_term64_seconds"] = best_of(rep, lambda m: kfac_cg.residual(0.0, [(a, g)], b, b))[
+        "seconds"
+    ]
+    row["psd_check_seconds"] = best_of(rep, lambda m: gm.KFAC({"l": (a, g)}).check_psd(name="l"))[
+        "seconds"
+    ]
+    if rel is not None:
+        scale = max(
+            float(torch.linalg.matrix_norm(a.double(), 2) * torch.linalg.matrix_norm(g.double(), 2))
+            for a, g in terms
+        )
+        with Measure() as m:
+            solve = kfac_cg.solve("l", rel * scale, terms, b)
+        row |= {
+            "delta_relative": rel,
+            "solve_seconds": m.row()["seconds"],
+            "cg_iterations": solve.iterations,
+            "residual": solve.residual,
+            "method": solve.method,
+        }
+    print("kfac layer", json.dumps(row), flush=True)
+    return row
+
+
+def kfac_layer_model(row: dict, rates: dict, iterations: int, refinements: int) -> float:
+    """Predicted seconds of one layer's solve: the two eigendecompositions of the collapsed
+    factors, T rotations of each factor (two GEMMs each), T Kronecker products per CG iteration
+    (+1 for the start), the float64 residual per certification, and the PSD checks."""
+    d3 = row["out"] ** 3 + row["in"] ** 3
+    t = rates["eigh_seconds_per_d3"] * d3
+    t += row["tasks"] * 4 * d3 / rates["gemm32_flops_per_second"]
+    t += (
+        (iterations + 1 + refinements)
+        * row["tasks"]
+        * row["kron_mv_flops"]
+        / rates["gemm32_flops_per_second"]
+    )
+    t += (1 + refinements) * row["tasks"] * row["kron_mv_flops"] / rates["gemm64_flops_per_second"]
+    t += row["tasks"] * rates["psd_seconds_per_d3"] * d3
+    return t
+
+
+def kfac_rates(rows: list[dict]) -> dict:
+    """Flop rates and eigh/PSD constants from the component timings of the largest shapes."""
+    big = [r for r in rows if r["out"] * r["in"] >= 4096 * 4096]
+    big = big or rows
+    d3 = [r["out"] ** 3 + r["in"] ** 3 for r in big]
+    return {
+        "gemm32_flops_per_second": float(
+            np.median([r["kron_mv_flops"] / r["kron_mv32_seconds"] for r in big])
+        ),
+        "gemm64_flops_per_second": float(
+            np.median([r["kron_mv_flops"] / r["residual_term64_seconds"] for r in big])
+        ),
+        "eigh_seconds_per_d3": float(
+            np.median(
+                [
+                    (r["eigh_in_seconds"] + r["eigh_out_seconds"]) / x
+                    for r, x in zip(big, d3, strict=True)
+                ]
+            )
+        ),
+        "psd_seconds_per_d3": float(
+            np.median([r["psd_check_seconds"] / x for r, x in zip(big, d3, strict=True)])
+        ),
+    }
+
+
+def kfac_fit(rows: list[dict]) -> dict:
+    """The layer model's rates, checked against every measured whole solve."""
+    rates = kfac_rates(rows)
+    checks = []
+    for r in rows:
+        if "solve_seconds" in r:
+            found = re.search(r"(\d+) refinement", r["method"])
+            refinements = int(found.group(1)) if found else 0
+            predicted = kfac_layer_model(r, rates, r["cg_iterations"], refinements)
+            checks.append(
+                {
+                    "shape": [r["out"], r["in"]],
+                    "cg_iterations": r["cg_iterations"],
+                    "measured_seconds": r["solve_seconds"],
+                    "predicted_seconds": predicted,
+                    "relative_residual": round(predicted / r["solve_seconds"] - 1, 3),
+                }
+            )
+    return {
+        "model": "per layer: eigh of the two collapsed factors + T·4·(d_in³ + d_out³) flops of "
+        "rotations + (iterations + 1 + refinements)·T Kronecker products in float32 + "
+        "(1 + refinements)·T in float64 (certification) + T PSD checks; rates from the "
+        "4096-and-larger shapes",
+        "rates": rates,
+        "checks_against_whole_solves": checks,
+    }
+
+
 # ----- 4. ranks (torchrun, gloo) --------------------------------------------------------------
 def rank_worker(argv: list[str]) -> None:
     """One rank: estimation on its shard, an all-reduce of the curvature's size, a merge."""
@@ -520,6 +649,8 @@ def llama_shapes(s: dict) -> dict:
     kron = n * sum(2 * a * b * (a + b) for a, b in linears) + 2 * v * h * (v + h)  # lm_head too
     sum_d3 = n * sum(a**3 + b**3 for a, b in linears) + v**3 + h**3
     largest_unit = max(v * h, m * h)  # embedding/lm_head or an MLP matrix (diagonal: one tensor)
+    limit = 16384  # kfac_max_factor_side: larger layers (vocabulary heads, 70B's MLP) are diagonal
+    kfac_layers = [(a, b) for a, b in linears if max(a, b) <= limit] * n
     return {
         "params": p,
         "layers": n,
@@ -529,10 +660,11 @@ def llama_shapes(s: dict) -> dict:
         "sum_d3": sum_d3,
         "kron_mv_flops": kron,
         "largest_unit_floats": largest_unit,
+        "kfac_layers": kfac_layers,
     }
 
 
-def predict(fits: dict, ranks: list[dict], eig: dict) -> dict:
+def predict(fits: dict, ranks: list[dict]) -> dict:
     tokens, batch_tokens, tasks = 1_000_000, 8 * 2048, 4
     out: dict[str, Any] = {
         "assumptions": {
@@ -548,8 +680,6 @@ def predict(fits: dict, ranks: list[dict], eig: dict) -> dict:
     a = {s: fits[f"estimate_time_{s}"]["coefficients"] for s in ("diag", "kfac")}
     mem = fits["estimate_memory"]["coefficients"]
     bw = 1 / fits["merge_time_diag"]["coefficients"][0]
-    k_kron = fits["merge_time_kfac"]["coefficients"][0]
-    c_eig = fits["eigh"]["coefficients"][0]
     u = fits["merge_memory"]["coefficients"][0]
     for name, spec in LLAMA.items():
         s = llama_shapes(spec)
@@ -574,14 +704,34 @@ def predict(fits: dict, ranks: list[dict], eig: dict) -> dict:
             "memory_bytes": u * (2 * tasks + 2) * 4 * s["largest_unit_floats"],
         }
         kf_moved = 3 * model_bytes + 2 * s["kfac_curvature_bytes"]
+        rates = fits["kfac_layer"]["rates"]
+        gpu_rates = rates | {
+            "gemm32_flops_per_second": GPU_ASSUMPTIONS["gemm_fp32_flops_per_s"],
+            "gemm64_flops_per_second": GPU_ASSUMPTIONS["gemm_fp64_flops_per_s"],
+            "eigh_seconds_per_d3": 9 / GPU_ASSUMPTIONS["eigh_fp32_flops_per_s"],
+            "psd_seconds_per_d3": (1 / 3) / GPU_ASSUMPTIONS["gemm_fp64_flops_per_s"],
+        }
+        layers = [
+            {"out": o, "in": i, "tasks": 2, "kron_mv_flops": 2 * o * i * (o + i)}
+            for o, i in s["kfac_layers"]
+        ]
         row["merge_kfac_T2"] = {
             "bytes_moved": kf_moved,
-            "cpu_seconds": kf_moved / bw + k_kron * s["kron_mv_flops"],
-            "cg_seconds": k_kron * s["kron_mv_flops"],
-            "preconditioner_eigh_seconds": 2 * c_eig * s["sum_d3"],
-            "note": "CG-bound; k absorbs the CG iterations measured on the small models "
-            "(conditioning-dependent: the least certain prediction)",
+            "kfac_layers": len(layers),
+            "note": "CG-bound: the CG iterations per layer depend on δ relative to the "
+            "curvature's scale; the counts are those measured on GPT-2-124M's real factors "
+            "(results/gpt2-kfac-layers-cpu.json: 23 / 62 at δ = 1e-2 / 1e-4 of the layer's "
+            "scale, float32; 169 at 1e-6 needed float64 and costs about twice as much per "
+            "iteration, not modelled); layers with a factor side above 16384 (kfac_max_factor_side) "
+            "are diagonal",
         }
+        for label, its, refinements in KFAC_SCENARIOS:
+            cpu = sum(kfac_layer_model(r, rates, its, refinements) for r in layers)
+            gpu = sum(kfac_layer_model(r, gpu_rates, its, refinements) for r in layers)
+            row["merge_kfac_T2"][label] = {
+                "cpu_seconds_2_cores": kf_moved / bw + cpu,
+                "gpu_extrapolation_seconds": kf_moved / GPU_ASSUMPTIONS["disk_bytes_per_s"] + gpu,
+            }
         row["paper_script_memory_bytes"] = (1 + 2 * tasks) * model_bytes
         # GPU: a labelled extrapolation (nothing measured on a GPU in this run)
         gpu = GPU_ASSUMPTIONS
@@ -591,9 +741,6 @@ def predict(fits: dict, ranks: list[dict], eig: dict) -> dict:
             for st in ("diag", "kfac")
         }
         row["gpu_extrapolation"]["merge_diag_seconds_disk_bound"] = moved / gpu["disk_bytes_per_s"]
-        row["gpu_extrapolation"]["merge_kfac_T2_eig_seconds"] = (
-            eig["gpu_seconds_per_d3"] * s["sum_d3"]
-        )
         out[name] = row
     two = [r for r in ranks if r["ranks"] == 2]
     if two and ranks:
@@ -614,7 +761,16 @@ GPU_ASSUMPTIONS = {
     "ratio_source": "benchmarks/results/curvature-cpu.json (CPU ratios, assumed to carry over)",
     "disk_bytes_per_s": 2e9,
     "eigh_fp32_flops_per_s": 1e12,
+    "gemm_fp32_flops_per_s": 30e12,
+    "gemm_fp64_flops_per_s": 30e12,
+    "gemm_note": "half of the H100 SXM's 60-67 TFLOP/s fp32 / fp64 (no TF32)",
 }
+
+KFAC_SCENARIOS = [  # (label, CG iterations per layer, refinements)
+    ("approximate_maxiter_0", 0, 0),
+    ("delta_1e-2_of_scale_23_iterations", 23, 0),
+    ("delta_1e-4_of_scale_62_iterations", 62, 1),
+]
 
 
 # ----- driver ---------------------------------------------------------------------------------
@@ -700,6 +856,13 @@ def main() -> None:
         eig = [measure_eigh(d, rep) for d in ds]
         report["eigh"] = eig
 
+        # 3b. K-FAC layers at full size: the parts of a solve, and whole solves (2 tasks)
+        shapes = KFAC_SHAPES[:1] if args.quick else KFAC_SHAPES
+        report["kfac_layers"] = [
+            measure_kfac_layer(o, i, 2, None if (o, i) == (11008, 4096) else 1e-2, 1)
+            for o, i in shapes
+        ]
+
         # 4. ranks
         ranks: list[dict] = []
         if not (args.quick or args.no_ranks):
@@ -768,10 +931,10 @@ def main() -> None:
             },
             "allreduce_bytes_per_second": round(two["allreduce_bytes"] / two["allreduce_seconds"]),
         }
+    fits["kfac_layer"] = kfac_fit(report["kfac_layers"])
     report["fits"] = fits
-    eig_gpu = {"gpu_seconds_per_d3": 9 / GPU_ASSUMPTIONS["eigh_fp32_flops_per_s"]}
     report["gpu_assumptions"] = GPU_ASSUMPTIONS
-    report["predictions"] = predict(fits, ranks, eig_gpu)
+    report["predictions"] = predict(fits, ranks)
     report["anchors"] = {
         "mergekit_design_md": "task_arithmetic on three GPT-2-124M checkpoints: 8–9 s wall "
         "(about 6 s start-up), 2.96 GB peak RSS (measured on the development machine, 2 CPU cores)",
@@ -801,7 +964,9 @@ def summary(report: dict) -> None:
               f"kfac est {p['estimate_kfac']['cpu_hours_one_process']:.3g} h",
               f"merge diag T=4 {p['merge_diag']['cpu_seconds']:.0f} s "
               f"({p['merge_diag']['memory_bytes'] / GB:.2f} GB)",
-              f"merge kfac T=2 {p['merge_kfac_T2']['cpu_seconds']:.0f} s",
+              "merge kfac T=2 " + ", ".join(
+                  f"{k}={v['cpu_seconds_2_cores']:.3g} s"
+                  for k, v in p["merge_kfac_T2"].items() if isinstance(v, dict)),
               f"paper script {p['paper_script_memory_bytes'] / GB:.0f} GB")  # fmt: skip
 
 
