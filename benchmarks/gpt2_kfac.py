@@ -258,23 +258,28 @@ def main(argv: list[str] | None = None) -> int:
                 "data": [folder / f"tokens{t}.safetensors" for t in range(most)],
             }
         tokens = args.sequences * args.length
-        fb = forward_backward_seconds(paths["models"][0], paths["data"][0], args.batch_size)
-        report["forward_backward_seconds"] = fb
         report["tokens_per_task"] = tokens
-        print(f"forward+backward over {tokens} tokens: {fb:.1f} s", flush=True)
+        todo = [
+            (structure, t)
+            for structure, count in (("kfac", most), ("diag", 2))
+            for t in range(count)
+            if not (folder / f"ft{t}.{structure}.safetensors").exists()
+        ]
         est: dict[str, Any] = {}
-        for structure, count in (("kfac", most), ("diag", 2)):
-            for t in range(count):
-                out = folder / f"ft{t}.{structure}.safetensors"
-                if out.exists():
-                    continue
-                r = curvature(paths["models"][t], paths["data"][t], out, structure, args.batch_size)
-                r["ratio_to_forward_backward"] = r["wall_seconds"] / fb
-                r["file_bytes"] = out.stat().st_size if out.exists() else None
-                est[f"{structure} task {t}"] = r
-                show(f"curvature {structure} task {t}", r)
+        if todo:  # the ratio's yardstick, only when something is estimated
+            fb = forward_backward_seconds(paths["models"][0], paths["data"][0], args.batch_size)
+            report["forward_backward_seconds"] = fb
+            print(f"forward+backward over {tokens} tokens: {fb:.1f} s", flush=True)
+        for structure, t in todo:
+            out = folder / f"ft{t}.{structure}.safetensors"
+            r = curvature(paths["models"][t], paths["data"][t], out, structure, args.batch_size)
+            r["ratio_to_forward_backward"] = r["wall_seconds"] / fb
+            r["file_bytes"] = out.stat().st_size if out.exists() else None
+            est[f"{structure} task {t}"] = r
+            show(f"curvature {structure} task {t}", r)
         report["estimation"] = est
         merges: dict[str, Any] = {}
+        report["merges"] = merges  # saved after each merge: a long run keeps what it measured
         for tasks in args.tasks:
             for delta in args.delta:
                 config = {
@@ -290,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                     "prior": {"delta": delta},
                 }
                 label = f"K-FAC gradient matching T={tasks} delta={delta:g}"
+                if not args.skip_exact:
+                    merges[label] = merge(folder, f"kfac{tasks}_{delta:g}", config)
+                    show(label, merges[label])
+                    save(args.out, report)
                 for maxiter in args.approximate:
                     solver = {"solver": {"approximate": True, "maxiter": maxiter}}
                     name = f"{label}, approximate maxiter={maxiter}"
@@ -297,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                         folder, f"kfac{tasks}_{delta:g}_approx{maxiter}", config | solver
                     )
                     show(name, merges[name])
-                if not args.skip_exact:
-                    merges[label] = merge(folder, f"kfac{tasks}_{delta:g}", config)
-                    show(label, merges[label])
+                    save(args.out, report)
         diag = {
             "method": "gradient_matching",
             "base_model": str(paths["base"]),
@@ -323,14 +330,17 @@ def main(argv: list[str] | None = None) -> int:
         show("gradmerge task arithmetic T=2", merges["gradmerge task arithmetic T=2"])
         merges["mergekit task arithmetic T=2"] = mergekit(folder, paths, 2)
         show("mergekit task arithmetic T=2", merges["mergekit task arithmetic T=2"])
-        report["merges"] = merges
     finally:
         if args.keep is None:
             shutil.rmtree(folder, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    save(args.out, report)
     print(f"wrote {args.out}")
     return 0
+
+
+def save(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

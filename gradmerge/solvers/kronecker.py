@@ -92,9 +92,14 @@ def _forget(key: int) -> Callable[[weakref.ref[Tensor]], None]:
 
 
 def identity_multiple(g: Tensor) -> float | None:
-    """c if G = c·I exactly, else None."""
-    c = float(g[0, 0])
-    return c if torch.equal(g, c * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)) else None
+    """c if G = c·I exactly, else None (an estimated factor is rejected by two entries; no
+    identity is formed)."""
+    n, c = g.shape[0], float(g[0, 0])
+    if n > 1 and (float(g[0, 1]) != 0 or float(g[1, 1]) != c):
+        return None
+    if not bool((g.diagonal() == c).all()):
+        return None
+    return c if int(torch.count_nonzero(g)) == (n if c != 0 else 0) else None
 
 
 def eye_like(m: Tensor) -> Tensor:

@@ -302,3 +302,30 @@ def test_approximate_solve_returns_its_true_residual_and_never_raises(maxiter):
         assert part.residual > exact.solve_info(v).parts["m"].residual
     else:
         assert info.success and torch.allclose(x, torch.linalg.solve(dense, b), rtol=1e-6)
+
+
+def _with(m, i, j, value):
+    m = m.clone()
+    m[i, j] = value
+    return m
+
+
+IDENTITY_CASES = [  # (matrix, c or None)
+    (2.5 * torch.eye(4), 2.5),
+    (torch.zeros(3, 3), 0.0),
+    (-1.0 * torch.eye(3), -1.0),
+    (torch.full((1, 1), 3.0), 3.0),
+    (_with(2.0 * torch.eye(4), 3, 1, 1e-30), None),  # one far off-diagonal entry
+    (_with(2.0 * torch.eye(4), 3, 3, 2.0000002), None),  # the last diagonal entry
+    (_with(torch.zeros(3, 3), 2, 0, 1.0), None),
+    (_with(torch.eye(3), 0, 0, float("nan")), None),
+    (torch.ones(3, 3), None),
+]
+
+
+@pytest.mark.parametrize(("m", "expected"), IDENTITY_CASES)
+def test_identity_multiple_is_exact(m, expected):
+    from gradmerge.solvers.kronecker import identity_multiple
+
+    assert identity_multiple(m) == expected
+    assert identity_multiple(m.double()) == expected
