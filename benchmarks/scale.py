@@ -9,6 +9,10 @@ Measured (GPT-2 configs with random weights, vocabulary ``VOCAB``, several width
   diagonal curvature files; T = 2 K-FAC files; task arithmetic): wall time, bytes read/written,
   peak RssAnon (the inputs are memory-mapped: RssAnon is the merge's own footprint);
 - ``torch.linalg.eigh`` of d×d float32 matrices (the K-FAC solve's per-factor cost);
+- K-FAC layers at full size (``KFAC_SHAPES``: GPT-2-124M's and Llama-7B's Linear shapes up to
+  11008×4096, float32, 2 tasks, both cores): each part of a merge's layer solve, and whole solves
+  up to 4096×4096 that check the per-layer cost model (``kfac_layer_model``) the 7B/70B K-FAC
+  merge predictions use, for stated CG-iteration counts (``KFAC_SCENARIOS``);
 - ranks 1 and 2 under ``torchrun`` with gloo: distributed estimation and distributed merging, and
   an all-reduce of the curvature's size.
 
@@ -16,7 +20,7 @@ The model (symbols → JSON keys; P parameters, N tokens, n examples, T tasks, R
 
     estimation time   t_est ≈ a_s·P·N + b_s·P·n                       (per structure s)
     estimation memory m_est ≈ curvature bytes + c_h·N_b·L·h·4 + c_v·N_b·V·4   (N_b tokens per batch)
-    merge time        t_merge ≈ bytes moved / B  (+ k·Σ_layers (d_in³ + d_out³) for K-FAC)
+    merge time        t_merge ≈ bytes moved / B  (+ Σ_layers kfac_layer_model for K-FAC)
                       bytes moved = read (T+1 models + T curvatures) + written (1 model)
     merge memory      m_merge ≈ u·(2T + 2)·(largest unit's bytes)     (a few tensors at a time)
     ranks             t(R) ≈ t(1)/(R·e_R) + 2(R−1)/R · curvature bytes / B_allreduce
@@ -857,11 +861,15 @@ def main() -> None:
         report["eigh"] = eig
 
         # 3b. K-FAC layers at full size: the parts of a solve, and whole solves (2 tasks)
+        # (2 threads, as `gradmerge merge` runs: these are GEMM/eigh-bound, not spin-bound)
         shapes = KFAC_SHAPES[:1] if args.quick else KFAC_SHAPES
+        torch.set_num_threads(os.cpu_count() or 1)
+        report["kfac_layers_threads"] = torch.get_num_threads()
         report["kfac_layers"] = [
             measure_kfac_layer(o, i, 2, None if (o, i) == (11008, 4096) else 1e-2, 1)
             for o, i in shapes
         ]
+        torch.set_num_threads(1)
 
         # 4. ranks
         ranks: list[dict] = []
