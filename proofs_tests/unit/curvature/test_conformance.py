@@ -4,7 +4,8 @@ Each case (data, below) builds a curvature and, independently of gradmerge's ope
 matrix it stands for over the flattened parameters in the curvature's layout order: diagonals and
 dense matrices as given, K-FAC layers as torch.kron(G, A) over the row-major [V | b] matrix
 (permuted to the stored weight layout: transposed Conv1D/Embedding weights, Conv2d weight
-shapes), Blocks as block-diagonal matrices, lazy Sums as sums, ScaledIdentity as δ·I, and a
+shapes), Blocks as block-diagonal matrices, lazy Sums as sums, ScaledIdentity as δ·I, a
+ShiftedDiagonal (a prior s·C + δ·I left unformed) as s·diag(c) + δ·I, and a
 MatrixFree Hessian as torch.func.hessian of the summed loss. Every operation — mv and dense(),
 solve and solve_info, C1 + C2 (same structure, and with δ·I, a diagonal and a dense matrix), c · C,
 C + δ, to(), the file round trip with metadata where the type is stored as tensors, check_psd, and
@@ -24,6 +25,7 @@ from torch import Tensor
 
 import gradmerge as gm
 from gradmerge import params as P
+from gradmerge.curvature.diagonal import ShiftedDiagonal
 from proofs_tests.reference import spd_tensor
 
 DT = torch.float64
@@ -90,6 +92,15 @@ def _diagonal(rng):
         "b": torch.as_tensor(rng.uniform(0.1, 3.0, (4,)), dtype=DT),
     }
     return Case(gm.Diagonal(values), torch.diag(P.flatten(values)), _like_of(P.layout_of(values)))
+
+
+def _shifted_diagonal(rng):
+    """A prior s·C + δ·I kept unformed (``Diagonal.shifted``)."""
+    case = _diagonal(rng)
+    shifted = case.curvature.shifted(0.7, 0.3)
+    assert isinstance(shifted, ShiftedDiagonal) and not shifted.formed
+    dense = 0.7 * case.dense + 0.3 * torch.eye(case.dense.shape[0], dtype=DT)
+    return Case(shifted, dense, case.like)
 
 
 def _dense(rng):
@@ -188,6 +199,7 @@ def _matrix_free(rng):
 
 CASES: dict[str, Callable[[np.random.Generator], Case]] = {
     "diagonal": _diagonal,
+    "shifted-diagonal": _shifted_diagonal,
     "dense": _dense,
     "kfac": _kfac_linear,
     "kfac-bias": _kfac_bias,
@@ -347,7 +359,9 @@ def test_file_round_trip(name, tmp_path):
     C.meta.update({"fisher": "empirical", "num_examples": "128"})
     path = C.save(tmp_path / "c.curvature.safetensors")
     loaded = gm.load_curvature(path, like=case.like)
-    assert type(loaded) is type(C) and loaded.layout == C.layout
+    # a shifted diagonal is saved as its (formed) values: it loads as the Diagonal it equals
+    stored_as = gm.Diagonal if isinstance(C, ShiftedDiagonal) else type(C)
+    assert type(loaded) is stored_as and loaded.layout == C.layout
     assert loaded.meta == {"fisher": "empirical", "num_examples": "128"}
     _close(_dense_of(case, loaded), case.dense, 0.0)
 
