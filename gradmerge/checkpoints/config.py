@@ -36,10 +36,8 @@ certified to — default 1e-5 in float32, 1e-10 in float64 — and the CG iterat
 each layer's method, iterations and residual go into the record; ``approximate: true``, never
 the default, accepts each layer after at most ``maxiter`` CG iterations, default 0 = the
 eigenbasis preconditioner's solve alone, with its measured residual, instead of an error).
-Relative paths are relative
-to the YAML file's folder. Unknown
-keys, missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and
-missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
+Relative paths are relative to the YAML file's folder. Unknown keys, missing keys, keys a
+method does not use, keys given twice, files that are not UTF-8 and missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
 shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
 """
 
