@@ -201,9 +201,8 @@ class KFAC(Curvature):
             values: dict[str, Tensor] = {}
             self._split(name, layer.x, values)
             out.update(values)
-            tol = default_tol(b.dtype) if self.cg_tol is None else self.cg_tol
             parts[name] = Solution(
-                values, layer.method, layer.iterations, layer.residual, layer.residual <= tol
+                values, layer.method, layer.iterations, layer.residual, layer.success
             )
         return Solution(
             out,

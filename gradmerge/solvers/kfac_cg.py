@@ -55,12 +55,14 @@ INNER_RTOL = 1e-3
 
 @dataclass(frozen=True)
 class LayerSolve:
-    """One layer's solve: x, how, CG iterations, the certified relative residual."""
+    """One layer's solve: x, how, CG iterations, the certified relative residual, and whether
+    it met the tolerance (False only for an ``approximate`` solve that stopped above it)."""
 
     x: Tensor
     method: str
     iterations: int
     residual: float
+    success: bool = True
 
 
 def split_identity(terms: list[Term]) -> tuple[float, list[Term]]:
@@ -132,8 +134,9 @@ def solve(
     r = residual(delta, terms, b, x)
     rel = float(torch.linalg.norm(r)) / bnorm
     if approximate:  # the explicit trade: x as it stands, its residual measured
-        note = f", approximate: stopped after {iterations} CG iterations" if rel > tol else ""
-        return LayerSolve(x, basis.method + note, iterations, rel)
+        met = rel <= tol
+        note = "" if met else f", approximate: stopped after {iterations} CG iterations"
+        return LayerSolve(x, basis.method + note, iterations, rel, met)
     rounds = 0
     while rel > tol and rounds < REFINEMENTS:
         rounds += 1
