@@ -130,6 +130,24 @@ def merge(folder: Path, name: str, config: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def gradient_matching(
+    folder: Path, paths: dict[str, Any], structure: str, tasks: int, delta: float
+) -> dict[str, Any]:
+    """The merge config of the first ``tasks`` models with their ``structure`` curvatures."""
+    return {
+        "method": "gradient_matching",
+        "base_model": str(paths["base"]),
+        "models": [
+            {
+                "model": str(paths["models"][t]),
+                "curvature": str(folder / f"ft{t}.{structure}.safetensors"),
+            }
+            for t in range(tasks)
+        ],
+        "prior": {"delta": delta},
+    }
+
+
 def mergekit(folder: Path, paths: dict[str, Any], tasks: int) -> dict[str, Any]:
     config = {
         "merge_method": "task_arithmetic",
@@ -282,18 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         report["merges"] = merges  # saved after each merge: a long run keeps what it measured
         for tasks in args.tasks:
             for delta in args.delta:
-                config = {
-                    "method": "gradient_matching",
-                    "base_model": str(paths["base"]),
-                    "models": [
-                        {
-                            "model": str(paths["models"][t]),
-                            "curvature": str(folder / f"ft{t}.kfac.safetensors"),
-                        }
-                        for t in range(tasks)
-                    ],
-                    "prior": {"delta": delta},
-                }
+                config = gradient_matching(folder, paths, "kfac", tasks, delta)
                 label = f"K-FAC gradient matching T={tasks} delta={delta:g}"
                 if not args.skip_exact:
                     merges[label] = merge(folder, f"kfac{tasks}_{delta:g}", config)
@@ -307,18 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     show(name, merges[name])
                     save(args.out, report)
-        diag = {
-            "method": "gradient_matching",
-            "base_model": str(paths["base"]),
-            "models": [
-                {
-                    "model": str(paths["models"][t]),
-                    "curvature": str(folder / f"ft{t}.diag.safetensors"),
-                }
-                for t in range(2)
-            ],
-            "prior": {"delta": args.delta[0]},
-        }
+        diag = gradient_matching(folder, paths, "diag", 2, args.delta[0])
         merges["diagonal gradient matching T=2"] = merge(folder, "diag2", diag)
         show("diagonal gradient matching T=2", merges["diagonal gradient matching T=2"])
         ta = {
