@@ -12,8 +12,10 @@ covers, so with one the whole model is a single unit (and must fit in memory).
 The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
 shards, the base's config and tokenizer files (``dtype`` in config.json updated) and a record,
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
-and torch versions, each input's fingerprint (SHA-256 of its safetensors headers) and each
-curvature file's metadata.
+and torch versions, each input's fingerprint (a SHA-256 content hash of its values, exact on
+every small tensor and on 16 evenly spaced rows of every large one:
+:func:`gradmerge._weight_sample.content_hash`; and of its safetensors headers) and each curvature
+file's metadata.
 
 The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
 gives each rank its own units): :func:`open_job` opens the inputs and builds the plan,
@@ -770,8 +772,9 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         name: {
             "path": str(c.path),
             "files": [f.name for f in c.files],
-            "fingerprint_sha256": c.fingerprint,
-            "fingerprint_of": "safetensors headers (names, dtypes, shapes, offsets, metadata)",
+            "fingerprint_sha256": _weight_sample.content_hash(c.keys(), c.shape, c.dtype, c.rows),
+            "fingerprint_of": _weight_sample.CONTENT_HASH_OF,
+            "header_sha256": c.fingerprint,
             "tensor_bytes": c.total_bytes,
         }
         for name, c in job.checkpoints.items()
