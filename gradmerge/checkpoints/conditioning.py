@@ -13,7 +13,9 @@ terms per layer; a lower bound for lazy sums) with the floor its solve needs: 0 
 below the floor would stop the run with "not positive definite"; the report names it and the
 damping that lifts it: δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖, to be set with the YAML key the
 method uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``). RegMean's
-Gram systems are not checked.
+Gram systems are judged by the check :func:`gm.regmean` itself runs
+(:func:`gradmerge.merge.regmean_systems`: λ_min of Σ_t α_t G̃_t against the rounding threshold
+of the Grams' dtype), on the Grams the merge forms.
 
 For ``gradient_matching`` with diagonal curvatures it also compares δ with the curvature: where
 δ ≪ Σ_t α_t H_t, H̄⁻¹(H_0 + H_t) ≈ H̄⁻¹H_t and gradient matching gives Fisher averaging's result
@@ -39,16 +41,20 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from gradmerge.checkpoints import rules
 from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, RemoveConfig
 from gradmerge.checkpoints.engine import open_job
+from gradmerge.checkpoints.plan import Unit
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
+from gradmerge.merge import regmean_systems
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
@@ -81,20 +87,46 @@ class SystemCheck:
 
 def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
     """Every merged unit's system (module docstring), in the plan's order; empty for task
-    arithmetic and RegMean, whose systems are not checked here."""
-    if isinstance(config, MergeConfig) and config.method not in (
-        "gradient_matching",
-        "fisher_average",
-    ):
+    arithmetic, which solves none."""
+    if isinstance(config, MergeConfig) and config.method == "task_arithmetic":
         return []
     out = []
     with ExitStack() as stack:
         job = open_job(config, stack)
+        if isinstance(config, MergeConfig) and config.method == "regmean":
+            return _regmean_checks(config, job.curvatures, job.plan.units)
         for unit in job.plan.units:
             if not unit.merged:
                 continue
             system, key = _system(config, job.curvatures, unit.keys, config.math_dtype)
             out.append(_check(unit.keys, system, key, config.math_dtype))
+    return out
+
+
+def _regmean_checks(
+    config: MergeConfig, files: dict[str, CurvatureFile], units: Sequence[Unit]
+) -> list[SystemCheck]:
+    """RegMean's systems, judged by :func:`gradmerge.merge.regmean_systems` on the Grams the
+    merge forms (:func:`gradmerge.checkpoints.rules.regmean_grams`, in the compute dtype): the
+    very check :func:`gm.regmean` runs, so the verdicts agree. A unit without K-FAC factors is
+    α-averaged and solves nothing."""
+    out = []
+    for unit in units:
+        if not unit.merged:
+            continue
+        hs = [
+            f.restrict(unit.keys, dtype=config.math_dtype)
+            if (f := files.get(f"models[{t}].curvature")) is not None
+            else None
+            for t in range(len(config.models))
+        ]
+        found = rules.regmean_grams(hs, config.damping, keys=unit.keys)
+        if found is None:
+            continue
+        systems = regmean_systems(found[0], config.alphas, off_diagonal=config.off_diagonal)
+        worst = min(systems, key=lambda s: s.min_eigenvalue - s.threshold)
+        needed = max(s.damping for s in systems)
+        out.append(SystemCheck(unit.keys, worst.min_eigenvalue, worst.threshold, needed, "damping"))
     return out
 
 

@@ -58,6 +58,7 @@ import torch
 
 from gradmerge.checkpoints.errors import ConfigError, MissingInputError
 from gradmerge.errors import InputWarning
+from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
 REMOVE_METHODS = ("remove", "influence_remove")
@@ -184,6 +185,7 @@ class MergeConfig(Options):
     ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
     (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
     ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
+    their off-diagonal entries times ``off_diagonal``, Jin et al.'s r, default 0.9, and
     ``damping`` added to each). Every α_t is multiplied by ``scale``.
 
     Example:
@@ -200,6 +202,7 @@ class MergeConfig(Options):
     prior: CurvatureTerm | None = None
     scale: float = 1.0
     damping: float = 0.0
+    off_diagonal: float = 1.0
 
     @property
     def alphas(self) -> list[float]:
@@ -218,6 +221,7 @@ class MergeConfig(Options):
             "prior",
             "scale",
             "damping",
+            "off_diagonal",
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, method) for i, m in enumerate(r.entries("models")))
@@ -234,6 +238,16 @@ class MergeConfig(Options):
         else:
             damping = 0.0
             r.forbid("damping", method, "use prior: {delta: ...} to damp gradient_matching")
+        off_diagonal = 1.0
+        if method == "regmean":
+            off_diagonal = r.number("off_diagonal", default=REGMEAN_OFF_DIAGONAL, minimum=0.0)
+            if off_diagonal > 1.0:
+                raise ConfigError(
+                    f"`off_diagonal` (Jin et al.'s factor on the Grams' off-diagonal entries) must "
+                    f"be in [0, 1], got {_shown(off_diagonal)}"
+                )
+        else:
+            r.forbid("off_diagonal", method, "it scales RegMean's Gram matrices")
         return cls(
             method=method,
             base_model=base if base is not None else models[0].model,
@@ -241,6 +255,7 @@ class MergeConfig(Options):
             prior=prior,
             scale=r.number("scale", default=1.0),
             damping=damping,
+            off_diagonal=off_diagonal,
             source=source,
             **_options(r),
         )

@@ -416,7 +416,14 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
         return rules.merge_unit(
-            config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
+            config.method,
+            theta,
+            fts,
+            hs,
+            alphas=alphas,
+            prior=prior,
+            damping=config.damping,
+            off_diagonal=config.off_diagonal,
         )
 
     hint = {
@@ -626,14 +633,25 @@ def _execute(
         _memory.recycling(),  # each output is written and dropped before the next is made
     ):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
+        singular: list[tuple[Unit, NotPositiveDefiniteError]] = []
         try:
             for unit in plan.units:
-                out = job.compute_unit(unit)
+                try:
+                    out = job.compute_unit(unit)
+                except NotPositiveDefiniteError as err:
+                    # go on checking the other units, so that one run names every unit that
+                    # needs damping; nothing more is written, and nothing is published
+                    singular.append((unit, err))
+                    continue
+                if singular:
+                    continue
                 for k in unit.keys:
                     writer.write(k, out[k])
                     if bar is not None:
                         bar.update(_nbytes(out[k]), items=1)
                 del out
+            if singular:
+                raise _all_singular(job, singular)
             shards = writer.finish()
         finally:
             writer.abort()
@@ -678,7 +696,7 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         what = str(err).split(f" {PD_FIX}")[0]  # the Python keywords' fix gives way to the YAML's
         new = NotPositiveDefiniteError(
             f"{what} While computing {key_list(unit.keys, 3)}: {hint} (`gradmerge {job.command} "
-            "--dry-run` lists every unit that needs it)."
+            "--dry-run` checks every unit's system without writing)."
         )
         new.suggested_delta = delta
         raise new from err
@@ -705,6 +723,31 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
             )
         out[k] = value
     return out
+
+
+def _all_singular(
+    job: Job, singular: Sequence[tuple[Unit, NotPositiveDefiniteError]]
+) -> NotPositiveDefiniteError:
+    """One error naming every unit whose system was singular, with the damping that lifts all of
+    them (the largest suggested; a generic example when no unit suggested one)."""
+    if len(singular) == 1:
+        return singular[0][1]
+    deltas = [d for _, e in singular if (d := e.suggested_delta) is not None]
+    delta = max(deltas) if deltas else None
+    example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
+    lines = []
+    for unit, err in singular:
+        cause = err.__cause__ if isinstance(err.__cause__, NotPositiveDefiniteError) else err
+        lines.append(f"  {key_list(unit.keys, 3)}: {str(cause).split(f' {PD_FIX}')[0]}")
+    merged = sum(1 for u in job.plan.units if u.merged)
+    new = NotPositiveDefiniteError(
+        f"{len(singular)} of {merged} merged units have a singular system:\n"
+        + "\n".join(lines)
+        + f"\n{job.hint.format(example=example)} (`gradmerge {job.command} --dry-run` checks "
+        "the same systems without writing)."
+    )
+    new.suggested_delta = delta
+    return new
 
 
 def _copy_unit(job: Job, unit: Unit) -> dict[str, Tensor]:

@@ -42,6 +42,7 @@ def merge_unit(
     alphas: Sequence[float],
     prior: Precision | None = None,
     damping: float = 0.0,
+    off_diagonal: float = 1.0,
 ) -> dict[str, Tensor]:
     """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts.
 
@@ -50,14 +51,14 @@ def merge_unit(
     - ``gradient_matching``: :func:`gm.gradient_matching` (Eq. 6) with ``prior`` H_0;
     - ``regmean``: :func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each
       model's K-FAC input factor A_t, a mean over M_t rows (kept positions, or examples: the
-      curvature's ``KFAC.counts``);
+      curvature's ``KFAC.counts``), off-diagonal entries times ``off_diagonal`` (Jin et al.'s r);
       a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
       :func:`gm.fisher_average` with identity curvatures.
     """
     if method == "task_arithmetic":
         return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
     if method == "regmean":
-        return _regmean(finetuned, curvatures, alphas, damping)
+        return _regmean(finetuned, curvatures, alphas, damping, off_diagonal)
     hs = [_required(c, t) for t, c in enumerate(curvatures)]
     if method == "fisher_average":
         damped = [h + damping if damping else h for h in hs]
@@ -110,17 +111,41 @@ def _regmean(
     curvatures: Sequence[Curvature | None],
     alphas: Sequence[float],
     damping: float,
+    off_diagonal: float,
 ) -> dict[str, Tensor]:
-    layers = [_kfac_of(c) for c in curvatures]
-    if all(k is None for k in layers):
+    found = regmean_grams(curvatures, damping, keys=sorted(finetuned[0]))
+    if found is None:
         ones = [ScaledIdentity(1.0)] * len(finetuned)  # RegMean averages non-linear parameters
         return merge.fisher_average(finetuned, ones, alphas=list(alphas))
+    grams, kfac = found
+    return merge.regmean(
+        finetuned,
+        grams,
+        alphas=list(alphas),
+        bias=sorted(kfac.bias),
+        transposed=sorted(kfac.transposed),
+        off_diagonal=off_diagonal,
+    )
+
+
+def regmean_grams(
+    curvatures: Sequence[Curvature | None], damping: float, *, keys: Sequence[str] = ()
+) -> tuple[list[dict[str, Tensor]], KFAC] | None:
+    """RegMean's Gram matrices of one unit, per model: M_t·A_t (+ damping·I) from each
+    curvature's K-FAC input factor (in the factor's own dtype), and one of the K-FACs (for its
+    bias and transposed layers); None when no curvature has K-FAC factors here (the unit is
+    α-averaged). Shared by the merge and its ``--dry-run`` check. ``keys`` name the unit in
+    errors."""
+    layers = [_kfac_of(c) for c in curvatures]
+    if all(k is None for k in layers):
+        return None
     grams: list[dict[str, Tensor]] = []
     kfac: KFAC | None = None
     for t, (k, c) in enumerate(zip(layers, curvatures, strict=True)):
         if k is None or c is None:
-            keys = sorted(finetuned[t])[:2]
-            raise StructureError(f"model {t} has no K-FAC factors for {keys}, the others have")
+            raise StructureError(
+                f"model {t} has no K-FAC factors for {list(keys)[:2]}, the others have"
+            )
         kfac = k
         if k.weight_shapes:
             raise ArgumentError(
@@ -133,19 +158,13 @@ def _regmean(
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            a = _rows(k, name, t, len(finetuned)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
+            a = _rows(k, name, t, len(curvatures)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
             damped = a + damping * eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
         grams.append(gram)
     assert kfac is not None  # at least one layer (checked above)
-    return merge.regmean(
-        finetuned,
-        grams,
-        alphas=list(alphas),
-        bias=sorted(kfac.bias),
-        transposed=sorted(kfac.transposed),
-    )
+    return grams, kfac
 
 
 def _rows(kfac: KFAC, name: str, t: int, tasks: int) -> float:

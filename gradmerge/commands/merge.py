@@ -35,8 +35,9 @@ methods:
   gradient_matching  Eq. 6: θ_LLM + H̄⁻¹ Σ α_t (H_0 + H_t)(θ_t − θ_LLM), H̄ = H_0 + Σ α_t H_t;
                      `prior` required
   regmean            RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's
-                     K-FAC input factor, a mean over M_t rows); other tensors are averaged;
-                     optional `damping`
+                     K-FAC input factor, a mean over M_t rows), its off-diagonal entries times
+                     `off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.9; 1: the plain
+                     closed form); other tensors are averaged; optional `damping`
 
 Tensors are read, merged and written one group at a time (a tensor, or a K-FAC layer's weight
 and bias; a dense curvature couples every parameter, so it makes the whole model one group).

@@ -83,13 +83,17 @@ def test_gradient_matching(ws, tmp_path):
     assert max(float((expected[k] - ta[k]).abs().max()) for k in ta) > 1e-3
 
 
-def test_regmean_uses_the_kfac_input_factors(ws, tmp_path):
+@pytest.mark.parametrize("off_diagonal", [None, 1.0, 0.0])
+def test_regmean_uses_the_kfac_input_factors(ws, tmp_path, off_diagonal):
+    config = {"method": "regmean", "models": _models(ws)}
+    if off_diagonal is not None:
+        config["off_diagonal"] = off_diagonal
     if ws.structure != "kfac":
         with pytest.raises(gm.StructureError, match=r"holds no K-FAC layers.*structure='kfac'"):
-            _merged(ws, {"method": "regmean", "models": _models(ws)}, tmp_path / "out")
+            _merged(ws, config, tmp_path / "out")
         assert not (tmp_path / "out").exists()
         return
-    out = _merged(ws, {"method": "regmean", "models": _models(ws)}, tmp_path / "out")
+    out = _merged(ws, config, tmp_path / "out")
     fts = [ws.load(m) for m in ws.models]
     grams = []
     for path in ws.curvatures:
@@ -97,7 +101,8 @@ def test_regmean_uses_the_kfac_input_factors(ws, tmp_path):
         kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
         n = int(c.meta["num_examples"])
         grams.append({m: n * t[0][0] for m, t in kfac.terms.items()})
-    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias))
+    r = gm.merge.REGMEAN_OFF_DIAGONAL if off_diagonal is None else off_diagonal  # YAML default
+    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
     assert_same(out, expected)
     # the LayerNorm (no K-FAC factor) is the α-weighted average, as in RegMean
     w = sum(a * ft["2.weight"] for a, ft in zip(ALPHAS, fts, strict=True)) / sum(ALPHAS)
