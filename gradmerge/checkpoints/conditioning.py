@@ -120,7 +120,9 @@ def _regmean_checks(
             else None
             for t in range(len(config.models))
         ]
-        found = rules.regmean_grams(hs, config.damping, keys=unit.keys)
+        found = rules.regmean_grams(
+            hs, config.damping, keys=unit.keys, scales=config.curvature_scales
+        )
         if found is None:
             continue
         systems = regmean_systems(found[0], config.alphas, off_diagonal=config.off_diagonal)
@@ -176,11 +178,11 @@ def _models(
     """α_t·H_t of the merge's models on ``keys`` (those with a curvature there)."""
     assert isinstance(config, MergeConfig)
     parts = []
-    for t, alpha in enumerate(config.alphas):
+    for t, (alpha, scale) in enumerate(zip(config.alphas, config.curvature_scales, strict=True)):
         f = files.get(f"models[{t}].curvature")
         c = f.restrict(keys, dtype=dtype) if f is not None else None
         if c is not None:
-            parts.append(c.scaled(alpha))
+            parts.append(c.scaled(alpha * scale))
     return parts
 
 

@@ -8,6 +8,7 @@ Merge (``gradmerge merge CONFIG OUT_DIR``), Eq. 6 and its special cases::
       - model: path/to/finetuned_a     # θ_t
         curvature: a.curvature.safetensors   # H_t (written by `gradmerge curvature` / C.save)
         alpha: 1.0                     # α_t
+        scale: 1.0                     # H_t is scale × the file (N/n: n of the task's N examples)
     prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
     scale: 1.0                         # every α_t is multiplied by this
     dtype: bfloat16                    # output dtype of float tensors (default: the base's)
@@ -87,6 +88,9 @@ class ModelInput:
     model: Path
     curvature: Path | None = None
     alpha: float = 1.0
+    scale: float = 1.0
+    """Multiplies H_t (not α_t): a curvature summed over n of the task's N examples, or a mean
+    Fisher, stands for the task's N_t·F_t at ``scale: N/n`` (or N)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,11 @@ class MergeConfig(Options):
     def alphas(self) -> list[float]:
         """The effective weights scale·α_t."""
         return [self.scale * m.alpha for m in self.models]
+
+    @property
+    def curvature_scales(self) -> list[float]:
+        """Each model's ``scale``, the factor on its curvature H_t."""
+        return [m.scale for m in self.models]
 
     _WHAT: ClassVar[str] = "the merge config"
 
@@ -407,13 +416,22 @@ def _solver(r: _Reader) -> dict[str, Any]:
 def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
-    m.allow("model", "curvature", "alpha")
+    m.allow("model", "curvature", "alpha", "scale")
     if method == "task_arithmetic":
         m.forbid("curvature", method, "task arithmetic uses no curvature")
+        m.forbid("scale", method, "it multiplies the model's curvature, and there is none")
         curvature = None
     else:
         curvature = m.path("curvature", kind="file")
-    return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
+    scale = m.number("scale", 1.0)
+    if not scale > 0:
+        raise ConfigError(
+            f"`{m._name('scale')}` multiplies the curvature H_t (e.g. N/n for a curvature summed "
+            f"over n of the task's N examples): it must be > 0, got {_shown(scale)}"
+        )
+    return ModelInput(
+        model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0), scale=scale
+    )
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:

@@ -424,6 +424,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             prior=prior,
             damping=config.damping,
             off_diagonal=config.off_diagonal,
+            curvature_scales=config.curvature_scales,
         )
 
     hint = {

@@ -43,8 +43,10 @@ def merge_unit(
     prior: Precision | None = None,
     damping: float = 0.0,
     off_diagonal: float = 1.0,
+    curvature_scales: Sequence[float] | None = None,
 ) -> dict[str, Tensor]:
-    """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts.
+    """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts, each
+    curvature H_t multiplied by ``curvature_scales[t]`` (models' ``scale``; RegMean: its Gram).
 
     - ``task_arithmetic``: :func:`gm.task_arithmetic` (curvatures unused);
     - ``fisher_average``: :func:`gm.fisher_average` with H_t + damping·I;
@@ -57,9 +59,13 @@ def merge_unit(
     """
     if method == "task_arithmetic":
         return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
+    scales = list(curvature_scales or [1.0] * len(curvatures))
     if method == "regmean":
-        return _regmean(finetuned, curvatures, alphas, damping, off_diagonal)
-    hs = [_required(c, t) for t, c in enumerate(curvatures)]
+        return _regmean(finetuned, curvatures, alphas, damping, off_diagonal, scales)
+    hs = [
+        h if s == 1.0 else h.scaled(s)
+        for h, s in zip((_required(c, t) for t, c in enumerate(curvatures)), scales, strict=True)
+    ]
     if method == "fisher_average":
         damped = [h + damping if damping else h for h in hs]
         return merge.fisher_average(finetuned, damped, alphas=list(alphas))
@@ -112,8 +118,9 @@ def _regmean(
     alphas: Sequence[float],
     damping: float,
     off_diagonal: float,
+    scales: Sequence[float],
 ) -> dict[str, Tensor]:
-    found = regmean_grams(curvatures, damping, keys=sorted(finetuned[0]))
+    found = regmean_grams(curvatures, damping, keys=sorted(finetuned[0]), scales=scales)
     if found is None:
         ones = [ScaledIdentity(1.0)] * len(finetuned)  # RegMean averages non-linear parameters
         return merge.fisher_average(finetuned, ones, alphas=list(alphas))
@@ -129,9 +136,13 @@ def _regmean(
 
 
 def regmean_grams(
-    curvatures: Sequence[Curvature | None], damping: float, *, keys: Sequence[str] = ()
+    curvatures: Sequence[Curvature | None],
+    damping: float,
+    *,
+    keys: Sequence[str] = (),
+    scales: Sequence[float] | None = None,
 ) -> tuple[list[dict[str, Tensor]], KFAC] | None:
-    """RegMean's Gram matrices of one unit, per model: M_t·A_t (+ damping·I) from each
+    """RegMean's Gram matrices of one unit, per model: s_t·M_t·A_t (+ damping·I) from each
     curvature's K-FAC input factor (in the factor's own dtype), and one of the K-FACs (for its
     bias and transposed layers); None when no curvature has K-FAC factors here (the unit is
     α-averaged). Shared by the merge and its ``--dry-run`` check. ``keys`` name the unit in
@@ -141,6 +152,7 @@ def regmean_grams(
         return None
     grams: list[dict[str, Tensor]] = []
     kfac: KFAC | None = None
+    factors = list(scales or [1.0] * len(curvatures))
     for t, (k, c) in enumerate(zip(layers, curvatures, strict=True)):
         if k is None or c is None:
             raise StructureError(
@@ -158,7 +170,8 @@ def regmean_grams(
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            a = _rows(k, name, t, len(curvatures)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
+            rows = _rows(k, name, t, len(curvatures)) * factors[t]
+            a = rows * terms[0][0]  # s·M·A = s·Σ a aᵀ, the raw Gram
             damped = a + damping * eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)

@@ -16,6 +16,8 @@ configuration (YAML; relative paths are relative to the YAML file):
     - model: path/to/finetuned_a  # θ_t
       curvature: a.curvature.safetensors   # H_t, from `gradmerge curvature` or C.save(path)
       alpha: 1.0                  # α_t (default 1.0)
+      scale: 1.0                  # H_t = scale × the file: N/n for a curvature summed over n of
+                                  # the task's N examples (a subsample), N for a mean Fisher
     - model: path/to/finetuned_b
       curvature: b.curvature.safetensors
   prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
