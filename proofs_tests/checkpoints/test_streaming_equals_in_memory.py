@@ -231,7 +231,7 @@ def test_per_model_scale_must_be_positive(ws):
         models = [{**m, "scale": bad} for m in _models(ws)]
         with pytest.raises(gm.ConfigError, match=r"models\[0\]\.scale"):
             MergeConfig.from_dict({"method": "fisher_average", "models": models}, root=ws.root)
-    with pytest.raises(gm.ConfigError, match="scale.*not used by method task_arithmetic"):
+    with pytest.raises(gm.ConfigError, match=r"scale.*not used by method task_arithmetic"):
         MergeConfig.from_dict(
             {
                 "method": "task_arithmetic",
