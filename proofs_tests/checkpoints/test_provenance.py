@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from gradmerge import _weight_sample
-from gradmerge.checkpoints import MergeConfig, open_checkpoint, run_merge
+from gradmerge.io import open_checkpoint
+from gradmerge.jobs import MergeConfig, run_merge
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

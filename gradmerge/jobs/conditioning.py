@@ -25,8 +25,8 @@ Example:
     >>> import tempfile, torch, gradmerge as gm
     >>> from pathlib import Path
     >>> from safetensors.torch import save_file
-    >>> from gradmerge.checkpoints import MergeConfig
-    >>> from gradmerge.checkpoints.conditioning import check_systems
+    >>> from gradmerge.jobs import MergeConfig
+    >>> from gradmerge.jobs.conditioning import check_systems
     >>> with tempfile.TemporaryDirectory() as d:
     ...     for name, w in (("a", [1.0, 2.0]), ("b", [2.0, 0.0])):
     ...         save_file({"w": torch.tensor(w)}, f"{d}/{name}.safetensors")
@@ -48,12 +48,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradmerge.checkpoints import rules
-from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, RemoveConfig
-from gradmerge.checkpoints.engine import open_job
-from gradmerge.checkpoints.plan import Unit
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
+from gradmerge.jobs import rules
+from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
+from gradmerge.jobs.engine import open_job
+from gradmerge.jobs.plan import Unit
 from gradmerge.merge import regmean_systems
 
 SAMPLE = 4096
@@ -107,7 +107,7 @@ def _regmean_checks(
     config: MergeConfig, files: dict[str, CurvatureFile], units: Sequence[Unit]
 ) -> list[SystemCheck]:
     """RegMean's systems, judged by :func:`gradmerge.merge.regmean_systems` on the Grams the
-    merge forms (:func:`gradmerge.checkpoints.rules.regmean_grams`, in the compute dtype): the
+    merge forms (:func:`gradmerge.jobs.rules.regmean_grams`, in the compute dtype): the
     very check :func:`gm.regmean` runs, so the verdicts agree. A unit without K-FAC factors is
     α-averaged and solves nothing."""
     out = []

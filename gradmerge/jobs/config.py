@@ -57,8 +57,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError
-from gradmerge.errors import InputWarning
+from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
