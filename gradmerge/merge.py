@@ -35,7 +35,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gradmerge import _elementwise
+from gradmerge import _elementwise, _removal
 from gradmerge import params as P
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
@@ -495,9 +495,13 @@ def remove(
         >>> gm.remove(base, ft, gm.Diagonal({"w": torch.tensor([1.0])}), remaining=4.0, prior=1.0)
         {'w': tensor([0.5000])}
     """
-    P.check_params(base, name="base")
+    P.check_params(base, name="base", finite=False)
     base, finetuned = P.detached(base), P.detached(finetuned)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
+    fast = _remove_elementwise(base, finetuned, curvature, remaining, prior, weight)
+    if fast is not None:
+        return fast
+    P.check_params(base, name="base")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")
     ht = _curvature(curvature, base, name="curvature")
@@ -506,6 +510,28 @@ def remove(
     removed = P.axpy(-weight, correction, base)  # Eq. 13
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
     return removed
+
+
+def _remove_elementwise(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float,
+) -> dict[str, Tensor] | None:
+    """Eq. 13 in one fused pass (:mod:`gradmerge._removal`) when every curvature is diagonal or
+    δ·I; None otherwise, or when a value check fails (the generic path then names the cause)."""
+    P.check_params(finetuned, name="finetuned", finite=False)
+    P.check_compatible(base, finetuned, ref_name="base", name="finetuned")
+    terms = []
+    for value, name in ((prior, "prior"), (curvature, "curvature"), (remaining, "remaining")):
+        c = _curvature(value, base, name=name, psd=False, finite=False)
+        part = _elementwise.parts(c)
+        if part is None:
+            return None
+        terms.append(part)
+    return _removal.remove(base, finetuned, *terms, alpha=alpha)
 
 
 def influence_remove(

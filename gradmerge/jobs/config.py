@@ -62,6 +62,8 @@ from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
 REMOVE_METHODS = ("remove", "influence_remove")
+MAX_ROUNDING = 1e-2
+"""Default largest rounding bound of a removal, relative to ‖θ_t − θ_LLM‖."""
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -282,7 +284,10 @@ class RemoveConfig(Options):
     definite. The step's size ‖θ_\\t − θ_LLM‖ is measured against ‖θ_t − θ_LLM‖ (``remove``) or
     ‖θ_LLM‖ (``influence_remove``); above ``max_relative_step`` (default 100 and 1), where a
     near-zero curvature direction has exploded, ``step_check`` refuses (default), warns or
-    ignores it.
+    ignores it. ``remove`` with diagonal curvatures also bounds what the removal does to the
+    inputs' rounding (:mod:`gradmerge._removal`: entries where (H_0 + H_t)/H̄_\\t is large
+    multiply it); above ``max_rounding`` (default 1e-2) × ‖θ_t − θ_LLM‖, ``rounding_check``
+    refuses (default), warns or ignores it.
     """
 
     method: str
@@ -295,6 +300,8 @@ class RemoveConfig(Options):
     gradient: Path | None = None
     step_check: str = "refuse"
     max_relative_step: float = 100.0
+    rounding_check: str = "refuse"
+    max_rounding: float = MAX_ROUNDING
 
     _WHAT: ClassVar[str] = "the remove config"
 
@@ -312,6 +319,8 @@ class RemoveConfig(Options):
             "alpha",
             "step_check",
             "max_relative_step",
+            "rounding_check",
+            "max_rounding",
             *_OPTION_KEYS,
         )
         model = curvature = gradient = None
@@ -338,6 +347,8 @@ class RemoveConfig(Options):
             alpha=r.number("alpha", default=1.0),
             step_check=r.choice("step_check", STEP_CHECKS, default="refuse"),
             max_relative_step=_positive(r, "max_relative_step", MAX_RELATIVE_STEP[method]),
+            rounding_check=r.choice("rounding_check", STEP_CHECKS, default="refuse"),
+            max_rounding=_positive(r, "max_rounding", MAX_ROUNDING),
             source=source,
             **_options(r),
         )

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _memory, _weight_sample
+from gradmerge import _fused, _memory, _removal, _weight_sample
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
@@ -241,6 +241,85 @@ class StepSize:
         warnings.warn(message, InputWarning, stacklevel=3)
 
 
+@dataclass
+class Rounding:
+    """How much a removal (Eq. 13) amplifies the rounding its inputs carry, summed unit by unit.
+
+    Each input θ is known only to ε/2 relative (ε: the coarser of its stored dtype and the
+    compute dtype, in which it is read); where r = |α|(H_0 + H_t)/H̄_\\t is large, Eq. 13
+    multiplies that by r (:mod:`gradmerge._removal`). The bound ‖e‖₂ is compared with the task
+    vector ‖θ_t − θ_LLM‖. Measured for elementwise (diagonal, δ·I) units; ``unmeasured`` counts
+    the others (K-FAC, dense), where it is not bounded.
+
+    Example:
+        >>> import torch
+        >>> from gradmerge._removal import RemovalStats
+        >>> r = Rounding(torch.float32)
+        >>> r.add(RemovalStats(reference_sq=1.0, amplified_sq=4e12, max_ratio=1e6), [torch.float32])
+        >>> round(r.bound, 3), r.ratio > 1e-2
+        (0.119, True)
+    """
+
+    compute: torch.dtype
+    bound_sq: float = 0.0
+    reference_sq: float = 0.0
+    max_ratio: float = 0.0
+    eps: float = 0.0
+    unmeasured: int = 0
+
+    def add(self, stats: _removal.RemovalStats, stored: Sequence[torch.dtype]) -> None:
+        """Add one unit's measurements; ``stored``: the dtypes its inputs are stored in."""
+        eps = max(torch.finfo(d).eps for d in (*stored, self.compute) if d.is_floating_point)
+        self.eps = max(self.eps, eps)
+        self.bound_sq += (eps / 2) ** 2 * stats.amplified_sq
+        self.reference_sq += stats.reference_sq
+        self.max_ratio = max(self.max_ratio, stats.max_ratio)
+
+    @property
+    def bound(self) -> float:
+        """‖e‖₂, the bound on the error the inputs' rounding causes in the result."""
+        return math.sqrt(self.bound_sq)
+
+    @property
+    def ratio(self) -> float:
+        """‖e‖₂ / ‖θ_t − θ_LLM‖ (inf for a non-zero bound against a zero task vector)."""
+        if self.reference_sq == 0.0:
+            return 0.0 if self.bound_sq == 0.0 else math.inf
+        return math.sqrt(self.bound_sq / self.reference_sq)
+
+    def describe(self) -> str:
+        """One line: the bound, relative to the task vector, and the largest amplification."""
+        kind = "float64" if self.eps <= torch.finfo(torch.float64).eps else "float32 or coarser"
+        return (
+            f"rounding bound of the removal {self.bound:.3g} = {self.ratio:.3g}× the task vector "
+            f"(largest amplification |α|(H_0 + H_t)/H̄_\\t = {self.max_ratio:.3g} of inputs known "
+            f"to {kind} precision)"
+        )
+
+    def check(self, policy: str, limit: float) -> None:
+        """Refuse (:class:`StepTooLargeError`) or warn when the bound exceeds ``limit`` × the task
+        vector; "ignore" does neither."""
+        if policy == "ignore" or self.ratio <= limit:
+            return
+        wider = (
+            "store θ_LLM and θ_t in float64 and set `compute_dtype: float64` (a float32 merge "
+            "has already lost those digits), "
+            if self.eps > torch.finfo(torch.float64).eps
+            else ""
+        )
+        message = (
+            f"the {self.describe()} exceeds `max_rounding: {limit:g}`: where H̄_\\t is tiny next "
+            "to H_0 + H_t (e.g. rows only the removed task trained), Eq. 13 multiplies the "
+            "rounding of the stored weights into an error larger than that share of the step. "
+            "Re-merge without the task instead (`method: remerge`, exact), "
+            f"{wider}raise `remaining: {{delta: ...}}`, or set `rounding_check: warn` to write "
+            "it anyway"
+        )
+        if policy == "refuse":
+            raise StepTooLargeError(message)
+        warnings.warn(message, InputWarning, stacklevel=3)
+
+
 # ----- jobs: opened inputs, a plan, and how to compute one unit ----------------------------------
 @dataclass
 class Job:
@@ -295,6 +374,7 @@ class Job:
     math_dtype: torch.dtype = torch.float32
     source: Path | None = None
     step: StepSize | None = None
+    rounding: Rounding | None = None
     solves: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
 
@@ -487,21 +567,31 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        out = rules.remove_unit(
-            config.method,
-            theta,
-            remaining=remaining,
-            alpha=config.alpha,
-            finetuned=finetuned,
-            curvature=_restrict(curv, keys, device, dtype, config),
-            prior=_term_precision(config.prior, prior_files, keys, device, dtype, config),
-            gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
-        )
+        with _removal.collect() as measured:
+            out = rules.remove_unit(
+                config.method,
+                theta,
+                remaining=remaining,
+                alpha=config.alpha,
+                finetuned=finetuned,
+                curvature=_restrict(curv, keys, device, dtype, config),
+                prior=_term_precision(config.prior, prior_files, keys, device, dtype, config),
+                gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
+            )
+        if measured:  # the fused elementwise pass measured the step and the rounding bound
+            stats = measured[-1]
+            step.step_sq += stats.step_sq
+            step.reference_sq += stats.reference_sq
+            assert model is not None
+            rounding.add(stats, [base.dtype(k) for k in keys] + [model.dtype(k) for k in keys])
+            return out
         reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
         step.add({k: out[k] - theta[k] for k in keys}, reference)
+        rounding.unmeasured += 1
         return out
 
     step = StepSize("the weights ‖θ_LLM‖" if model is None else "the task vector ‖θ_t − θ_LLM‖")
+    rounding = Rounding(dtype)
 
     checkpoints = {"base_model": base}
     if model is not None:
@@ -525,6 +615,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         dtype,
         config.source,
         step,
+        rounding=rounding if config.method == "remove" else None,
     )
 
 
@@ -662,6 +753,10 @@ def _execute(
         if job.step is not None and isinstance(config, RemoveConfig):
             job.step.check(config.step_check, config.max_relative_step)  # before publishing
             notes = (job.step.describe(),)
+        if job.rounding is not None and isinstance(config, RemoveConfig):
+            job.rounding.check(config.rounding_check, config.max_rounding)
+            if job.rounding.unmeasured == 0:
+                notes = (*notes, job.rounding.describe())
         assets = job.copy_assets(stage, config.dtype)
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
@@ -844,6 +939,12 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         "largest_unit": list(plan.largest_unit.keys),
     }
     record["compute"] = {"device": str(job.device), "dtype": config.compute_dtype}
+    if job.rounding is not None and job.rounding.unmeasured == 0:
+        record["rounding"] = {
+            "bound": job.rounding.bound,
+            "relative_to_task_vector": job.rounding.ratio,
+            "max_amplification": job.rounding.max_ratio,
+        }
     if job.step is not None:
         record["step"] = {
             "norm": math.sqrt(job.step.step_sq),
