@@ -143,7 +143,7 @@ def describe_systems(config: Any) -> int:
     """``--dry-run``: check every unit's linear system (:mod:`gradmerge.jobs.conditioning`)
     and, for gradient matching, δ against the curvatures; print what needs damping. 1 if a solve
     would fail, else 0."""
-    from gradmerge.jobs import MergeConfig
+    from gradmerge.jobs import MergeConfig, RemoveConfig
     from gradmerge.jobs.conditioning import check_systems, delta_note
 
     checks = check_systems(config)
@@ -155,10 +155,33 @@ def describe_systems(config: Any) -> int:
     if bad:
         needed = max(c.needed for c in bad)
         print(f"set `{bad[0].key}` to at least {needed:.2g} (the largest above) and run again")
+    elif isinstance(config, RemoveConfig):
+        return _removal_verdict(config)
     note = delta_note(config) if isinstance(config, MergeConfig) else None
     if note:
         print(f"warning: {note}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _removal_verdict(config: Any) -> int:
+    """``--dry-run`` of a diagonal ``remove``: the step and rounding checks the real run makes
+    before writing, on the same computed result; 1 where the real run would refuse."""
+    from gradmerge.errors import StepTooLargeError
+    from gradmerge.jobs.conditioning import removal_checks
+
+    found = removal_checks(config)
+    if found is None:
+        return 0
+    step, rounding = found
+    print(step.describe())
+    print(rounding.describe())
+    try:
+        step.check(config.step_check, config.max_relative_step)
+        rounding.check(config.rounding_check, config.max_rounding)
+    except StepTooLargeError as err:
+        print(f"the real run would refuse it: {err}")
+        return 1
+    return 0
 
 
 def describe_plan(plan: Any, config: Any) -> str:

@@ -52,7 +52,7 @@ from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
 from gradmerge.jobs import rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
-from gradmerge.jobs.engine import open_job
+from gradmerge.jobs.engine import Rounding, StepSize, open_job
 from gradmerge.jobs.plan import Unit
 from gradmerge.merge import regmean_systems
 
@@ -130,6 +130,24 @@ def _regmean_checks(
         needed = max(s.damping for s in systems)
         out.append(SystemCheck(unit.keys, worst.min_eigenvalue, worst.threshold, needed, "damping"))
     return out
+
+
+def removal_checks(config: RemoveConfig) -> tuple[StepSize, Rounding] | None:
+    """``remove`` with diagonal curvatures only: compute every unit as the real run does (no
+    output) and return its step size and rounding bound, for the checks the real run applies
+    before writing (``step_check``, ``rounding_check``). None for other removals or
+    structures, where the dry run does not compute the result."""
+    if config.method != "remove":
+        return None
+    with ExitStack() as stack:
+        job = open_job(config, stack)
+        if any(f.structure != "diag" for f in job.curvatures.values()):
+            return None
+        for unit in job.plan.units:
+            if unit.merged:
+                job.compute(unit)
+        assert job.step is not None and job.rounding is not None
+        return job.step, job.rounding
 
 
 def delta_note(config: MergeConfig) -> str | None:

@@ -51,7 +51,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -61,7 +61,7 @@ from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
-REMOVE_METHODS = ("remove", "influence_remove")
+REMOVE_METHODS = ("remove", "influence_remove")  # and "remerge": remerge_config
 MAX_ROUNDING = 1e-2
 """Default largest rounding bound of a removal, relative to ‖θ_t − θ_LLM‖."""
 DTYPES: dict[str, torch.dtype] = {
@@ -307,6 +307,11 @@ class RemoveConfig(Options):
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> RemoveConfig:
+        if r.data.get("method") == "remerge":
+            raise ConfigError(
+                "method remerge is a merge of the tasks that stay: read it with "
+                "gradmerge.jobs.config.remerge_config (`gradmerge remove` does)"
+            )
         method = r.choice("method", REMOVE_METHODS)
         r.allow(
             "method",
@@ -352,6 +357,68 @@ class RemoveConfig(Options):
             source=source,
             **_options(r),
         )
+
+
+def remerge_config(
+    data: Mapping[str, Any], *, root: str | os.PathLike[str], source: Path | None = None
+) -> MergeConfig:
+    """``method: remerge``: the merge ``merge`` (a merge YAML) without the models in
+    ``without`` — Eq. 6 over the tasks that stay, the exact "remove task t from a merge"
+    (Eq. 13 from the merged weights approximates it, up to H̄_\\t⁻¹ H_0 (θ_m − θ_LLM) and the
+    rounding it amplifies).
+
+    ``without`` lists indices into the merge's ``models`` (0-based) or their ``model`` paths
+    (relative to this file). Everything else — method, base, prior, alphas, options — is the
+    merge's own.
+
+    Example:
+        >>> import tempfile, yaml
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     merge = {"method": "task_arithmetic", "base_model": ".",
+        ...              "models": [{"model": "a"}, {"model": "b"}, {"model": "c"}]}
+        ...     for name in "abc":
+        ...         (Path(d) / name).mkdir()
+        ...     _ = (Path(d) / "merge.yaml").write_text(yaml.safe_dump(merge))
+        ...     cfg = remerge_config({"method": "remerge", "merge": "merge.yaml",
+        ...                           "without": [1, "c"]}, root=d)
+        ...     [m.model.name for m in cfg.models]
+        ['a']
+    """
+    r = _Reader(data, "the remove config", Path(root), True)
+    r.choice("method", ("remerge",))
+    r.allow("method", "merge", "without")
+    merge_path = r.path("merge", kind="file")
+    merged, merge_root = _load_yaml(merge_path)
+    cfg = MergeConfig.from_dict(merged, root=merge_root, source=merge_path)
+    listed = r.data.get("without")
+    if not isinstance(listed, list) or not listed:
+        raise ConfigError(
+            "`without` must be a non-empty list of the merge's models to leave out: indices into "
+            "its `models` (0-based) or their `model` paths, e.g. `without: [1]`"
+        )
+    drop: set[int] = set()
+    for i, item in enumerate(listed):
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not 0 <= item < len(cfg.models):
+                raise ConfigError(
+                    f"`without[{i}]` = {item} is not an index of the merge's {len(cfg.models)} "
+                    f"models (0 to {len(cfg.models) - 1})"
+                )
+            drop.add(item)
+            continue
+        path = r.sub({"": item}, f"without[{i}]").path("", default=None)
+        matches = [j for j, m in enumerate(cfg.models) if m.model.resolve() == path.resolve()]
+        if not matches:
+            raise ConfigError(
+                f"`without[{i}]` ({path}) is none of the merge's models: "
+                + ", ".join(str(m.model) for m in cfg.models)
+            )
+        drop.update(matches)
+    kept = tuple(m for j, m in enumerate(cfg.models) if j not in drop)
+    if not kept:
+        raise ConfigError("`without` leaves no model to merge: the result would be the base model")
+    return replace(cfg, models=kept, source=source)
 
 
 _OPTION_KEYS = (

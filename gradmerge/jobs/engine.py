@@ -834,13 +834,13 @@ def _all_singular(
     lines = []
     for unit, err in singular:
         cause = err.__cause__ if isinstance(err.__cause__, NotPositiveDefiniteError) else err
-        lines.append(f"  {key_list(unit.keys, 3)}: {str(cause).split(f' {PD_FIX}')[0]}")
+        lines.append(f"{key_list(unit.keys, 3)}: {str(cause).split(f' {PD_FIX}')[0]}")
     merged = sum(1 for u in job.plan.units if u.merged)
     new = NotPositiveDefiniteError(
-        f"{len(singular)} of {merged} merged units have a singular system:\n"
-        + "\n".join(lines)
-        + f"\n{job.hint.format(example=example)} (`gradmerge {job.command} --dry-run` checks "
-        "the same systems without writing)."
+        f"{len(singular)} of {merged} merged units have a singular system: "
+        + "; ".join(line.rstrip(". ") for line in lines)
+        + f". Fix: {job.hint.format(example=example)} (`gradmerge {job.command} --dry-run` "
+        "checks the same systems without writing)."
     )
     new.suggested_delta = delta
     return new
