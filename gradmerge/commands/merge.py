@@ -94,7 +94,34 @@ def run_command(
     plan: Callable[[Any], Any],
     execute: Callable[..., Any],
 ) -> int:
-    """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr."""
+    """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr.
+    Each :class:`InputWarning` is printed once, as ``gradmerge COMMAND: warning: ...`` (the
+    dry run opens the inputs more than once; Python would attribute them to this module)."""
+    import warnings
+
+    from gradmerge.errors import InputWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputWarning)
+        try:
+            return _run_command(args, command, load, plan, execute)
+        finally:
+            seen: set[str] = set()
+            for w in caught:
+                if not issubclass(w.category, InputWarning):
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                elif str(w.message) not in seen:
+                    seen.add(str(w.message))
+                    print(f"gradmerge {command}: warning: {w.message}", file=sys.stderr)
+
+
+def _run_command(
+    args: argparse.Namespace,
+    command: str,
+    load: Callable[[str], Any],
+    plan: Callable[[Any], Any],
+    execute: Callable[..., Any],
+) -> int:
     from gradmerge.errors import GradmergeError
 
     try:
@@ -159,7 +186,7 @@ def describe_systems(config: Any) -> int:
         return _removal_verdict(config)
     note = delta_note(config) if isinstance(config, MergeConfig) else None
     if note:
-        print(f"warning: {note}", file=sys.stderr)
+        print(f"gradmerge merge: warning: {note}", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -54,6 +54,7 @@ from gradmerge.errors import (
     ConfigError,
     GradmergeError,
     InputWarning,
+    NotConvergedError,
     NotPositiveDefiniteError,
     ResultOverflowError,
     StepTooLargeError,
@@ -800,6 +801,20 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         raise ResultOverflowError(
             f"{err} (while computing {key_list(unit.keys, 3)}; in the config: smaller `alpha`/`scale`, "
             f"a larger `delta`{'' if job.wide else ', or `compute_dtype: float64`'})"
+        ) from err
+    except NotConvergedError as err:
+        text = str(err)
+        if job.wide:  # the solver's generic advice; this run already computes in float64
+            for advice in (
+                " work in float64,",
+                ", or compute in float64",
+                " or compute in float64",
+            ):
+                text = text.replace(advice, "")
+            text += " (the arithmetic already runs in float64 here)"
+        raise NotConvergedError(
+            f"{text} (while computing {key_list(unit.keys, 3)}; in the config: a larger "
+            "`prior: {delta: ...}`/`damping`, or `solver: {maxiter: ...}`)"
         ) from err
     except GradmergeError as err:
         raise type(err)(f"{err} (while computing {key_list(unit.keys, 3)})") from err
