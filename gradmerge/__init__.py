@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradmerge import params
 from gradmerge._fused import fused_kernels
+from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -32,6 +33,7 @@ from gradmerge.errors import (
     FileFormatError,
     GradmergeError,
     InputWarning,
+    MissingExtraError,
     NonFiniteError,
     NotConvergedError,
     NotPositiveDefiniteError,
@@ -65,7 +67,6 @@ if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
         run_remove,
     )
 
-__version__ = "0.1.0"
 
 _MODULES = ("distributed", "checkpoints")
 _LAZY = {
@@ -139,6 +140,7 @@ __all__ = [
     # errors
     "GradmergeError",
     "InputWarning",
+    "MissingExtraError",
     "StructureError",
     "DTypeError",
     "DeviceError",

@@ -26,6 +26,7 @@ from gradmerge.commands import (
     remove,
     verify,
 )
+from gradmerge.errors import MissingExtraError
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
 COMMANDS = [verify, curvature, gradient, convert_curvature, merge, remove, refine, demo]
@@ -41,10 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for command in COMMANDS:
         command.add_parser(sub)
     args = parser.parse_args(argv)
-    check = getattr(args, "check", None)
-    if check is not None:
-        check(parser, args)
-    return int(args.run(args))
+    try:
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(parser, args)
+        return int(args.run(args))
+    except MissingExtraError as err:  # an optional feature without its extra installed
+        print(f"gradmerge {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

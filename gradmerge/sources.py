@@ -52,6 +52,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 from gradmerge.lora import is_adapter, merged_state_dict
 from gradmerge.text_data import (
@@ -162,7 +163,9 @@ def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.M
     Raises:
         FileFormatError: no ``config.json``, no class, no safetensors weights; weights missing,
             unexpected or of another shape (named, with the fix).
+        MissingExtraError: transformers is not installed (``pip install 'gradmerge[hf]'``).
     """
+    require("hf", f"the Hugging Face model folder {folder}")
     import transformers
 
     config_file = folder / "config.json"
