@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import gradmerge as gm
-from gradmerge.checkpoints.config import MERGE_METHODS, REMOVE_METHODS
-from gradmerge.checkpoints.refine import RefineConfig
 from gradmerge.errors import GradmergeError
+from gradmerge.jobs.config import MERGE_METHODS, REMOVE_METHODS
+from gradmerge.jobs.refine import RefineConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 TEXT = DOC.read_text(encoding="utf-8")

@@ -173,8 +173,8 @@ ENTRY_POINTS = {
     "import gradmerge.theory.verify": "testbed",
     "import gradmerge.demo": "demo",
     # text DATA is tokenised with the model folder's tokenizer (the file checks come first)
-    "from gradmerge.text_data import load_tokenizer; load_tokenizer('tok')": "hf",
-    "from gradmerge.sources import hugging_face_model; hugging_face_model(Path('tok'))": "hf",
+    "from gradmerge.io.text_data import load_tokenizer; load_tokenizer('tok')": "hf",
+    "from gradmerge.io.sources import hugging_face_model; hugging_face_model(Path('tok'))": "hf",
 }
 
 
