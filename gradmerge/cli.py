@@ -32,8 +32,9 @@ from gradmerge.errors import MissingExtraError
 COMMANDS = [verify, curvature, gradient, convert_curvature, merge, remove, refine, demo]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gradmerge`` command."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gradmerge`` parser with every subcommand registered. Help texts are explicit
+    strings, never docstrings, so that they survive ``python -OO``."""
     parser = argparse.ArgumentParser(
         prog="gradmerge",
         description="Merge and un-merge fine-tuned models by uncertainty-based gradient matching.",
@@ -41,6 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gradmerge`` command."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         check = getattr(args, "check", None)
