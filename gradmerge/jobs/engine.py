@@ -56,7 +56,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StepTooLargeError,
 )
-from gradmerge.io.lora_models import open_model
+from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.jobs import rules
