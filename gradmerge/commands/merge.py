@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gradmerge.jobs.methods import help_table
+
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
 
@@ -22,14 +24,7 @@ curvature_weights, solver, scale, damping, ...) is described once, with examples
 docs/config.md of the gradmerge repository.
 
 methods:
-  task_arithmetic    θ_LLM + Σ α_t (θ_t − θ_LLM); no curvature, no prior
-  fisher_average     (Σ α_t H_t)⁻¹ Σ α_t H_t θ_t; optional `damping: δ` adds δI to each H_t;
-                     base_model optional (default: the first model)
-  gradient_matching  Eq. 6: θ_LLM + H̄⁻¹ Σ α_t (H_0 + H_t)(θ_t − θ_LLM), H̄ = H_0 + Σ α_t H_t;
-                     `prior` required
-  regmean            RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's
-                     K-FAC input factor, a mean over M_t rows); other tensors are averaged;
-                     optional `damping`
+{methods}
 
 Tensors are read, merged and written one group at a time (a tensor, or a K-FAC layer's weight
 and bias; a dense curvature couples every parameter, so it makes the whole model one group).
@@ -53,7 +48,7 @@ def add_parser(sub: Any) -> None:
         "averaging, uncertainty-based gradient matching (Eq. 6) or RegMean, reading and writing "
         "safetensors tensor group by tensor group (bounded memory).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG,
+        epilog=EPILOG.replace("{methods}", help_table("merge")),
     )
     add_common_arguments(p)
     p.set_defaults(run=run)

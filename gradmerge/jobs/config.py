@@ -38,9 +38,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from gradmerge.errors import ConfigError, InputWarning, MissingInputError
+from gradmerge.jobs import methods
 
-MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
-REMOVE_METHODS = ("remove", "influence_remove")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -190,7 +189,8 @@ class MergeConfig(Options):
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> MergeConfig:
-        method = r.choice("method", MERGE_METHODS)
+        method = r.choice("method", methods.names("merge"))
+        spec = methods.get(method)
         r.allow(
             "method",
             "base_model",
@@ -200,20 +200,20 @@ class MergeConfig(Options):
             "damping",
             *_OPTION_KEYS,
         )
-        models = tuple(_model(r, i, m, method) for i, m in enumerate(r.entries("models")))
+        models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
         _warn_repeated(models, r.check_files)
-        needs_base = method in ("task_arithmetic", "gradient_matching")
+        needs_base = spec.need("base_model") == "required"
         base = r.path("base_model", default=_REQUIRED if needs_base else None)
         prior = None
-        if method == "gradient_matching":
-            prior = _term(r, "prior", required=True)
+        if spec.need("prior") != "forbidden":
+            prior = _term(r, "prior", required=spec.need("prior") == "required")
         else:
-            r.forbid("prior", method, "only gradient_matching has a prior H_0")
-        if method in ("fisher_average", "regmean"):
+            r.forbid("prior", method, spec.refusal("prior"))
+        if spec.need("damping") != "forbidden":
             damping = r.number("damping", default=0.0, minimum=0.0)
         else:
             damping = 0.0
-            r.forbid("damping", method, "use prior: {delta: ...} to damp gradient_matching")
+            r.forbid("damping", method, spec.refusal("damping"))
         return cls(
             method=method,
             base_model=base if base is not None else models[0].model,
@@ -257,7 +257,8 @@ class RemoveConfig(Options):
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> RemoveConfig:
-        method = r.choice("method", REMOVE_METHODS)
+        method = r.choice("method", methods.names("remove"))
+        spec = methods.get(method)
         r.allow(
             "method",
             "base_model",
@@ -271,17 +272,21 @@ class RemoveConfig(Options):
             "max_relative_step",
             *_OPTION_KEYS,
         )
-        model = curvature = gradient = None
+        uses = spec.uses
+        model = r.path("model", default=_wanted(spec, "model")) if "model" in uses else None
+        curvature = None
+        if "curvature" in uses:
+            curvature = r.path("curvature", kind="file", default=_wanted(spec, "curvature"))
         prior = None
-        if method == "remove":
-            model = r.path("model")
-            curvature = r.path("curvature", kind="file")
-            prior = _term(r, "prior", required=True)
-            r.forbid("gradient", method, "the gradient is for influence_remove")
-        else:
-            gradient = r.path("gradient")
-            for key in ("model", "curvature", "prior"):
-                r.forbid(key, method, "influence_remove needs the gradient and `remaining` only")
+        if "prior" in uses:
+            prior = _term(r, "prior", required=spec.need("prior") == "required")
+        gradient = None
+        if "gradient" in uses:
+            gradient = r.path("gradient", default=_wanted(spec, "gradient"))
+        for key in methods.KEYS["remove"]:
+            if key not in spec.uses:
+                r.forbid(key, method, spec.refusal(key))
+        assert spec.max_relative_step is not None  # every removal method has one
         remaining = _term(r, "remaining", required=True)
         assert remaining is not None  # required=True
         return cls(
@@ -294,7 +299,7 @@ class RemoveConfig(Options):
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
             step_check=r.choice("step_check", STEP_CHECKS, default="refuse"),
-            max_relative_step=_positive(r, "max_relative_step", MAX_RELATIVE_STEP[method]),
+            max_relative_step=_positive(r, "max_relative_step", spec.max_relative_step),
             source=source,
             **_options(r),
         )
@@ -312,9 +317,11 @@ _OPTION_KEYS = (
 )
 CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
 STEP_CHECKS = ("refuse", "warn", "ignore")
-MAX_RELATIVE_STEP = {"remove": 100.0, "influence_remove": 1.0}
-"""Default largest ‖θ_\\t − θ_LLM‖ relative to ‖θ_t − θ_LLM‖ (remove) or to ‖θ_LLM‖
-(influence_remove, which has no task vector)."""
+
+
+def _wanted(spec: methods.MergeMethod, key: str) -> Any:
+    """The default of a path key ``spec`` uses: none if it requires the key."""
+    return _REQUIRED if spec.need(key) == "required" else None
 
 
 def _positive(r: _Reader, key: str, default: float) -> float:
@@ -369,15 +376,15 @@ def _solver(r: _Reader) -> dict[str, Any]:
     return out
 
 
-def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
+def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
     m.allow("model", "curvature", "alpha")
-    if method == "task_arithmetic":
-        m.forbid("curvature", method, "task arithmetic uses no curvature")
+    if spec.need("curvature") == "forbidden":
+        m.forbid("curvature", spec.name, spec.refusal("curvature"))
         curvature = None
     else:
-        curvature = m.path("curvature", kind="file")
+        curvature = m.path("curvature", kind="file", default=_wanted(spec, "curvature"))
     return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
 
 

@@ -35,7 +35,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -57,12 +57,12 @@ from gradmerge.errors import (
     ResultOverflowError,
     StepTooLargeError,
 )
-from gradmerge.io.lora_models import open_model
+from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.jobs import rules
+from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.jobs.plan import Coverage, Plan, Unit, build_plan
+from gradmerge.jobs.plan import Plan, Unit, build_plan
 from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -382,18 +382,12 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     prior_files = _open_term(config.prior, "prior", stack)
     files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
     files.update(prior_files)
-    coverage: Coverage = (
-        "none"
-        if config.method == "task_arithmetic"
-        else "kfac"
-        if config.method == "regmean"
-        else "all"
-    )
+    spec = methods.get(config.method)
     plan = build_plan(
         base,
         [(f"models[{i}].model", m) for i, m in enumerate(models)],
         list(files.items()),
-        coverage=coverage,
+        coverage=spec.coverage,
         passthrough=config.passthrough,
         out_dtype=config.out_dtype,
         allow_mixed_dtypes=config.allow_mixed_dtypes,
@@ -414,18 +408,12 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
-        return rules.merge_unit(
-            config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
-        )
+        return rule(theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping)
 
-    hint = {
-        "gradient_matching": "raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive "
-        "definite",
-        "fisher_average": "set `damping:` ({example}) so that Σ α_t H_t is positive definite",
-        "regmean": "set `damping:` ({example}) so that the summed Gram matrices are invertible",
-    }.get(config.method, "")
+    rule = cast(rules.MergeRule, spec.rule)
+    hint = spec.hint
     negative = [f"models[{i}].alpha" for i, a in enumerate(config.alphas) if a < 0]
-    if negative and config.method != "task_arithmetic":
+    if negative and "curvature" in spec.uses:
         hint = (
             f"{', '.join(negative)} (times `scale`) is negative, which subtracts that model's "
             "curvature from H̄: make it smaller in magnitude, or " + hint
@@ -470,6 +458,8 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         pairs.append(("curvature", curv, [("model", model), *at_base]))
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
+    spec = methods.get(config.method)
+    rule = cast(rules.RemoveRule, spec.rule)
 
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
@@ -478,8 +468,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        out = rules.remove_unit(
-            config.method,
+        out = rule(
             theta,
             remaining=remaining,
             alpha=config.alpha,
@@ -499,11 +488,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         checkpoints["model"] = model
     if gradient is not None:
         checkpoints["gradient"] = gradient
-    hint = (
-        "the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
-        "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
-        "data that stays"
-    )
+    hint = spec.hint
     return Job(
         "remove",
         plan,
