@@ -1,7 +1,7 @@
 """MODEL, DATA and OUT of the commands that read a model and its data (``curvature``, ``gradient``).
 
 The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`),
-loading through :mod:`gradmerge.sources` (:func:`load`), the ``source.*`` metadata
+loading through :mod:`gradmerge.io.sources` (:func:`load`), the ``source.*`` metadata
 (:func:`provenance`) and the progress bar over batches (:func:`progress`).
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradmerge import sources
 from gradmerge.errors import ArgumentError
-from gradmerge.text_data import TextBatches, TextOptions
+from gradmerge.io import sources
+from gradmerge.io.text_data import TextBatches, TextOptions
 
 MODEL_HELP = "Hugging Face folder (or LoRA adapter folder) or module:function"
 DATA_HELP = (
@@ -273,8 +273,9 @@ def provenance(
     *,
     model_spec: str | None = None,
 ) -> dict[str, str]:
-    """What the file's metadata records about how it was made (:func:`gradmerge.sources.provenance`,
-    and for text the examples, tokens and truncation of :meth:`TextBatches.metadata`).
+    """What the file's metadata records about how it was made
+    (:func:`gradmerge.io.sources.provenance`, and for text the examples, tokens and truncation of
+    :meth:`TextBatches.metadata`).
 
     ``model_spec``: the MODEL instead of ``args.model`` (commands taking several)."""
     spec = args.model if model_spec is None else model_spec

@@ -107,7 +107,7 @@ def execute(args: argparse.Namespace) -> int:
     """Score every MODEL, then print the table and write the JSON (only when all succeeded)."""
     from gradmerge._devices import resolve_device
     from gradmerge.evaluation import evaluate
-    from gradmerge.text_data import TextBatches
+    from gradmerge.io.text_data import TextBatches
 
     device = resolve_device(args.device)
     rows: list[dict[str, Any]] = []

@@ -56,8 +56,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError
-from gradmerge.errors import InputWarning
+from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
 REMOVE_METHODS = ("remove", "influence_remove")

@@ -1,7 +1,7 @@
 r"""LoRA adapter folders read as full checkpoints θ_t = θ_0 + (α/r)·B·A, one tensor at a time.
 
 :class:`LoraCheckpoint` shows an adapter over its base as the fine-tuned checkpoint, materialising
-a tensor when the streaming merge asks for it (the LoRA rules: :mod:`gradmerge.lora`), so that
+a tensor when the streaming merge asks for it (the LoRA rules: :mod:`gradmerge.io.lora`), so that
 ``gradmerge merge`` and ``gradmerge remove`` take adapter folders wherever they take a model
 (:func:`open_model`).
 
@@ -9,8 +9,8 @@ Example:
     >>> import json, tempfile, torch
     >>> from pathlib import Path
     >>> from safetensors.torch import save_file
-    >>> from gradmerge.checkpoints import open_checkpoint
-    >>> from gradmerge.checkpoints.lora import LoraCheckpoint
+    >>> from gradmerge.io import open_checkpoint
+    >>> from gradmerge.io.lora_models import LoraCheckpoint
     >>> with tempfile.TemporaryDirectory() as d:
     ...     save_file({"fc.weight": torch.zeros(2, 3)}, f"{d}/base.safetensors")
     ...     (Path(d) / "ad").mkdir()
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.errors import StructureError
-from gradmerge.lora import is_adapter, read_adapter
+from gradmerge.io.lora import is_adapter, read_adapter
+from gradmerge.io.reader import Checkpoint, open_checkpoint
 
 
 class LoraCheckpoint(Checkpoint):
