@@ -133,23 +133,11 @@ def execute(args: argparse.Namespace) -> int:
         return 0
     print(table)
     if args.out is not None:
+        from gradmerge._files import write_json
+
         write_json(report, Path(args.out))
         print(f"wrote {args.out}")
     return 0
-
-
-def write_json(report: dict[str, Any], out: Path) -> None:
-    """Write ``report`` to ``out`` atomically (a temporary file beside it, then renamed)."""
-    from gradmerge._files import publish, temp_file_beside
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file_beside(out)
-    try:
-        tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
-        publish(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
