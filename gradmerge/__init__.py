@@ -46,6 +46,7 @@ from gradmerge.errors import (
 )
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
+from gradmerge.evaluation import Evaluation, evaluate
 from gradmerge.merge import (
     fisher_average,
     gradient_matching,
@@ -119,6 +120,9 @@ __all__ = [
     "gradient_mismatch",
     "GradientMismatch",
     "GradientFn",
+    # accuracy and mean loss of a model on data
+    "evaluate",
+    "Evaluation",
     # parameter-dict algebra
     "params",
     # data-parallel estimation on torch.distributed (gm.distributed.estimate_curvature, ...)

@@ -7,6 +7,8 @@ gradmerge convert-curvature SRC OUT convert a diagonal Fisher of the paper's off
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
+gradmerge evaluate MODEL... DATA    accuracy and mean loss of models on labelled data (JSON)
+gradmerge tune CONFIG DATA...       choose α (and δ) on the tasks' training data, no test labels
 gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table, JSON, plots
 """
 
@@ -20,16 +22,29 @@ from gradmerge.commands import (
     convert_curvature,
     curvature,
     demo,
+    evaluate,
     gradient,
     merge,
     refine,
     remove,
+    tune,
     verify,
 )
 from gradmerge.errors import MissingExtraError
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
-COMMANDS = [verify, curvature, gradient, convert_curvature, merge, remove, refine, demo]
+COMMANDS = [
+    verify,
+    curvature,
+    gradient,
+    convert_curvature,
+    merge,
+    remove,
+    refine,
+    evaluate,
+    tune,
+    demo,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
