@@ -58,5 +58,7 @@ def test_yaml_examples_parse():
     assert len(texts) >= 3
     for text in texts:
         data = yaml.safe_load(text)
-        cls = gm.RemoveConfig if data["method"] in ("remove", "influence_remove") else gm.MergeConfig
+        cls = (
+            gm.RemoveConfig if data["method"] in ("remove", "influence_remove") else gm.MergeConfig
+        )
         cls.from_dict(data, check_files=False)
