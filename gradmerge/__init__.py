@@ -14,7 +14,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from gradmerge import params
-from gradmerge._fused import fused_kernels
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -56,16 +55,18 @@ from gradmerge.merge import (
 from gradmerge.solvers import Solution
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
-    from gradmerge import distributed, io, jobs
+    from gradmerge import distributed, io, jobs, kernels
     from gradmerge.io import open_checkpoint
     from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig, run_merge, run_remove
+    from gradmerge.kernels import fused_kernels
 
 __version__ = "0.1.0"
 
-_MODULES = ("distributed", "io", "jobs", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",
+    "fused_kernels": "gradmerge.kernels",
     **{
         name: "gradmerge.jobs"
         for name in ("MergeConfig", "MergeReport", "RemoveConfig", "run_merge", "run_remove")
@@ -99,6 +100,7 @@ __all__ = [
     "refine",
     "regmean",
     "fused_kernels",
+    "kernels",
     # curvature operators
     "Curvature",
     "ScaledIdentity",

@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _memory, _weight_sample
+from gradmerge import _weight_sample
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
@@ -62,6 +62,7 @@ from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_outpu
 from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan
+from gradmerge.kernels import memory, select
 from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -400,6 +401,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas = config.alphas
+    kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
 
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
@@ -407,7 +409,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
-        return rule(theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping)
+        return rule(
+            theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping, kernel=kernel
+        )
 
     rule = cast(rules.MergeRule, spec.rule)
     hint = spec.hint
@@ -601,12 +605,10 @@ def _execute(
     plan = job.plan
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
     bar = _progress(progress, plan.out_bytes(), job.command, len(entries))
-    numels = [math.prod(plan.shapes[k]) for k in plan.merged]
     removed, left = remove_stale_stages(target)
     with (
         staged_output(target, overwrite=overwrite) as stage,
-        _fused.job(numels),
-        _memory.recycling(),  # each output is written and dropped before the next is made
+        memory.recycling(),  # each output is written and dropped before the next is made
     ):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
