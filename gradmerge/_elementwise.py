@@ -156,7 +156,7 @@ def _check_psd(
     for part, m, name, precision in zip(parts, minima, names, precisions, strict=True):
         if m is not None and float(m) < 0 and not isinstance(part, float):
             values = part.values if isinstance(part, ShiftedDiagonal) else part
-            diagonal = Diagonal._checked_already(values)
+            diagonal = Diagonal._of(values)
             diagonal._remember_precision(precision)
             diagonal.check_psd(name=name)
 

@@ -312,7 +312,7 @@ def gradient_matching(
     weights = _alphas(alphas, tasks, dtype=_dtype_of(base))
     names = ["prior", *(f"curvatures[{t}]" for t in range(tasks))]
     h0, *hs = (
-        _curvature(c, base, name=n, psd=False, finite=False)
+        _curvature(c, base, name=n, psd=False)
         for c, n in zip([prior, *curvatures], names, strict=True)
     )
     elementwise = [_elementwise.parts(h) for h in (h0, *hs)]
@@ -346,8 +346,6 @@ def _generic_merge(
 ) -> dict[str, Tensor]:
     """Eq. 6 through the operator algebra (any structure); inputs checked here."""
     P.check_finite(base, name="base")
-    for h, n in zip([h0, *hs], names, strict=True):
-        h.verify_finite(name=n)
     task_vectors = [
         _task_vector(base, ft, name=f"finetuned[{t}]") for t, ft in enumerate(finetuned)
     ]
@@ -514,9 +512,7 @@ def _task_vector(base: Params, finetuned: Params, *, name: str) -> dict[str, Ten
     return P.sub(finetuned, base)
 
 
-def _curvature(
-    value: CurvatureLike, base: Params, *, name: str, psd: bool = True, finite: bool = True
-) -> Curvature:
+def _curvature(value: CurvatureLike, base: Params, *, name: str, psd: bool = True) -> Curvature:
     if isinstance(value, bool) or not isinstance(value, (Curvature, int, float)):
         raise TypeError(
             f"{name} must be a curvature (gm.Diagonal, gm.Dense, ...) or a float δ meaning δ·I, "
@@ -526,8 +522,6 @@ def _curvature(
         _check_delta(float(value), _dtype_of(base), name=name)
     curvature = ScaledIdentity(float(value)) if isinstance(value, (int, float)) else value
     curvature.check_covers(base, name=name)
-    if finite:
-        curvature.verify_finite(name=name)
     if psd:
         curvature.check_psd(name=name)
     return curvature
