@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 
@@ -309,6 +310,8 @@ def load_tokenizer(folder: str) -> Any:
 
     Raises:
         ArgumentError: ``folder`` is not a folder, or holds no tokenizer files.
+        MissingExtraError: transformers or tokenizers is not installed
+            (``pip install 'gradmerge[hf]'``).
     """
     if not Path(folder).is_dir():
         raise ArgumentError(
@@ -321,6 +324,7 @@ def load_tokenizer(folder: str) -> Any:
             f"{folder} holds no usable tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
             "next to the model with tokenizer.save_pretrained(folder), or pass --tokenizer FOLDER"
         )
+    require("hf", "text DATA (tokenised with the model folder's Hugging Face tokenizer)")
     import transformers
 
     try:

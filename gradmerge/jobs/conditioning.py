@@ -131,7 +131,7 @@ def delta_note(config: MergeConfig) -> str | None:
         f"prior δ = {delta:.3g} is below 10⁻³ of the curvatures' 10th percentile ({p10:.3g}, "
         "positive diagonal entries of Σ α_t H_t): on at least 90% of those coordinates gradient "
         "matching gives Fisher averaging's result to three digits. If that is not meant, choose δ "
-        "as the fine-tunes' own prior precision (see the README's δ recipe)"
+        "as the fine-tunes' own prior precision (see 'Choosing δ' in docs/guide.md)"
     )
 
 

@@ -1,44 +1,25 @@
 """Merge and removal configurations: strict YAML files in the style of mergekit's.
 
-Merge (``gradmerge merge CONFIG OUT_DIR``), Eq. 6 and its special cases::
+:class:`MergeConfig` reads ``gradmerge merge CONFIG OUT_DIR`` (Eq. 6 and its special cases),
+:class:`RemoveConfig` ``gradmerge remove CONFIG OUT_DIR`` (Eq. 13, Koh & Liang); both share the
+:class:`Options` (output dtype, compute dtype, device, passthrough, shard size, mixed dtypes,
+curvature/weights pairing, and the K-FAC ``solver`` settings). Every key, its default and an
+example of each method are in ``docs/config.md``, the one reference of the YAML files (its
+examples are parsed by this module in ``proofs_tests/docs/test_config_reference.py``); this
+docstring does not repeat them.
 
-    method: gradient_matching          # task_arithmetic | fisher_average | gradient_matching | regmean
-    base_model: path/to/base           # θ_LLM: a .safetensors file, a shard folder or a HF folder
-    models:
-      - model: path/to/finetuned_a     # θ_t
-        curvature: a.curvature.safetensors   # H_t (written by `gradmerge curvature` / C.save)
-        alpha: 1.0                     # α_t
-    prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
-    scale: 1.0                         # every α_t is multiplied by this
-    dtype: bfloat16                    # output dtype of float tensors (default: the base's)
-    device: auto                       # auto | cpu | cuda | cuda:N
+The reader is strict: relative paths are relative to the YAML file's folder; unknown keys,
+missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and missing
+files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values shown in
+messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
 
-Removal (``gradmerge remove CONFIG OUT_DIR``), Eq. 13 or Koh & Liang::
-
-    method: remove                     # remove (Eq. 13) | influence_remove (Koh & Liang)
-    base_model: path/to/base           # θ_LLM, trained on all data including D_t
-    model: path/to/finetuned_on_Dt     # θ_t (remove only)
-    curvature: t.curvature.safetensors # H_t (remove only)
-    prior: {delta: 1.0e-6}             # H_0 used when fine-tuning θ_t (remove only)
-    gradient: grad.safetensors         # ∇ℓ̄_t(θ_LLM) as a parameter dict (influence_remove only)
-    remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}   # H̄_\\t = δI + s·C
-    # C may be several files, summed: curvature: [a.curvature.safetensors, c.curvature.safetensors]
-    alpha: 1.0                         # α_t
-
-Both also take ``compute_dtype`` (float32 | float64: the precision of the arithmetic),
-``passthrough`` (globs of float tensors copied from the base unmerged), ``max_shard_size``
-(bytes, or "5GB", "500MB", "2GiB"), ``allow_mixed_dtypes`` (let float tensors of one name
-differ in dtype between inputs) and ``curvature_weights`` (warn | refuse | ignore: what to do
-when a curvature file was estimated at other weights than both the model it is paired with and
-the base, judged by a sample hash of the weights recorded at estimation; default warn) and
-``solver: {tol: 1.0e-6, maxiter: 2000}`` (the relative residual every K-FAC layer's solve is
-certified to — default 1e-5 in float32, 1e-10 in float64 — and the CG iterations per round;
-each layer's method, iterations and residual go into the record; ``approximate: true``, never
-the default, accepts each layer after at most ``maxiter`` CG iterations, default 0 = the
-eigenbasis preconditioner's solve alone, with its measured residual, instead of an error).
-Relative paths are relative to the YAML file's folder. Unknown keys, missing keys, keys a
-method does not use, keys given twice, files that are not UTF-8 and missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
-shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
+Example:
+    >>> cfg = MergeConfig.from_dict(
+    ...     {"method": "gradient_matching", "base_model": ".", "prior": {"delta": 1e-6},
+    ...      "models": [{"model": ".", "curvature": "a.curvature.safetensors", "alpha": 0.5}]},
+    ...     check_files=False)
+    >>> cfg.method, cfg.prior.delta, cfg.alphas
+    ('gradient_matching', 1e-06, [0.5])
 """
 
 from __future__ import annotations

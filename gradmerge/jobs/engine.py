@@ -45,6 +45,7 @@ from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
+from gradmerge._version import __version__
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
@@ -788,8 +789,6 @@ def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]
 
 
 def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
-    from gradmerge import __version__
-
     record: dict[str, Any] = {
         "gradmerge_version": __version__,
         "torch_version": torch.__version__,
