@@ -38,16 +38,19 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.estimate._data import Loss, batches, forward, per_example_loss
 from gradmerge.estimate.options import LossFunction
+
+if TYPE_CHECKING:  # by_length's argument; not imported with gradmerge
+    from gradmerge.io.text_data import TextBatches
 
 
 @dataclass
@@ -95,6 +98,35 @@ class Evaluation:
             return None
         return sum(self.correct_per_example) / self.positions
 
+    def in_order(self, order: Sequence[int]) -> Evaluation:
+        """The per-example lists put back in the data's order, when example j was the data's
+        example ``order[j]`` (:func:`by_length`).
+
+        Raises:
+            ArgumentError: ``order`` is not a permutation of the examples.
+        """
+        if sorted(order) != list(range(self.examples)):
+            raise ArgumentError(
+                f"order must be a permutation of the {self.examples} examples scored"
+            )
+
+        def restore(values: list[Any] | None) -> list[Any] | None:
+            if values is None:
+                return None
+            out: list[Any] = [None] * len(values)
+            for j, index in enumerate(order):
+                out[index] = values[j]
+            return out
+
+        return Evaluation(
+            loss=self.loss,
+            token_level=self.token_level,
+            loss_per_example=restore(self.loss_per_example) or [],
+            correct_per_example=restore(self.correct_per_example),
+            positions_per_example=restore(self.positions_per_example),
+            predictions=restore(self.predictions),
+        )
+
     def summary(self, *, per_example: bool = False) -> dict[str, Any]:
         """A JSON-able dict: ``examples``, ``positions`` (token level), ``accuracy``,
         ``mean_loss`` (and ``perplexity`` for a causal LM); with ``per_example``, the lists
@@ -121,6 +153,24 @@ class Evaluation:
                 lists["prediction"] = list(self.predictions)
             out["per_example"] = lists
         return out
+
+
+def by_length(data: TextBatches) -> tuple[list[dict[str, Tensor]], list[int]]:
+    """``data``'s examples in batches of similar length (shortest first), and their order.
+
+    Each batch is padded to its longest sequence, so grouping by length saves the compute spent
+    on padding; the figures of an example do not depend on its batch (padding is masked), up to
+    rounding. ``order[j]`` is the index in ``data`` of the j-th example of the batches:
+    :meth:`Evaluation.in_order` puts per-example results back into ``data``'s order.
+
+    Example:
+        >>> order = sorted(range(3), key=[5, 2, 9].__getitem__)
+        >>> order
+        [1, 0, 2]
+    """
+    order = sorted(range(len(data.examples)), key=lambda i: data.examples[i]["input_ids"].numel())
+    size = data.batch_size
+    return [data.batch(order[s : s + size]) for s in range(0, len(order), size)], order
 
 
 @torch.no_grad()

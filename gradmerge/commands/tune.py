@@ -247,6 +247,7 @@ class Scorer:
         return total, tasks
 
     def _load(self, model: torch.nn.Module, folder: Path, spec: str) -> Iterable[Any]:
+        from gradmerge.evaluation import by_length
         from gradmerge.io import sources
         from gradmerge.io.text_data import TextBatches, TextOptions
 
@@ -267,8 +268,10 @@ class Scorer:
                 max_length=args.max_length,
             ),
         )
-        if isinstance(data, TextBatches) and not args.no_progress:
-            print(f"{spec}: {data.summary()}", file=sys.stderr)
+        if isinstance(data, TextBatches):
+            if not args.no_progress:
+                print(f"{spec}: {data.summary()}", file=sys.stderr)
+            return by_length(data)[0]  # sums and means do not depend on the order: less padding
         return data
 
     def _reference(

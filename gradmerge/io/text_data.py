@@ -471,7 +471,7 @@ class TextBatches:
         for start in range(0, len(self.examples), self.batch_size):
             yield self.batch(range(start, min(start + self.batch_size, len(self.examples))))
 
-    def batch(self, rows: range) -> dict[str, Tensor]:
+    def batch(self, rows: Sequence[int]) -> dict[str, Tensor]:
         """The examples ``rows`` padded into one Hugging Face batch with ``labels``."""
         chosen = [self.examples[i] for i in rows]
         width = max(int(e["input_ids"].numel()) for e in chosen)
