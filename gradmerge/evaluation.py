@@ -40,17 +40,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.estimate._data import Loss, batches, forward, per_example_loss
 from gradmerge.estimate.options import LossFunction
-
-if TYPE_CHECKING:  # by_length's argument; not imported with gradmerge
-    from gradmerge.io.text_data import TextBatches
 
 
 @dataclass
@@ -100,7 +97,7 @@ class Evaluation:
 
     def in_order(self, order: Sequence[int]) -> Evaluation:
         """The per-example lists put back in the data's order, when example j was the data's
-        example ``order[j]`` (:func:`by_length`).
+        example ``order[j]`` (e.g. ``TextBatches.by_length`` of :mod:`gradmerge.io.text_data`).
 
         Raises:
             ArgumentError: ``order`` is not a permutation of the examples.
@@ -153,24 +150,6 @@ class Evaluation:
                 lists["prediction"] = list(self.predictions)
             out["per_example"] = lists
         return out
-
-
-def by_length(data: TextBatches) -> tuple[list[dict[str, Tensor]], list[int]]:
-    """``data``'s examples in batches of similar length (shortest first), and their order.
-
-    Each batch is padded to its longest sequence, so grouping by length saves the compute spent
-    on padding; the figures of an example do not depend on its batch (padding is masked), up to
-    rounding. ``order[j]`` is the index in ``data`` of the j-th example of the batches:
-    :meth:`Evaluation.in_order` puts per-example results back into ``data``'s order.
-
-    Example:
-        >>> order = sorted(range(3), key=[5, 2, 9].__getitem__)
-        >>> order
-        [1, 0, 2]
-    """
-    order = sorted(range(len(data.examples)), key=lambda i: data.examples[i]["input_ids"].numel())
-    size = data.batch_size
-    return [data.batch(order[s : s + size]) for s in range(0, len(order), size)], order
 
 
 @torch.no_grad()

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace) -> int:
     """Score every MODEL, then print the table and write the JSON (only when all succeeded)."""
     from gradmerge._devices import resolve_device
-    from gradmerge.evaluation import by_length, evaluate
+    from gradmerge.evaluation import evaluate
     from gradmerge.io.text_data import TextBatches
 
     device = resolve_device(args.device)
@@ -118,7 +118,7 @@ def execute(args: argparse.Namespace) -> int:
         order: list[int] | None = None
         batches: Iterable[Any] = data
         if isinstance(data, TextBatches):  # similar lengths together: less padding to compute
-            batches, order = by_length(data)
+            batches, order = data.by_length()
         if not args.no_progress:
             batches = progress(batches, f"evaluate {spec}")
         result = evaluate(

@@ -283,7 +283,6 @@ class Scorer:
     def _load(
         self, model: torch.nn.Module, folder: Path, spec: str, max_examples: int | None
     ) -> Iterable[Any]:
-        from gradmerge.evaluation import by_length
         from gradmerge.io import sources
         from gradmerge.io.text_data import TextBatches, TextOptions
 
@@ -307,7 +306,7 @@ class Scorer:
         if isinstance(data, TextBatches):
             if not args.no_progress:
                 print(f"{spec}: {data.summary()}", file=sys.stderr)
-            return by_length(data)[0]  # sums and means do not depend on the order: less padding
+            return data.by_length()[0]  # sums and means do not depend on the order: less padding
         return data
 
     def _reference(
