@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +117,17 @@ def execute(args: argparse.Namespace) -> int:
     for spec in args.models:
         start = time.perf_counter()
         model, data = load(args, device, announce=True, model_spec=spec)
-        batches = data if args.no_progress else progress(data, f"evaluate {spec}")
+        order: list[int] | None = None
+        batches: Iterable[Any] = data
+        if isinstance(data, TextBatches):  # similar lengths together: less padding to compute
+            batches, order = data.by_length()
+        if not args.no_progress:
+            batches = progress(batches, f"evaluate {spec}")
         result = evaluate(
             model, batches, loss=args.loss, ignore_index=args.ignore_index, device=device
         )
+        if order is not None:
+            result = result.in_order(order)
         row: dict[str, Any] = {"model": spec}
         if isinstance(data, TextBatches):
             row["task"] = data.task

@@ -95,6 +95,15 @@ def add_parser(sub: Any) -> None:
         help="values of prior.scale (the prior curvature's factor)",
     )
     p.add_argument("--criterion", choices=["loss", "mismatch"], default="loss")
+    p.add_argument(
+        "--validation",
+        action="append",
+        default=[],
+        metavar="DATA",
+        help="held-out labelled data, one per model in CONFIG's order (repeat the flag): scored "
+        "at every point and REPORTED beside the choice (best setting on it, and how the chosen "
+        "one does there); never used to choose. --max-examples does not cut it",
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report to FILE")
     p.add_argument(
         "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
@@ -105,7 +114,7 @@ def add_parser(sub: Any) -> None:
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    for spec in args.datas:
+    for spec in [*args.datas, *args.validation]:
         args.data = spec
         check_reading(parser, args, [])
     if args.model_arg:
@@ -122,7 +131,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--out {path} is a folder; give a file name such as tune.json")
         if flag == "--out-dir" and path.exists() and not path.is_dir():
             parser.error(f"--out-dir {path} is a file; give a folder name")
-        for spec in (args.config, *args.datas):
+        for spec in (args.config, *args.datas, *args.validation):
             if Path(spec).exists() and path.resolve() == Path(spec).resolve():
                 parser.error(f"{flag} {path} is an input ({spec}); write it elsewhere")
 
@@ -152,6 +161,11 @@ def execute(args: argparse.Namespace) -> int:
         raise ArgumentError(
             f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
             "were given: give each model's training data, in the order of `models:`"
+        )
+    if args.validation and len(args.validation) != len(config.models):
+        raise ArgumentError(
+            f"CONFIG {args.config} merges {len(config.models)} models but "
+            f"{len(args.validation)} --validation DATA were given: one per model, in order"
         )
     points = settings(
         config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales
@@ -187,6 +201,8 @@ def execute(args: argparse.Namespace) -> int:
         "data": [str(Path(d).resolve()) if Path(d).exists() else d for d in args.datas],
         **result.to_dict(config),
     }
+    if args.validation:
+        body["validation"] = validation_summary(body)
     print(_table(body))
     if args.out is not None:
         write_json(body, Path(args.out))
@@ -200,7 +216,8 @@ def execute(args: argparse.Namespace) -> int:
 
 
 class Scorer:
-    """A merged folder ↦ (criterion, per-task figures) on the tasks' training data.
+    """A merged folder ↦ (criterion, figures) on the tasks' training data (and, reported only,
+    on ``--validation`` data).
 
     The data are read once, with the first merged model (every merged folder has the base's
     config and tokenizer, so the tokenised batches are the same for all); for ``mismatch`` the
@@ -210,9 +227,10 @@ class Scorer:
     def __init__(self, args: argparse.Namespace, config: Any, device: torch.device) -> None:
         self.args, self.config, self.device = args, config, device
         self.data: list[Iterable[Any]] | None = None
+        self.validation: list[Iterable[Any]] = []
         self.references: dict[int, dict[str, torch.Tensor]] = {}
 
-    def __call__(self, folder: Path) -> tuple[float, list[dict[str, Any]]]:
+    def __call__(self, folder: Path) -> tuple[float, dict[str, Any]]:
         from gradmerge import params as P
         from gradmerge.estimate import gradient_fn
         from gradmerge.evaluation import evaluate
@@ -222,7 +240,8 @@ class Scorer:
         model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
         model = model.to(self.device).eval()
         if self.data is None:
-            self.data = [self._load(model, folder, spec) for spec in args.datas]
+            self.data = [self._load(model, folder, spec, args.max_examples) for spec in args.datas]
+            self.validation = [self._load(model, folder, spec, None) for spec in args.validation]
         tasks: list[dict[str, Any]] = []
         total = 0.0
         for t, (spec, data) in enumerate(zip(args.datas, self.data, strict=True)):
@@ -245,9 +264,26 @@ class Scorer:
             else:
                 total += result.mean_loss
             tasks.append(entry)
-        return total, tasks
+        figures: dict[str, Any] = {"tasks": tasks}
+        if args.validation:  # reported only: the criterion above never reads these labels
+            figures["validation"] = []
+            for spec, data in zip(args.validation, self.validation, strict=True):
+                held_out = evaluate(
+                    model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
+                )
+                figures["validation"].append(
+                    {
+                        "data": spec,
+                        "examples": held_out.examples,
+                        "mean_loss": held_out.mean_loss,
+                        "accuracy": held_out.accuracy,
+                    }
+                )
+        return total, figures
 
-    def _load(self, model: torch.nn.Module, folder: Path, spec: str) -> Iterable[Any]:
+    def _load(
+        self, model: torch.nn.Module, folder: Path, spec: str, max_examples: int | None
+    ) -> Iterable[Any]:
         from gradmerge.io import sources
         from gradmerge.io.text_data import TextBatches, TextOptions
 
@@ -258,7 +294,7 @@ class Scorer:
             shift_labels=args.shift_labels,
             ignore_index=args.ignore_index,
             arguments=dict(map(sources.parse_argument, args.data_arg)),
-            max_examples=args.max_examples,
+            max_examples=max_examples,
             model=model,
             tokenizer=args.tokenizer or str(folder),
             text=TextOptions(
@@ -268,8 +304,10 @@ class Scorer:
                 max_length=args.max_length,
             ),
         )
-        if isinstance(data, TextBatches) and not args.no_progress:
-            print(f"{spec}: {data.summary()}", file=sys.stderr)
+        if isinstance(data, TextBatches):
+            if not args.no_progress:
+                print(f"{spec}: {data.summary()}", file=sys.stderr)
+            return data.by_length()[0]  # sums and means do not depend on the order: less padding
         return data
 
     def _reference(
@@ -324,6 +362,42 @@ def fine_tuned_weights(
     return out
 
 
+def validation_summary(body: dict[str, Any]) -> dict[str, Any]:
+    """How the chosen setting does on the held-out data against the best setting there.
+
+    A point's held-out score is its mean accuracy over the ``--validation`` tasks (each task
+    weighted alike), or minus its mean loss when there is no accuracy (``--loss mse``); the best
+    point has the highest score (the first on ties). Returns ``best_index``, ``best`` (its
+    setting), ``best_score``, ``chosen_score`` and ``regret`` = best − chosen (≥ 0)."""
+    scores: list[float | None] = []
+    for point in body["points"]:
+        held_out = point.get("validation")
+        if point["criterion"] is None or not held_out:
+            scores.append(None)
+        elif all(task["accuracy"] is not None for task in held_out):
+            scores.append(sum(task["accuracy"] for task in held_out) / len(held_out))
+        else:
+            scores.append(-sum(task["mean_loss"] for task in held_out) / len(held_out))
+    best: int | None = None
+    for index, value in enumerate(scores):
+        if value is not None and (best is None or value > scores[best]):  # type: ignore[operator]
+            best = index
+    chosen = body["chosen_index"]
+    best_score = None if best is None else scores[best]
+    chosen_score = None if chosen is None else scores[chosen]
+    if best is None or best_score is None or chosen_score is None:
+        return {"best_index": None}
+    keys = ("scale", "alphas", "delta", "prior_scale")
+    return {
+        "score": "mean accuracy over the tasks (or minus the mean loss without accuracy)",
+        "best_index": best,
+        "best": {k: body["points"][best][k] for k in keys if k in body["points"][best]},
+        "best_score": best_score,
+        "chosen_score": chosen_score,
+        "regret": best_score - chosen_score,
+    }
+
+
 def _setting(values: dict[str, Any]) -> str:
     parts = [f"scale={values['scale']:g}"]
     if "delta" in values:
@@ -346,4 +420,10 @@ def _table(body: dict[str, Any]) -> str:
         lines.append(f"{_setting(point):<40} {value:>12}  {losses}{mark}")
     if body["chosen"] is not None:
         lines.append(f"chosen: {_setting(body['chosen'])} (alphas {body['chosen']['alphas']})")
+    held_out = body.get("validation")
+    if held_out and held_out.get("best_index") is not None:
+        lines.append(
+            f"validation (reported, not used to choose): chosen {held_out['chosen_score']:.4f}, "
+            f"best {held_out['best_score']:.4f} at {_setting(held_out['best'])}"
+        )
     return "\n".join(lines)
