@@ -14,7 +14,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from gradmerge import params
-from gradmerge._fused import fused_kernels
 from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
     KFAC,
@@ -59,15 +58,17 @@ from gradmerge.merge import (
 from gradmerge.solvers import Solution
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
-    from gradmerge import distributed, io, jobs
+    from gradmerge import distributed, io, jobs, kernels
     from gradmerge.io import open_checkpoint
     from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig, run_merge, run_remove
+    from gradmerge.kernels import fused_kernels
 
 
-_MODULES = ("distributed", "io", "jobs", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",
+    "fused_kernels": "gradmerge.kernels",
     **{
         name: "gradmerge.jobs"
         for name in ("MergeConfig", "MergeReport", "RemoveConfig", "run_merge", "run_remove")
@@ -101,6 +102,7 @@ __all__ = [
     "refine",
     "regmean",
     "fused_kernels",
+    "kernels",
     # curvature operators
     "Curvature",
     "ScaledIdentity",

@@ -3,7 +3,8 @@
 No formula lives here: every rule calls one function of :mod:`gradmerge.merge` with the unit's
 tensors and the unit's restriction of each curvature, so a streamed merge computes, unit by
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
-never couple two units). The merge rules share one signature (:class:`MergeRule`), the removal
+never couple two units). ``kernel``: the fast elementwise evaluator the engine chose
+(:func:`gradmerge.kernels.select`), for the diagonal merges. The merge rules share one signature (:class:`MergeRule`), the removal
 rules another (:class:`RemoveRule`); which method calls which rule is recorded in
 :mod:`gradmerge.jobs.methods`.
 """
@@ -16,6 +17,7 @@ from typing import Protocol
 from torch import Tensor
 
 from gradmerge import merge
+from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
@@ -44,9 +46,10 @@ def task_arithmetic(
     alphas: Sequence[float],
     prior: Precision | None = None,
     damping: float = 0.0,
+    kernel: Kernel | None = None,
 ) -> dict[str, Tensor]:
     """:func:`gm.task_arithmetic` on the unit (curvatures, prior and damping unused)."""
-    return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
+    return merge.task_arithmetic(base, finetuned, alphas=list(alphas), kernel=kernel)
 
 
 def fisher_average(
@@ -57,11 +60,12 @@ def fisher_average(
     alphas: Sequence[float],
     prior: Precision | None = None,
     damping: float = 0.0,
+    kernel: Kernel | None = None,
 ) -> dict[str, Tensor]:
     """:func:`gm.fisher_average` on the unit with H_t + damping·I (base and prior unused)."""
     hs = [_required(c, t) for t, c in enumerate(curvatures)]
     damped = [h + damping if damping else h for h in hs]
-    return merge.fisher_average(finetuned, damped, alphas=list(alphas))
+    return merge.fisher_average(finetuned, damped, alphas=list(alphas), kernel=kernel)
 
 
 def gradient_matching(
@@ -72,12 +76,15 @@ def gradient_matching(
     alphas: Sequence[float],
     prior: Precision | None = None,
     damping: float = 0.0,
+    kernel: Kernel | None = None,
 ) -> dict[str, Tensor]:
     """:func:`gm.gradient_matching` (Eq. 6) on the unit with ``prior`` H_0 (damping unused)."""
     hs = [_required(c, t) for t, c in enumerate(curvatures)]
     if prior is None:
         raise ArgumentError("gradient matching needs a prior H_0")
-    return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
+    return merge.gradient_matching(
+        base, finetuned, hs, prior=prior, alphas=list(alphas), kernel=kernel
+    )
 
 
 def regmean(
@@ -88,6 +95,7 @@ def regmean(
     alphas: Sequence[float],
     prior: Precision | None = None,
     damping: float = 0.0,
+    kernel: Kernel | None = None,
 ) -> dict[str, Tensor]:
     """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
     input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
@@ -148,6 +156,7 @@ class MergeRule(Protocol):
         alphas: Sequence[float],
         prior: Precision | None = None,
         damping: float = 0.0,
+        kernel: Kernel | None = None,
     ) -> dict[str, Tensor]: ...
 
 
