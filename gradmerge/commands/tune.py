@@ -162,6 +162,26 @@ def execute(args: argparse.Namespace) -> int:
             f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
             "were given: give each model's training data, in the order of `models:`"
         )
+    if not (Path(config.base_model) / "config.json").is_file():
+        raise ArgumentError(
+            f"base_model {config.base_model} is not a Hugging Face folder (no config.json): tune "
+            "scores each merged model as a Hugging Face model, and a merge's folder takes its "
+            "config and tokenizer from the base; give the base as such a folder"
+        )
+    inputs = [config.base_model, *(m.model for m in config.models)]
+    inputs += [m.curvature for m in config.models if m.curvature is not None]
+    inputs += list(config.prior.files) if config.prior is not None else []
+    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
+        if value is None:
+            continue
+        target = Path(value).resolve()
+        for path in inputs:
+            inside = Path(path).resolve()
+            if target == inside or inside in target.parents:
+                raise ArgumentError(
+                    f"{flag} {value} is, or is inside, the merge's input {path}: writing there "
+                    "would replace or add to an input; write it elsewhere"
+                )
     if args.validation and len(args.validation) != len(config.models):
         raise ArgumentError(
             f"CONFIG {args.config} merges {len(config.models)} models but "
