@@ -10,11 +10,11 @@ The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ... of ``gm.jobs
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gradmerge import params
-from gradmerge._fused import fused_kernels
+from gradmerge._lazy import lazy_names
+from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -34,6 +34,7 @@ from gradmerge.errors import (
     FileFormatError,
     GradmergeError,
     InputWarning,
+    MissingExtraError,
     MissingInputError,
     NonFiniteError,
     NotConvergedError,
@@ -44,6 +45,7 @@ from gradmerge.errors import (
 )
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
+from gradmerge.evaluation import Evaluation, evaluate
 from gradmerge.merge import (
     fisher_average,
     gradient_matching,
@@ -56,16 +58,17 @@ from gradmerge.merge import (
 from gradmerge.solvers import Solution
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
-    from gradmerge import distributed, io, jobs
+    from gradmerge import distributed, io, jobs, kernels
     from gradmerge.io import open_checkpoint
     from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig, run_merge, run_remove
+    from gradmerge.kernels import fused_kernels
 
-__version__ = "0.1.0"
 
-_MODULES = ("distributed", "io", "jobs", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",
+    "fused_kernels": "gradmerge.kernels",
     **{
         name: "gradmerge.jobs"
         for name in ("MergeConfig", "MergeReport", "RemoveConfig", "run_merge", "run_remove")
@@ -74,19 +77,7 @@ _LAZY = {
 """Public names whose modules are imported on first access (PEP 562)."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradmerge' has no attribute {name!r}")
-    value = importlib.import_module(module)
-    if name not in _MODULES:
-        value = getattr(value, name)
-    globals()[name] = value  # later accesses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, _MODULES)
 
 
 __all__ = [
@@ -99,6 +90,7 @@ __all__ = [
     "refine",
     "regmean",
     "fused_kernels",
+    "kernels",
     # curvature operators
     "Curvature",
     "ScaledIdentity",
@@ -118,6 +110,9 @@ __all__ = [
     "gradient_mismatch",
     "GradientMismatch",
     "GradientFn",
+    # accuracy and mean loss of a model on data
+    "evaluate",
+    "Evaluation",
     # parameter-dict algebra
     "params",
     # data-parallel estimation on torch.distributed (gm.distributed.estimate_curvature, ...)
@@ -125,6 +120,7 @@ __all__ = [
     # errors
     "GradmergeError",
     "InputWarning",
+    "MissingExtraError",
     "StructureError",
     "DTypeError",
     "DeviceError",

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradmerge import _memory
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.params import Params
 
@@ -165,7 +164,7 @@ def _remove(
         h0, ht, rest = _at(prior, key), _at(curvature, key), _at(remaining, key)
         flat_b, flat_f = b.reshape(-1), finetuned[key].reshape(-1)
         n = flat_b.numel()
-        result = _memory.empty(flat_b.shape, like=flat_b)
+        result = torch.empty_like(flat_b)
         size = max(1, min(CHUNK, n))
         tau, p, q = (torch.empty(size, dtype=b.dtype, device=b.device) for _ in range(3))
         low, ratio = math.inf, 0.0

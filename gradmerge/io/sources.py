@@ -5,27 +5,9 @@ The library side of ``gradmerge curvature MODEL DATA OUT`` (and of its data-para
 arguments into an ``nn.Module`` and batches that :func:`gradmerge.estimate_curvature` accepts, and
 records where they came from (:func:`provenance`).
 
-MODEL is either
-
-- a Hugging Face model folder (``config.json`` naming the class in ``architectures``,
-  safetensors weights), loaded offline with that transformers class; or
-- a Python entry point ``module:function`` or ``path/to/file.py:function``: a function returning
-  the ``nn.Module`` (the current folder is importable, as with ``python -m``), called with the
-  keyword arguments given as ``--model-arg KEY=VALUE`` (none by default).
-
-DATA is one of
-
-- text: ``.jsonl``, ``.csv``/``.tsv``, ``.txt`` or a ``datasets`` folder (``save_to_disk``),
-  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
-  or causal language modelling (:mod:`gradmerge.io.text_data`);
-- a tensor file (``.safetensors``, or ``.pt``/``.pth`` read with ``torch.load(weights_only=True)``)
-  holding ``inputs`` and ``targets``, or ``input_ids`` and ``labels`` (optionally
-  ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`); ``labels``
-  either one per position, or one class per sequence, shape (examples,);
-- an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
-  accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``, called with the
-  keyword arguments given as ``--data-arg KEY=VALUE``, so that one function serves several tasks
-  (``--data-arg task=sentiment``).
+The forms MODEL and DATA take are :data:`FORMS` (a string, shown by ``gradmerge curvature
+--help`` also under ``python -OO``): a Hugging Face folder or an entry point for MODEL; text
+(:mod:`gradmerge.io.text_data`), a tensor file (:class:`TensorBatches`) or an entry point for DATA.
 
 Example:
     >>> import torch
@@ -52,6 +34,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
+from gradmerge._version import __version__
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 from gradmerge.io.lora import is_adapter, merged_state_dict
 from gradmerge.io.text_data import (
@@ -64,6 +48,31 @@ from gradmerge.io.text_data import (
     token_labels,
     vocabulary_of,
 )
+
+FORMS = """\
+MODEL is either
+
+- a Hugging Face model folder (config.json naming the class in architectures,
+  safetensors weights), loaded offline with that transformers class; or
+- a Python entry point module:function or path/to/file.py:function: a function returning
+  the nn.Module (the current folder is importable, as with python -m), called with the
+  keyword arguments given as --model-arg KEY=VALUE (none by default).
+
+DATA is one of
+
+- text: .jsonl, .csv/.tsv, .txt or a datasets folder (save_to_disk),
+  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
+  or causal language modelling (gradmerge.io.text_data);
+- a tensor file (.safetensors, or .pt/.pth read with torch.load(weights_only=True))
+  holding inputs and targets, or input_ids and labels (optionally
+  attention_mask, token_type_ids), cut into batches (TensorBatches); labels
+  either one per position, or one class per sequence, shape (examples,);
+- an entry point returning an iterable of batches, as gradmerge.estimate_curvature
+  accepts: (inputs, targets) pairs or Hugging Face dicts with "labels", called with the
+  keyword arguments given as --data-arg KEY=VALUE, so that one function serves several tasks
+  (--data-arg task=sentiment).
+"""
+"""The forms of MODEL and DATA, as ``gradmerge curvature --help`` shows them."""
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 LM_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids")
@@ -162,7 +171,9 @@ def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.M
     Raises:
         FileFormatError: no ``config.json``, no class, no safetensors weights; weights missing,
             unexpected or of another shape (named, with the fix).
+        MissingExtraError: transformers is not installed (``pip install 'gradmerge[hf]'``).
     """
+    require("hf", f"the Hugging Face model folder {folder}")
     import transformers
 
     config_file = folder / "config.json"
@@ -601,15 +612,13 @@ def provenance(
     was batched are recorded too, so that the estimate can be traced to its exact inputs;
     ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given.
     """
-    import gradmerge
-
     data_kind_ = data_kind(data)
     meta = {
         "source.model": describe_source(model, model_kind(model)),
         "source.data": describe_source(data, data_kind_),
         "source.ignore_index": str(ignore_index),
         "source.device": str(device),
-        "source.gradmerge": gradmerge.__version__,
+        "source.gradmerge": __version__,
         "source.torch": torch.__version__,
     }
     for key, value in (("seed", seed), ("mc_samples", mc_samples)):

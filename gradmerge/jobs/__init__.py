@@ -16,21 +16,43 @@ Example:
     >>> report = run_merge(MergeConfig.from_yaml("merge.yaml"), "out_dir")  # doctest: +SKIP
 """
 
-from gradmerge.jobs.config import (
-    CurvatureTerm,
-    MergeConfig,
-    ModelInput,
-    RemoveConfig,
-    parse_size,
-)
-from gradmerge.jobs.engine import (
-    MergeReport,
-    plan_merge,
-    plan_remove,
-    run_merge,
-    run_remove,
-)
-from gradmerge.jobs.plan import Plan, Unit
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gradmerge._lazy import lazy_names
+
+if TYPE_CHECKING:  # loaded on first access (__getattr__ below)
+    from gradmerge.jobs.config import (
+        CurvatureTerm,
+        MergeConfig,
+        ModelInput,
+        RemoveConfig,
+        parse_size,
+    )
+    from gradmerge.jobs.engine import (
+        MergeReport,
+        plan_merge,
+        plan_remove,
+        run_merge,
+        run_remove,
+    )
+    from gradmerge.jobs.plan import Plan, Unit
+
+_LAZY = {
+    **dict.fromkeys(("CurvatureTerm", "MergeConfig", "ModelInput", "RemoveConfig"), "config"),
+    "parse_size": "config",
+    **dict.fromkeys(("MergeReport", "plan_merge", "plan_remove", "run_merge"), "engine"),
+    "run_remove": "engine",
+    "Plan": "plan",
+    "Unit": "plan",
+}
+"""Public names and their modules, imported on first access (PEP 562), so that a command that
+only lists the methods (:mod:`gradmerge.jobs.methods`) does not load the engine."""
+
+
+__getattr__, __dir__ = lazy_names(__name__, {n: f"{__name__}.{m}" for n, m in _LAZY.items()})
+
 
 __all__ = [
     # configuration

@@ -50,7 +50,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
@@ -60,7 +60,7 @@ from torch import Tensor
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
-from gradmerge.jobs import rules
+from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
 from gradmerge.jobs.engine import Job, Rounding, StepSize, open_job
 from gradmerge.jobs.plan import Unit
@@ -104,24 +104,35 @@ class SystemCheck:
 
 
 def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
-    """Every merged unit's system (module docstring), in the plan's order; empty for task
-    arithmetic, which solves none."""
-    if isinstance(config, MergeConfig) and config.method == "task_arithmetic":
+    """Every merged unit's system (module docstring), in the plan's order; empty for a method
+    that solves none (task arithmetic)."""
+    if isinstance(config, MergeConfig) and config.method == "regmean":
+        with ExitStack() as stack:
+            job = open_job(config, stack)
+            return _regmean_checks(config, job.curvatures, job.plan.units)
+    spec = methods.get(config.method)
+    if spec.system is None:
         return []
+    key = spec.damping_key or "damping"
     out = []
+    for job, unit in _merged_units(config):
+        terms = _inputs(config, job.curvatures, unit.keys, config.math_dtype)
+        system = spec.system(terms)
+        check = _check(unit.keys, system, key, config.math_dtype)
+        if system is not None and not isinstance(system, (Diagonal, ScaledIdentity)):
+            check = _solved(job, unit, check, system, config)
+        out.append(check)
+    return out
+
+
+def _merged_units(config: MergeConfig | RemoveConfig) -> Iterator[tuple[Job, Unit]]:
+    """The opened job and every merged unit of its plan, in order (the inputs stay open while
+    the iteration runs)."""
     with ExitStack() as stack:
         job = open_job(config, stack)
-        if isinstance(config, MergeConfig) and config.method == "regmean":
-            return _regmean_checks(config, job.curvatures, job.plan.units)
         for unit in job.plan.units:
-            if not unit.merged:
-                continue
-            system, key = _system(config, job.curvatures, unit.keys, config.math_dtype)
-            check = _check(unit.keys, system, key, config.math_dtype)
-            if system is not None and not isinstance(system, (Diagonal, ScaledIdentity)):
-                check = _solved(job, unit, check, system, config)
-            out.append(check)
-    return out
+            if unit.merged:
+                yield job, unit
 
 
 def _solved(
@@ -222,32 +233,28 @@ def delta_note(config: MergeConfig) -> str | None:
     10⁻³ on at least 90% of the coordinates where H > 0 (gradient matching weighs task t by
     s·α_t + (1 − s)·α_t h_t/H: :mod:`gradmerge.curvature.summary`). None otherwise (or with no
     diagonal curvature, or another method)."""
-    if config.method != "gradient_matching" or config.prior is None:
+    if config.prior is None:
         return None
     totals: list[Tensor] = []
     priors: list[Tensor] = []
-    with ExitStack() as stack:
-        job = open_job(config, stack)
-        for unit in job.plan.units:
-            if not unit.merged:
-                continue
-            parts = _models(config, job.curvatures, unit.keys, torch.float64)
-            if not parts or not all(isinstance(p, Diagonal) for p in parts):
-                continue
-            prior = _term(config.prior, "prior", job.curvatures, unit.keys, torch.float64)
-            if prior is not None and not isinstance(prior, (Diagonal, ScaledIdentity)):
-                continue
-            total = sum(parts[1:], parts[0])
-            assert isinstance(total, Diagonal)
-            for key, values in total.values.items():
-                flat = values.flatten()
-                step = max(1, flat.numel() // SAMPLE)
-                totals.append(flat[::step])
-                if isinstance(prior, Diagonal):
-                    priors.append(prior.values[key].flatten()[::step])
-                else:
-                    delta = prior.delta if isinstance(prior, ScaledIdentity) else 0.0
-                    priors.append(torch.full_like(flat[::step], delta))
+    for job, unit in _merged_units(config):
+        parts = _models(config, job.curvatures, unit.keys, torch.float64)
+        if not parts or not all(isinstance(p, Diagonal) for p in parts):
+            continue
+        prior = _term(config.prior, "prior", job.curvatures, unit.keys, torch.float64)
+        if prior is not None and not isinstance(prior, (Diagonal, ScaledIdentity)):
+            continue
+        total = sum(parts[1:], parts[0])
+        assert isinstance(total, Diagonal)
+        for key, values in total.values.items():
+            flat = values.flatten()
+            step = max(1, flat.numel() // SAMPLE)
+            totals.append(flat[::step])
+            if isinstance(prior, Diagonal):
+                priors.append(prior.values[key].flatten()[::step])
+            else:
+                delta = prior.delta if isinstance(prior, ScaledIdentity) else 0.0
+                priors.append(torch.full_like(flat[::step], delta))
     if not totals:
         return None
     h, h0 = torch.cat(totals), torch.cat(priors)
@@ -306,24 +313,24 @@ def _term(
     return total + term.delta if term.delta > 0 else total
 
 
-def _system(
+def _inputs(
     config: MergeConfig | RemoveConfig,
     files: dict[str, CurvatureFile],
     keys: tuple[str, ...],
     dtype: torch.dtype,
-) -> tuple[Curvature | None, str]:
+) -> methods.SystemInputs:
+    """The unit's curvature terms, which the method's ``system`` combines."""
     if isinstance(config, RemoveConfig):
-        return _term(config.remaining, "remaining", files, keys, dtype), "remaining: {delta: ...}"
-    parts = _models(config, files, keys, dtype)
-    if config.method == "fisher_average":
-        total = sum(parts[1:], parts[0]) if parts else None
-        damping = config.damping * sum(config.alphas)
-        if total is not None and damping:
-            total = total + damping
-        return total, "damping"
-    prior = _term(config.prior, "prior", files, keys, dtype)
-    terms = [*parts, *([prior] if prior is not None else [])]
-    return (sum(terms[1:], terms[0]) if terms else None), "prior: {delta: ...}"
+        return methods.SystemInputs(
+            prior=_term(config.prior, "prior", files, keys, dtype),
+            remaining=_term(config.remaining, "remaining", files, keys, dtype),
+        )
+    return methods.SystemInputs(
+        models=tuple(_models(config, files, keys, dtype)),
+        alphas=tuple(config.alphas),
+        prior=_term(config.prior, "prior", files, keys, dtype),
+        damping=config.damping,
+    )
 
 
 def _check(

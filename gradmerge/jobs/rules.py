@@ -1,18 +1,21 @@
 """Each configured method as a call of the pure merge core on one unit's parameter dicts.
 
-No formula lives here: every branch calls one function of :mod:`gradmerge.merge` with the unit's
+No formula lives here: every rule calls one function of :mod:`gradmerge.merge` with the unit's
 tensors and the unit's restriction of each curvature, so a streamed merge computes, unit by
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
-never couple two units).
+never couple two units). A merge rule takes a :class:`MergeUnit`, a removal rule a
+:class:`RemoveUnit`; which method calls which rule is recorded in :mod:`gradmerge.jobs.methods`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from gradmerge import merge
+from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
@@ -33,106 +36,122 @@ def precision(delta: float, scale: float, curvature: Curvature | None) -> Precis
     return curvature.scaled(scale) + delta
 
 
-def merge_unit(
-    method: str,
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[Curvature | None],
-    *,
-    alphas: Sequence[float],
-    prior: Precision | None = None,
-    damping: float = 0.0,
-    off_diagonal: float = 1.0,
-    curvature_scales: Sequence[float] | None = None,
-) -> dict[str, Tensor]:
-    """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts, each
-    curvature H_t multiplied by ``curvature_scales[t]`` (models' ``scale``; RegMean: its Gram).
+@dataclass(frozen=True)
+class MergeUnit:
+    """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
+    tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
+    evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
+    RegMean's ``off_diagonal`` factor and the models' ``scale`` (``curvature_scales``, the factor
+    on each H_t; RegMean: on each Gram)."""
 
-    - ``task_arithmetic``: :func:`gm.task_arithmetic` (curvatures unused);
-    - ``fisher_average``: :func:`gm.fisher_average` with H_t + damping·I;
-    - ``gradient_matching``: :func:`gm.gradient_matching` (Eq. 6) with ``prior`` H_0;
-    - ``regmean``: :func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each
-      model's K-FAC input factor A_t, a mean over M_t rows (kept positions, or examples: the
-      curvature's ``KFAC.counts``), off-diagonal entries times ``off_diagonal`` (Jin et al.'s r);
-      a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
-      :func:`gm.fisher_average` with identity curvatures.
-    """
-    if method == "task_arithmetic":
-        return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
-    scales = list(curvature_scales or [1.0] * len(curvatures))
-    if method == "regmean":
-        return _regmean(finetuned, curvatures, alphas, damping, off_diagonal, scales)
-    hs = [
-        h if s == 1.0 else h.scaled(s)
-        for h, s in zip((_required(c, t) for t, c in enumerate(curvatures)), scales, strict=True)
-    ]
-    if method == "fisher_average":
-        damped = [h + damping if damping else h for h in hs]
-        return merge.fisher_average(finetuned, damped, alphas=list(alphas))
-    if method == "gradient_matching":
-        if prior is None:
-            raise ArgumentError("gradient_matching needs a prior H_0")
-        return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
-    raise ArgumentError(f"unknown merge method {method!r}")
+    base: Params
+    finetuned: Sequence[Params]
+    curvatures: Sequence[Curvature | None]
+    alphas: Sequence[float]
+    prior: Precision | None = None
+    damping: float = 0.0
+    kernel: Kernel | None = None
+    off_diagonal: float = 1.0
+    curvature_scales: Sequence[float] | None = None
+
+    def scales(self) -> list[float]:
+        """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
+        return list(self.curvature_scales or [1.0] * len(self.curvatures))
+
+    def hs(self) -> list[Curvature]:
+        """The H_t, every one required, each times its model's ``scale``."""
+        return [
+            h if s == 1.0 else h.scaled(s)
+            for h, s in zip(
+                (_required(c, t) for t, c in enumerate(self.curvatures)), self.scales(), strict=True
+            )
+        ]
 
 
-def remove_unit(
-    method: str,
-    base: Params,
-    *,
-    remaining: Precision,
-    alpha: float,
-    finetuned: Params | None = None,
-    curvature: Curvature | None = None,
-    prior: Precision | None = None,
-    gradient: Params | None = None,
-) -> dict[str, Tensor]:
-    """The unit with data removed: :func:`gm.remove` (Eq. 13) or :func:`gm.influence_remove`."""
-    if method == "remove":
-        if finetuned is None or prior is None:
-            raise ArgumentError("remove needs the fine-tuned model θ_t and the prior H_0")
-        return merge.remove(
-            base,
-            finetuned,
-            _required(curvature, 0),
-            remaining=remaining,
-            prior=prior,
-            alpha=alpha,
-        )
-    if method == "influence_remove":
-        if gradient is None:
-            raise ArgumentError("influence_remove needs the gradient ∇ℓ̄_t(θ_LLM)")
-        return merge.influence_remove(base, gradient, remaining=remaining, alpha=alpha)
-    raise ArgumentError(f"unknown removal method {method!r}")
+@dataclass(frozen=True)
+class RemoveUnit:
+    """One unit of a removal: θ_LLM, H̄_\\t (``remaining``), α and, as the method needs them, θ_t,
+    H_t, the prior H_0 and the gradient ∇ℓ̄_t(θ_LLM)."""
+
+    base: Params
+    remaining: Precision
+    alpha: float
+    finetuned: Params | None = None
+    curvature: Curvature | None = None
+    prior: Precision | None = None
+    gradient: Params | None = None
+
+
+def task_arithmetic(u: MergeUnit) -> dict[str, Tensor]:
+    """:func:`gm.task_arithmetic` on the unit (curvatures, prior and damping unused)."""
+    return merge.task_arithmetic(u.base, u.finetuned, alphas=list(u.alphas), kernel=u.kernel)
+
+
+def fisher_average(u: MergeUnit) -> dict[str, Tensor]:
+    """:func:`gm.fisher_average` on the unit with H_t + damping·I (base and prior unused)."""
+    damped = [h + u.damping if u.damping else h for h in u.hs()]
+    return merge.fisher_average(u.finetuned, damped, alphas=list(u.alphas), kernel=u.kernel)
+
+
+def gradient_matching(u: MergeUnit) -> dict[str, Tensor]:
+    """:func:`gm.gradient_matching` (Eq. 6) on the unit with ``prior`` H_0 (damping unused)."""
+    hs = u.hs()
+    if u.prior is None:
+        raise ArgumentError("gradient matching needs a prior H_0")
+    return merge.gradient_matching(
+        u.base, u.finetuned, hs, prior=u.prior, alphas=list(u.alphas), kernel=u.kernel
+    )
+
+
+def regmean(u: MergeUnit) -> dict[str, Tensor]:
+    """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
+    input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
+    ``KFAC.counts``), times the model's ``scale``, off-diagonal entries times ``off_diagonal``
+    (Jin et al.'s r); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
+    :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
+    found = regmean_grams(u.curvatures, u.damping, keys=sorted(u.finetuned[0]), scales=u.scales())
+    if found is None:
+        ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
+        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas))
+    grams, kfac = found
+    return merge.regmean(
+        u.finetuned,
+        grams,
+        alphas=list(u.alphas),
+        bias=sorted(kfac.bias),
+        transposed=sorted(kfac.transposed),
+        off_diagonal=u.off_diagonal,
+    )
+
+
+def remove(u: RemoveUnit) -> dict[str, Tensor]:
+    """:func:`gm.remove` (Eq. 13) on the unit (gradient unused)."""
+    if u.finetuned is None or u.prior is None:
+        raise ArgumentError("removal by Eq. 13 needs the fine-tuned model θ_t and the prior H_0")
+    h_t = _required(u.curvature, 0)
+    return merge.remove(
+        u.base, u.finetuned, h_t, remaining=u.remaining, prior=u.prior, alpha=u.alpha
+    )
+
+
+def influence_remove(u: RemoveUnit) -> dict[str, Tensor]:
+    """:func:`gm.influence_remove` (Koh & Liang) on the unit (model, curvature, prior unused)."""
+    if u.gradient is None:
+        raise ArgumentError("the influence-function removal needs the gradient ∇ℓ̄_t(θ_LLM)")
+    return merge.influence_remove(u.base, u.gradient, remaining=u.remaining, alpha=u.alpha)
+
+
+MergeRule = Callable[[MergeUnit], dict[str, Tensor]]
+"""The signature of the merge rules above."""
+
+RemoveRule = Callable[[RemoveUnit], dict[str, Tensor]]
+"""The signature of the removal rules above."""
 
 
 def _required(curvature: Curvature | None, t: int) -> Curvature:
     if curvature is None:  # the plan checks coverage; this guards direct callers
         raise StructureError(f"no curvature for model {t} on these parameters")
     return curvature
-
-
-def _regmean(
-    finetuned: Sequence[Params],
-    curvatures: Sequence[Curvature | None],
-    alphas: Sequence[float],
-    damping: float,
-    off_diagonal: float,
-    scales: Sequence[float],
-) -> dict[str, Tensor]:
-    found = regmean_grams(curvatures, damping, keys=sorted(finetuned[0]), scales=scales)
-    if found is None:
-        ones = [ScaledIdentity(1.0)] * len(finetuned)  # RegMean averages non-linear parameters
-        return merge.fisher_average(finetuned, ones, alphas=list(alphas))
-    grams, kfac = found
-    return merge.regmean(
-        finetuned,
-        grams,
-        alphas=list(alphas),
-        bias=sorted(kfac.bias),
-        transposed=sorted(kfac.transposed),
-        off_diagonal=off_diagonal,
-    )
 
 
 def regmean_grams(

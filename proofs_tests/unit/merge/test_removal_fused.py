@@ -80,7 +80,7 @@ def test_fused_removal_equals_the_operator_algebra_bit_for_bit(seed, p0, pt, pr,
 
     r = {k: abs(alpha) * (at("h0", k) + at("ht", k)) / at("rest", k) for k in shapes}
     amp = sum(float(((r[k] * (f64[k].abs() + b64[k].abs())) ** 2).sum()) for k in shapes)
-    ratio = max(float(torch.as_tensor(r[k]).max()) for k in shapes)
+    ratio = max(float(r[k].max()) if isinstance(r[k], torch.Tensor) else r[k] for k in shapes)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert s.step_sq == pytest.approx(step, rel=tol, abs=1e-30)
     assert s.reference_sq == pytest.approx(ref, rel=tol, abs=1e-30)
@@ -93,11 +93,10 @@ def test_fused_removal_equals_the_operator_algebra_bit_for_bit(seed, p0, pt, pr,
     [
         (lambda c: c["ht"]["w"].__setitem__(1, -1.0), gm.NotPositiveDefiniteError),
         (lambda c: c["rest"]["w"].__setitem__(2, 0.0), gm.NotPositiveDefiniteError),
-        (lambda c: c["rest"]["w"].__setitem__(2, math.inf), gm.NonFiniteError),
         (lambda c: c["ft"]["w"].__setitem__(0, math.nan), gm.NonFiniteError),
         (lambda c: c["h0"]["w"].__setitem__(0, math.nan), gm.NonFiniteError),
     ],
-    ids=["negative-curvature", "zero-remaining", "inf-remaining", "nan-weights", "nan-prior"],
+    ids=["negative-curvature", "zero-remaining", "nan-weights", "nan-prior"],
 )
 def test_bad_values_get_the_generic_diagnosis(change, error):
     values = {name: {"w": torch.rand(5) + 0.5} for name in ("base", "ft", "h0", "ht", "rest")}
@@ -106,7 +105,7 @@ def test_bad_values_get_the_generic_diagnosis(change, error):
         gm.remove(
             values["base"],
             values["ft"],
-            gm.Diagonal._checked_already(values["ht"], unverified=True),
-            remaining=gm.Diagonal._checked_already(values["rest"], unverified=True),
-            prior=gm.Diagonal._checked_already(values["h0"], unverified=True),
+            gm.Diagonal._of(values["ht"]),
+            remaining=gm.Diagonal._of(values["rest"]),
+            prior=gm.Diagonal._of(values["h0"]),
         )
