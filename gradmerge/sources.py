@@ -52,7 +52,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
 from gradmerge.lora import is_adapter, merged_state_dict
 from gradmerge.text_data import (
     TEXT_SUFFIXES,
@@ -84,14 +84,19 @@ def model_kind(spec: str) -> str:
 
 
 def load_model(
-    spec: str, arguments: Mapping[str, Any] | None = None, *, allow_new_weights: bool = False
+    spec: str,
+    arguments: Mapping[str, Any] | None = None,
+    *,
+    allow_new_weights: bool = False,
+    base: str | None = None,
 ) -> nn.Module:
     """The ``nn.Module`` MODEL names: a Hugging Face folder or an entry point (module docstring),
     the latter called with the keyword ``arguments`` (``--model-arg``).
 
     ``allow_new_weights``: let a folder's model have parameters its weights files lack (randomly
     initialised: an intentionally new head) or hold tensors it does not use
-    (``--allow-new-weights``); see :func:`hugging_face_model`.
+    (``--allow-new-weights``); see :func:`hugging_face_model`. ``base``: the base model
+    folder of a LoRA adapter MODEL (``--adapter-base``; default: :func:`adapter_base`).
 
     Raises:
         ArgumentError: neither a folder nor ``module:function``; an entry point that cannot be
@@ -103,9 +108,13 @@ def load_model(
     if model_kind(spec) == "hugging face folder":
         if arguments:
             raise ArgumentError(f"MODEL {spec} is a folder; arguments apply to entry points")
+        if base is not None and not is_adapter(spec):
+            raise ArgumentError(
+                f"MODEL {spec} is not a LoRA adapter; --adapter-base applies to one"
+            )
         if is_adapter(spec):  # a PEFT LoRA folder: its base with the adapter applied
             model = hugging_face_model(
-                adapter_base(Path(spec)), allow_new_weights=allow_new_weights
+                adapter_base(Path(spec), base), allow_new_weights=allow_new_weights
             )
             model.load_state_dict(merged_state_dict(Path(spec), model.state_dict()))
             return model
@@ -118,36 +127,87 @@ def load_model(
     return model
 
 
-def adapter_base(folder: Path) -> Path:
-    """The base model folder of a PEFT adapter folder: its config's ``base_model_name_or_path``,
-    as given or relative to the adapter folder's parent.
+def adapter_base(folder: Path, base: str | os.PathLike[str] | None = None) -> Path:
+    """The base model of a PEFT adapter folder: ``base`` when given (``--adapter-base``, a YAML
+    ``adapter_base:``), else its config's ``base_model_name_or_path``.
+
+    An absolute ``base_model_name_or_path`` is taken as it is. A relative one (peft records the
+    name the base was loaded by, e.g. ``base``) is read relative to the folder that holds the
+    adapter folder; it is refused when it also names another existing path relative to the
+    current directory, or names one only there: which model the adapter was trained on cannot
+    be told then, and a wrong base gives a silently wrong model.
+
+    Example:
+        >>> import json, tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     (Path(d) / "base").mkdir(); (Path(d) / "ad").mkdir()
+        ...     _ = (Path(d) / "ad/adapter_config.json").write_text(
+        ...         json.dumps({"base_model_name_or_path": "base"}))
+        ...     adapter_base(Path(d) / "ad") == Path(d) / "base"
+        True
 
     Raises:
-        ArgumentError: no such local folder (a hub name: gradmerge loads offline).
+        AdapterBaseError: a relative base that exists relative to the current directory and is
+            not the one beside the adapter (or is not there at all).
+        ArgumentError: no such local path (a hub name: gradmerge loads offline); a given
+            ``base`` that does not exist.
+        FileFormatError: an unreadable ``adapter_config.json``.
     """
+    if base is not None:
+        if not Path(base).exists():
+            raise ArgumentError(f"the adapter base {base} of {folder} does not exist")
+        return Path(base)
     try:
         named = json.loads((folder / "adapter_config.json").read_text()).get(
             "base_model_name_or_path"
         )
     except (OSError, json.JSONDecodeError, AttributeError) as err:
         raise FileFormatError(f"{folder}/adapter_config.json is not readable JSON ({err})") from err
-    for candidate in (Path(str(named)), folder.parent / str(named)) if named else ():
-        if (candidate / "config.json").is_file():
-            return candidate
+    fix = (
+        "name the base model with --adapter-base FOLDER (gradmerge curvature/gradient) or "
+        "`adapter_base:` beside the adapter's `model:` in a merge or remove YAML"
+    )
+    if named and Path(str(named)).is_absolute() and Path(str(named)).exists():
+        return Path(str(named))
+    if named and not Path(str(named)).is_absolute():
+        beside, here = folder.parent / str(named), Path.cwd() / str(named)
+        same = beside.exists() and here.exists() and beside.resolve() == here.resolve()
+        if here.exists() and not same:
+            where = f"{beside} beside the adapter" if beside.exists() else "nothing beside it"
+            raise AdapterBaseError(
+                f"MODEL {folder} is a LoRA adapter over the relative base_model_name_or_path "
+                f"{named!r}, which names {here.resolve()} relative to the current directory and "
+                f"{where}: which model it was trained on cannot be told; {fix}"
+            )
+        if beside.exists():
+            return beside
     raise ArgumentError(
-        f"MODEL {folder} is a LoRA adapter over {named!r}, which is not a local model folder; "
-        "set base_model_name_or_path in its adapter_config.json to the base model's folder"
+        f"MODEL {folder} is a LoRA adapter over {named!r}, which is not a local model folder "
+        f"(a relative name is read relative to {folder.parent}); {fix}, or set "
+        "base_model_name_or_path in its adapter_config.json"
     )
 
 
-def tokenizer_folder(spec: str) -> str:
-    """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder when the
-    adapter folder holds no tokenizer files."""
+def base_fingerprint(path: Path) -> str:
+    """:func:`gradmerge._weight_sample.sample_hash` of the floating-point weights of a model
+    folder or checkpoint file (a few rows per tensor are read): which base an adapter was
+    applied to, recorded in a curvature's metadata."""
+    from gradmerge._weight_sample import sample_hash_from
+    from gradmerge.checkpoints import open_checkpoint
+
+    with open_checkpoint(path) as checkpoint:
+        keys = [k for k in checkpoint if checkpoint.dtype(k).is_floating_point]
+        return sample_hash_from(keys, checkpoint.shape, checkpoint.rows)
+
+
+def tokenizer_folder(spec: str, base: str | None = None) -> str:
+    """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder
+    (:func:`adapter_base`, ``base`` if given) when the adapter folder holds no tokenizer files."""
     from gradmerge.text_data import TOKENIZER_FILES
 
     folder = Path(spec)
     if is_adapter(spec) and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return str(adapter_base(folder))
+        return str(adapter_base(folder, base))
     return spec
 
 
@@ -593,13 +653,16 @@ def provenance(
     max_examples: int | None = None,
     seed: int | None = None,
     mc_samples: int | None = None,
+    base: str | None = None,
 ) -> dict[str, str]:
     """What a curvature (or gradient) file's metadata records about how it was made
     (``source.*`` keys).
 
     ``model`` and ``data`` are the MODEL and DATA arguments; a tensor file's SHA-256 and how it
     was batched are recorded too, so that the estimate can be traced to its exact inputs;
-    ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given.
+    ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given. For a LoRA adapter MODEL, the
+    base model it was applied to (:func:`adapter_base`, ``base`` if given) and a fingerprint of
+    that base's weights (:func:`base_fingerprint`).
     """
     import gradmerge
 
@@ -618,6 +681,10 @@ def provenance(
     for key, arguments in (("model", model_arguments), ("data", data_arguments)):
         if arguments:
             meta[f"source.{key}_arguments"] = json.dumps(dict(arguments), sort_keys=True)
+    if is_adapter(model) and model_kind(model) == "hugging face folder":
+        resolved = adapter_base(Path(model), base)
+        meta["source.adapter_base"] = str(resolved.resolve())
+        meta["source.adapter_base_weights_sample_sha256"] = base_fingerprint(resolved)
     if data_kind_ in ("tensor file", "text file"):
         meta["source.data_sha256"] = file_sha256(Path(data))
     if data_kind_ != "entry point":

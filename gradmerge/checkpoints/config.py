@@ -8,6 +8,7 @@ Merge (``gradmerge merge CONFIG OUT_DIR``), Eq. 6 and its special cases::
       - model: path/to/finetuned_a     # θ_t
         curvature: a.curvature.safetensors   # H_t (written by `gradmerge curvature` / C.save)
         alpha: 1.0                     # α_t
+        adapter_base: path/to/base     # a LoRA adapter's own base, when it cannot be told
     prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
     scale: 1.0                         # every α_t is multiplied by this
     dtype: bfloat16                    # output dtype of float tensors (default: the base's)
@@ -18,6 +19,7 @@ Removal (``gradmerge remove CONFIG OUT_DIR``), Eq. 13 or Koh & Liang::
     method: remove                     # remove (Eq. 13) | influence_remove (Koh & Liang)
     base_model: path/to/base           # θ_LLM, trained on all data including D_t
     model: path/to/finetuned_on_Dt     # θ_t (remove only)
+    adapter_base: path/to/base         # θ_t is a LoRA adapter: its own base (optional)
     curvature: t.curvature.safetensors # H_t (remove only)
     prior: {delta: 1.0e-6}             # H_0 used when fine-tuning θ_t (remove only)
     gradient: grad.safetensors         # ∇ℓ̄_t(θ_LLM) as a parameter dict (influence_remove only)
@@ -81,11 +83,17 @@ _REQUIRED: Any = object()
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t."""
+    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t.
+
+    ``adapter_base``: when ``model`` is a LoRA adapter, the base it was trained on, if its
+    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.sources.adapter_base`); it
+    must hold the merge's ``base_model`` weights.
+    """
 
     model: Path
     curvature: Path | None = None
     alpha: float = 1.0
+    adapter_base: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +182,11 @@ class Options(FromYaml):
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON values (paths absolute), for the run's record."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "source" and not _unused(self, f.name)
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,6 +282,7 @@ class RemoveConfig(Options):
     curvature: Path | None = None
     prior: CurvatureTerm | None = None
     gradient: Path | None = None
+    adapter_base: Path | None = None
     step_check: str = "refuse"
     max_relative_step: float = 100.0
 
@@ -282,6 +295,7 @@ class RemoveConfig(Options):
             "method",
             "base_model",
             "model",
+            "adapter_base",
             "curvature",
             "prior",
             "gradient",
@@ -291,16 +305,17 @@ class RemoveConfig(Options):
             "max_relative_step",
             *_OPTION_KEYS,
         )
-        model = curvature = gradient = None
+        model = curvature = gradient = adapter_base = None
         prior = None
         if method == "remove":
             model = r.path("model")
+            adapter_base = r.path("adapter_base", default=None)
             curvature = r.path("curvature", kind="file")
             prior = _term(r, "prior", required=True)
             r.forbid("gradient", method, "the gradient is for influence_remove")
         else:
             gradient = r.path("gradient")
-            for key in ("model", "curvature", "prior"):
+            for key in ("model", "adapter_base", "curvature", "prior"):
                 r.forbid(key, method, "influence_remove needs the gradient and `remaining` only")
         remaining = _term(r, "remaining", required=True)
         assert remaining is not None  # required=True
@@ -310,6 +325,7 @@ class RemoveConfig(Options):
             model=model,
             curvature=curvature,
             gradient=gradient,
+            adapter_base=adapter_base,
             prior=prior,
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
@@ -392,13 +408,18 @@ def _solver(r: _Reader) -> dict[str, Any]:
 def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
-    m.allow("model", "curvature", "alpha")
+    m.allow("model", "curvature", "alpha", "adapter_base")
     if method == "task_arithmetic":
         m.forbid("curvature", method, "task arithmetic uses no curvature")
         curvature = None
     else:
         curvature = m.path("curvature", kind="file")
-    return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
+    return ModelInput(
+        model=m.path("model"),
+        curvature=curvature,
+        alpha=m.number("alpha", 1.0),
+        adapter_base=m.path("adapter_base", default=None),
+    )
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
@@ -672,11 +693,21 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
     return short.repr(value)
 
 
+def _unused(value: Any, name: str) -> bool:
+    """An optional key left out of records when not given (records of runs without it stay as
+    they were)."""
+    return name == "adapter_base" and getattr(value, name) is None
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, (ModelInput, CurvatureTerm)):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in fields(value)
+            if not _unused(value, f.name)
+        }
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gradmerge._weight_sample import sample_hash_from
 from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
-from gradmerge.errors import StructureError
+from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.lora import is_adapter, read_adapter
 
 
@@ -154,8 +155,54 @@ class LoraCheckpoint(Checkpoint):
         return tensor if not indices else tensor[indices]
 
 
-def open_model(path: str | Path, base: Checkpoint) -> Checkpoint:
-    """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder)."""
+def open_model(
+    path: str | Path, base: Checkpoint, adapter_base: str | Path | None = None
+) -> Checkpoint:
+    """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder).
+
+    An adapter's own base (``adapter_base`` when given, else its ``base_model_name_or_path``
+    resolved as :func:`gradmerge.sources.adapter_base` does) must hold ``base``'s weights
+    (:func:`check_adapter_base`).
+    """
     if is_adapter(path):
+        check_adapter_base(Path(path), base, adapter_base)
         return LoraCheckpoint(Path(path), base)
+    if adapter_base is not None:
+        raise ArgumentError(f"{path} is not a LoRA adapter; `adapter_base` applies to one")
     return open_checkpoint(path)
+
+
+def check_adapter_base(
+    folder: Path, base: Checkpoint, adapter_base: str | Path | None = None
+) -> None:
+    """Refuse an adapter whose own base is another model than the merge's ``base``.
+
+    Its own base (:func:`gradmerge.sources.adapter_base`) is the same path as ``base``, or a
+    checkpoint of the same weights (the same :func:`gradmerge._weight_sample.sample_hash`). A
+    base named by a hub name only (not a local path) cannot be checked and is taken to be
+    ``base``; an ambiguous relative name is refused as in ``gradmerge curvature``.
+
+    Raises:
+        AdapterBaseError: an ambiguous relative ``base_model_name_or_path``.
+        StructureError: an own base whose weights differ from ``base``'s.
+    """
+    from gradmerge.errors import AdapterBaseError
+    from gradmerge.sources import adapter_base as resolve
+    from gradmerge.sources import base_fingerprint
+
+    try:
+        own = resolve(folder, adapter_base)
+    except ArgumentError as err:
+        if adapter_base is not None or isinstance(err, AdapterBaseError):
+            raise
+        return  # a hub name: nothing local to compare with
+    if own.resolve() == Path(base.path).resolve():
+        return
+    keys = [k for k in base if base.dtype(k).is_floating_point]
+    if base_fingerprint(own) != sample_hash_from(keys, base.shape, base.rows):
+        raise StructureError(
+            f"{folder} is a LoRA adapter over {own}, whose weights differ from base_model "
+            f"{base.path}: applied to base_model it would give another model than the one "
+            "trained. Use the adapter's own base as base_model, or name the right base with "
+            "`adapter_base:` if its recorded base_model_name_or_path is wrong"
+        )

@@ -21,6 +21,7 @@ from torch import nn
 
 from gradmerge import sources
 from gradmerge.errors import ArgumentError
+from gradmerge.lora import is_adapter
 from gradmerge.text_data import TextBatches, TextOptions
 
 
@@ -89,6 +90,15 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
         "them left by one and ignore the last position",
     )
     p.add_argument(
+        "--adapter-base",
+        default=None,
+        metavar="FOLDER",
+        help="MODEL is a LoRA adapter: the base model folder it applies to (default: its "
+        "adapter_config.json's base_model_name_or_path; a relative one is read relative to the "
+        "folder holding the adapter, and refused when it names another model relative to the "
+        "current directory)",
+    )
+    p.add_argument(
         "--allow-new-weights",
         action="store_true",
         help="MODEL folder: accept parameters its weights lack (randomly initialised, e.g. a "
@@ -139,6 +149,10 @@ def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 sources.parse_argument(value)
     except ArgumentError as err:
         parser.error(str(err))
+    if args.adapter_base is not None and not (
+        model_kind == "hugging face folder" and is_adapter(args.model)
+    ):
+        parser.error(f"--adapter-base applies to a LoRA adapter MODEL; {args.model} is not one")
     out = Path(args.out)
     if out.is_dir():
         parser.error(f"OUT {out} is a folder; give a file name such as task.safetensors")
@@ -166,8 +180,9 @@ def _inputs(args: argparse.Namespace, model_kind: str, data_kind: str) -> list[t
                 inputs.append((flag, Path(module)))
         else:
             inputs.append((flag, Path(spec)))
-    if args.tokenizer:
-        inputs.append(("--tokenizer", Path(args.tokenizer)))
+    for flag, value in (("--tokenizer", args.tokenizer), ("--adapter-base", args.adapter_base)):
+        if value:
+            inputs.append((flag, Path(value)))
     return inputs
 
 
@@ -195,7 +210,10 @@ def load(
     read (text: examples, tokens, truncation) and a warning about unshifted labels, on stderr."""
     model_arguments = dict(map(sources.parse_argument, args.model_arg))
     model = sources.load_model(
-        args.model, model_arguments, allow_new_weights=args.allow_new_weights
+        args.model,
+        model_arguments,
+        allow_new_weights=args.allow_new_weights,
+        base=args.adapter_base,
     )
     model = model.to(device).eval()
     data = sources.load_data(
@@ -206,7 +224,7 @@ def load(
         arguments=dict(map(sources.parse_argument, args.data_arg)),
         max_examples=args.max_examples,
         model=model,
-        tokenizer=args.tokenizer or sources.tokenizer_folder(args.model),
+        tokenizer=args.tokenizer or sources.tokenizer_folder(args.model, args.adapter_base),
         text=TextOptions(**{key: value for key, _, value in _text_options(args)}),
     )
     if announce:
@@ -250,12 +268,13 @@ def provenance(
         max_examples=args.max_examples,
         seed=getattr(args, "seed", None),  # gradmerge curvature's Monte-Carlo options
         mc_samples=getattr(args, "mc_samples", None),
+        base=args.adapter_base,
     )
     if isinstance(data, TextBatches):
         meta.update(data.metadata())
         options = {key: value for key, _, value in _text_options(args) if value is not None}
         meta["source.text_options"] = json.dumps(options, sort_keys=True)
-        tokenizer = args.tokenizer or sources.tokenizer_folder(args.model)
+        tokenizer = args.tokenizer or sources.tokenizer_folder(args.model, args.adapter_base)
         meta["source.tokenizer"] = str(Path(tokenizer).resolve())
     return meta
 
