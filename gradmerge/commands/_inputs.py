@@ -307,7 +307,7 @@ class _Passes:
 def _examples(data: Iterable[Any]) -> int | None:
     """How many examples ``data`` holds, when it knows (tensor and text files)."""
     if isinstance(data, TextBatches):
-        return len(data.examples)
+        return data.examples
     rows = getattr(data, "rows", None)
     return rows if isinstance(rows, int) else None
 
