@@ -458,13 +458,13 @@ class TextBatches:
             self.truncated += truncated
             for encoded in chunk:
                 self.examples += 1
-                self.tokens += int(encoded["input_ids"].numel())
-                lengths.add(int(encoded["input_ids"].numel()))
+                self.tokens += len(encoded["input_ids"])
+                lengths.add(len(encoded["input_ids"]))
         if self.examples == 0:
             raise FileFormatError(f"DATA {source} holds no examples")
         self.pad_id = self._pad_id(tokenizer, config, len(lengths) > 1)
 
-    def _chunks(self) -> Iterator[tuple[list[dict[str, Tensor]], int]]:
+    def _chunks(self) -> Iterator[tuple[list[dict[str, Any]], int]]:
         """The examples, tokenised and checked, ``batch_size`` at a time, and how many of them
         ``max_length`` cut."""
         chunk: list[Mapping[str, Any]] = []
@@ -479,7 +479,7 @@ class TextBatches:
 
     def _encode(
         self, records: list[Mapping[str, Any]], start: int
-    ) -> tuple[list[dict[str, Tensor]], int]:
+    ) -> tuple[list[dict[str, Any]], int]:
         """``records`` (examples ``start``, ``start`` + 1, ...) tokenised, checked, labelled;
         and how many of them ``max_length`` cut."""
         options, tokenizer = self.options, self.tokenizer
@@ -509,12 +509,12 @@ class TextBatches:
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in encoded]
         out, truncated = [], 0
         for i, (record, where) in enumerate(zip(records, wheres, strict=True)):
-            example = {k: encoded[k][i] for k in keys}
+            example = {k: list(encoded[k][i]) for k in keys}
             if cap is not None and len(example["input_ids"]) > cap:
                 if limit is None:
                     self._too_long(rows[i], cut[i], where)
                 short = tokenizer(*rows[i], truncation=True, max_length=limit, verbose=False)
-                example = {k: short[k] for k in keys}
+                example = {k: list(short[k]) for k in keys}
                 truncated += 1
             out.append(self._checked(example, record, where))
         return out, truncated
@@ -538,24 +538,23 @@ class TextBatches:
         )
 
     def _checked(
-        self, example: Mapping[str, Any], record: Mapping[str, Any], where: str
-    ) -> dict[str, Tensor]:
-        encoded = {k: torch.tensor(v, dtype=torch.long) for k, v in example.items()}
-        ids = encoded["input_ids"]
-        if ids.numel() == 0:
+        self, example: dict[str, list[int]], record: Mapping[str, Any], where: str
+    ) -> dict[str, Any]:
+        """``example`` (token lists) checked against the model, with its class label."""
+        ids = example["input_ids"]
+        if not ids:
             raise StructureError(f"{where}: the tokenizer gave no tokens for {record!r}")
-        if self.vocabulary is not None and int(ids.max()) >= self.vocabulary:
+        if self.vocabulary is not None and max(ids) >= self.vocabulary:
             raise StructureError(
-                f"{where}: token id {int(ids.max())} is outside the model's vocabulary of "
+                f"{where}: token id {max(ids)} is outside the model's vocabulary of "
                 f"{self.vocabulary}; the tokenizer does not belong to MODEL (give the model's "
                 "own tokenizer with --tokenizer)"
             )
+        out: dict[str, Any] = dict(example)
         if self.task == CLASSIFICATION:
             label = _field(record, self.options.label_field, "--label-field", where)
-            encoded["labels"] = torch.tensor(
-                label_id(label, self.label2id, self.num_labels, where), dtype=torch.long
-            )
-        return encoded
+            out["labels"] = label_id(label, self.label2id, self.num_labels, where)
+        return out
 
     def _pad_id(self, tokenizer: Any, config: Any, ragged: bool) -> int:
         for candidate in (
@@ -579,26 +578,22 @@ class TextBatches:
         for chunk, _ in self._chunks():
             yield self.batch(chunk)
 
-    def batch(self, chosen: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-        """Tokenised examples padded into one Hugging Face batch with ``labels``."""
-        width = max(int(e["input_ids"].numel()) for e in chosen)
+    def batch(self, chosen: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Tokenised examples (token lists) padded on the right into one Hugging Face batch
+        with ``labels``."""
+        width = max(len(e["input_ids"]) for e in chosen)
         out: dict[str, Tensor] = {}
         for key in chosen[0]:
             if key == "labels":
                 continue
             fill = self.pad_id if key == "input_ids" else 0
-            out[key] = torch.stack(
-                [
-                    torch.nn.functional.pad(e[key], (0, width - e[key].numel()), value=fill)
-                    for e in chosen
-                ]
-            )
-        out.setdefault(
-            "attention_mask",
-            torch.stack([(torch.arange(width) < e["input_ids"].numel()).long() for e in chosen]),
-        )
+            rows = [e[key] + [fill] * (width - len(e[key])) for e in chosen]
+            out[key] = torch.tensor(rows, dtype=torch.long)
+        if "attention_mask" not in out:
+            rows = [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in chosen]
+            out["attention_mask"] = torch.tensor(rows, dtype=torch.long)
         if self.task == CLASSIFICATION:
-            out["labels"] = torch.stack([e["labels"] for e in chosen])
+            out["labels"] = torch.tensor([e["labels"] for e in chosen], dtype=torch.long)
             return out
         out["labels"] = out["input_ids"].clone()
         return token_labels(out, True, self.ignore_index, self.source)
