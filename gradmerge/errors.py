@@ -65,6 +65,18 @@ class InputWarning(UserWarning):
     merge, a curvature estimated at other weights than the model it is paired with)."""
 
 
+class ConfigError(ArgumentError):
+    """A merge/remove configuration with an unknown key, a missing one, or an unusable value."""
+
+
+class MissingInputError(GradmergeError, FileNotFoundError):
+    """A checkpoint, curvature or gradient path that does not exist."""
+
+
+class OutputExistsError(GradmergeError, FileExistsError):
+    """The output folder exists and overwriting was not asked for."""
+
+
 class StepTooLargeError(GradmergeError, ValueError):
     """A removal step far larger than what it undoes: a near-zero curvature direction exploded."""
 

@@ -1,7 +1,7 @@
 """MODEL, DATA and OUT of the commands that read a model and its data (``curvature``, ``gradient``).
 
 The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`),
-loading through :mod:`gradmerge.sources` (:func:`load`), the ``source.*`` metadata
+loading through :mod:`gradmerge.io.sources` (:func:`load`), the ``source.*`` metadata
 (:func:`provenance`) and the progress bar over batches (:func:`progress`).
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradmerge import sources
 from gradmerge.errors import ArgumentError
-from gradmerge.lora import is_adapter
-from gradmerge.text_data import TextBatches, TextOptions
+from gradmerge.io import sources
+from gradmerge.io.lora import is_adapter
+from gradmerge.io.text_data import TextBatches, TextOptions
 
 
 def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
@@ -254,7 +254,7 @@ def _text_flags(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 def provenance(
     args: argparse.Namespace, device: torch.device, data: Iterable[Any] | None = None
 ) -> dict[str, str]:
-    """What the file's metadata records about how it was made (:func:`gradmerge.sources.provenance`,
+    """What the file's metadata records about how it was made (:func:`gradmerge.io.sources.provenance`,
     and for text the examples, tokens and truncation of :meth:`TextBatches.metadata`)."""
     meta = sources.provenance(
         args.model,

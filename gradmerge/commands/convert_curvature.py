@@ -4,7 +4,7 @@ SRC is a curvature as the official code (UKPLab/iclr2024-model-merging) writes i
 model folder (``<run>/hessian/``) whose weights are per-parameter diagonal Fisher values —
 ``model.safetensors``, sharded safetensors with an index, or ``pytorch_model.bin`` read with
 ``torch.load(weights_only=True)`` — or one state-dict file of such values. OUT is a gradmerge
-diagonal curvature file holding S × those values (:mod:`gradmerge.checkpoints.official`).
+diagonal curvature file holding S × those values (:mod:`gradmerge.io.official`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert; 0 on success, 1 on bad input (one line on stderr; OUT is not written)."""
-    from gradmerge.checkpoints.official import convert_curvature
     from gradmerge.errors import GradmergeError
+    from gradmerge.io.official import convert_curvature
 
     try:
         curvature = convert_curvature(

@@ -6,7 +6,7 @@ H_t = Σ_i ∇²ℓ_i (or its Fisher/GGN), a SUM over the examples of DATA, at t
 ``gradmerge merge`` / ``gm.load_curvature`` can read it. Where MODEL and DATA came from is kept in
 the file's metadata (``C.meta["source.*"]`` after loading).
 
-MODEL and DATA are read by :mod:`gradmerge.sources` (its forms are listed below). A tensor file is
+MODEL and DATA are read by :mod:`gradmerge.io.sources` (its forms are listed below). A tensor file is
 cut into batches of ``--batch-size`` rows; its ``labels`` are the targets of each position's logits;
 ``--shift-labels`` turns Hugging Face's causal-LM convention (labels = input_ids) into that.
 Positions whose ``attention_mask`` is 0 are ignored.
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradmerge import sources
 from gradmerge._devices import resolve_device
 from gradmerge.commands._inputs import (
     add_source_arguments,
@@ -49,6 +48,7 @@ from gradmerge.estimate.options import (
     KFACApprox,
     Structure,
 )
+from gradmerge.io import sources
 
 EXAMPLES = """\
 examples:
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Load, estimate, save; print one summary line. Raises the typed errors of
-    :mod:`gradmerge.errors` on bad input (see :mod:`gradmerge.sources`)."""
+    :mod:`gradmerge.errors` on bad input (see :mod:`gradmerge.io.sources`)."""
     if getattr(args, "distributed", False):  # under torchrun: gradmerge.distributed's path
         return run_distributed(args)
 

@@ -23,7 +23,7 @@ Devices (curvature): ``--device auto`` uses ``cuda:LOCAL_RANK`` (one GPU per ran
 gloo group for the control messages) when CUDA is available, else the CPU (gloo).
 
 This module is the command line only: the library it drives is :mod:`gradmerge.distributed`
-(estimation, sharding, process groups) and :mod:`gradmerge.sources` (MODEL and DATA).
+(estimation, sharding, process groups) and :mod:`gradmerge.io.sources` (MODEL and DATA).
 
 Example:
     torchrun --nproc-per-node 4 -m gradmerge.distributed curvature runs/ft-task-a \\
@@ -98,16 +98,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_merge_command(args: argparse.Namespace) -> int:
     """``merge CONFIG OUT_DIR`` over the ranks; 0 on success, 1 on failure (on every rank)."""
-    from gradmerge.checkpoints import MergeConfig, plan_merge
     from gradmerge.distributed.merge import run_merge
+    from gradmerge.jobs import MergeConfig, plan_merge
 
     return _run_streaming(args, "merge", MergeConfig.from_yaml, plan_merge, run_merge)
 
 
 def run_remove_command(args: argparse.Namespace) -> int:
     """``remove CONFIG OUT_DIR`` over the ranks; as :func:`run_merge_command`."""
-    from gradmerge.checkpoints import RemoveConfig, plan_remove
     from gradmerge.distributed.merge import run_remove
+    from gradmerge.jobs import RemoveConfig, plan_remove
 
     return _run_streaming(args, "remove", RemoveConfig.from_yaml, plan_remove, run_remove)
 

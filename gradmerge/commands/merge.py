@@ -79,7 +79,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge merge``; 0 on success, 1 on bad input (the message goes to stderr)."""
-    from gradmerge.checkpoints import MergeConfig, plan_merge, run_merge
+    from gradmerge.jobs import MergeConfig, plan_merge, run_merge
 
     return run_command(args, "merge", MergeConfig.from_yaml, plan_merge, run_merge)
 
@@ -137,11 +137,11 @@ def run_command(
 
 
 def describe_systems(config: Any) -> int:
-    """``--dry-run``: check every unit's linear system (:mod:`gradmerge.checkpoints.conditioning`)
+    """``--dry-run``: check every unit's linear system (:mod:`gradmerge.jobs.conditioning`)
     and, for gradient matching, δ against the curvatures; print what needs damping. 1 if a solve
     would fail, else 0."""
-    from gradmerge.checkpoints import MergeConfig
-    from gradmerge.checkpoints.conditioning import check_systems, delta_note
+    from gradmerge.jobs import MergeConfig
+    from gradmerge.jobs.conditioning import check_systems, delta_note
 
     checks = check_systems(config)
     bad = [c for c in checks if not c.ok]

@@ -58,8 +58,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge refine``; 0 on success, 1 on bad input (one line on stderr)."""
-    from gradmerge.checkpoints.refine import RefineConfig, run_refine
     from gradmerge.errors import GradmergeError
+    from gradmerge.jobs.refine import RefineConfig, run_refine
 
     try:
         config = RefineConfig.from_yaml(args.config)

@@ -79,6 +79,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge remove``; 0 on success, 1 on bad input (the message goes to stderr)."""
-    from gradmerge.checkpoints import RemoveConfig, plan_remove, run_remove
+    from gradmerge.jobs import RemoveConfig, plan_remove, run_remove
 
     return run_command(args, "remove", RemoveConfig.from_yaml, plan_remove, run_remove)

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.checkpoints import ConfigError, MissingInputError, RemoveConfig
+from gradmerge.errors import ConfigError, MissingInputError
+from gradmerge.jobs import RemoveConfig
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 DELTA = 0.3

@@ -21,7 +21,7 @@ import gradmerge as gm
 from gradmerge import cli
 from gradmerge._weight_sample import sample_hash
 from gradmerge.errors import AdapterBaseError
-from gradmerge.sources import adapter_base
+from gradmerge.io.sources import adapter_base
 from proofs_tests.text_models import bert_classifier
 
 QUERY = "bert.encoder.layer.0.attention.self.query"

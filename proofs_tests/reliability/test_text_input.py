@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from gradmerge import cli
-from gradmerge.sources import load_model
-from gradmerge.text_data import TextBatches, TextOptions, load_tokenizer
+from gradmerge.io.sources import load_model
+from gradmerge.io.text_data import TextBatches, TextOptions, load_tokenizer
 from proofs_tests.text_models import bert_classifier, gpt2_lm
 
 WORDS = ["the", "cat", "sat", "on", "the", "mat"]

@@ -58,8 +58,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError
-from gradmerge.errors import InputWarning
+from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
 REMOVE_METHODS = ("remove", "influence_remove")
@@ -86,7 +85,7 @@ class ModelInput:
     """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t.
 
     ``adapter_base``: when ``model`` is a LoRA adapter, the base it was trained on, if its
-    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.sources.adapter_base`); it
+    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.io.sources.adapter_base`); it
     must hold the merge's ``base_model`` weights.
     """
 

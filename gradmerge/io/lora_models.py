@@ -1,7 +1,7 @@
 r"""LoRA adapter folders read as full checkpoints θ_t = θ_0 + (α/r)·B·A, one tensor at a time.
 
 :class:`LoraCheckpoint` shows an adapter over its base as the fine-tuned checkpoint, materialising
-a tensor when the streaming merge asks for it (the LoRA rules: :mod:`gradmerge.lora`), so that
+a tensor when the streaming merge asks for it (the LoRA rules: :mod:`gradmerge.io.lora`), so that
 ``gradmerge merge`` and ``gradmerge remove`` take adapter folders wherever they take a model
 (:func:`open_model`).
 
@@ -9,8 +9,8 @@ Example:
     >>> import json, tempfile, torch
     >>> from pathlib import Path
     >>> from safetensors.torch import save_file
-    >>> from gradmerge.checkpoints import open_checkpoint
-    >>> from gradmerge.checkpoints.lora import LoraCheckpoint
+    >>> from gradmerge.io import open_checkpoint
+    >>> from gradmerge.io.lora_models import LoraCheckpoint
     >>> with tempfile.TemporaryDirectory() as d:
     ...     save_file({"fc.weight": torch.zeros(2, 3)}, f"{d}/base.safetensors")
     ...     (Path(d) / "ad").mkdir()
@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 from gradmerge._weight_sample import sample_hash_from
-from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
 from gradmerge.errors import ArgumentError, StructureError
-from gradmerge.lora import is_adapter, read_adapter
+from gradmerge.io.lora import is_adapter, read_adapter
+from gradmerge.io.reader import Checkpoint, open_checkpoint
 
 
 class LoraCheckpoint(Checkpoint):
@@ -161,7 +161,7 @@ def open_model(
     """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder).
 
     An adapter's own base (``adapter_base`` when given, else its ``base_model_name_or_path``
-    resolved as :func:`gradmerge.sources.adapter_base` does) must hold ``base``'s weights
+    resolved as :func:`gradmerge.io.sources.adapter_base` does) must hold ``base``'s weights
     (:func:`check_adapter_base`).
     """
     if is_adapter(path):
@@ -177,7 +177,7 @@ def check_adapter_base(
 ) -> None:
     """Refuse an adapter whose own base is another model than the merge's ``base``.
 
-    Its own base (:func:`gradmerge.sources.adapter_base`) is the same path as ``base``, or a
+    Its own base (:func:`gradmerge.io.sources.adapter_base`) is the same path as ``base``, or a
     checkpoint of the same weights (the same :func:`gradmerge._weight_sample.sample_hash`). A
     base named by a hub name only (not a local path) cannot be checked and is taken to be
     ``base``; an ambiguous relative name is refused as in ``gradmerge curvature``.
@@ -187,8 +187,8 @@ def check_adapter_base(
         StructureError: an own base whose weights differ from ``base``'s.
     """
     from gradmerge.errors import AdapterBaseError
-    from gradmerge.sources import adapter_base as resolve
-    from gradmerge.sources import base_fingerprint
+    from gradmerge.io.sources import adapter_base as resolve
+    from gradmerge.io.sources import base_fingerprint
 
     try:
         own = resolve(folder, adapter_base)

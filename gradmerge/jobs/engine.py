@@ -1,10 +1,10 @@
 """The streaming engine: ``run_merge`` and ``run_remove`` over checkpoint files.
 
-For every unit of the plan (:mod:`gradmerge.checkpoints.plan`: the smallest group of tensors some
+For every unit of the plan (:mod:`gradmerge.jobs.plan`: the smallest group of tensors some
 curvature couples) the engine reads that unit's tensors from every input — base, fine-tuned
 models, the unit's part of each curvature file, the gradient — on the chosen device in the
 compute dtype, calls the pure rule of :mod:`gradmerge.merge` on these sub-dicts
-(:mod:`gradmerge.checkpoints.rules`), casts the result to the output dtype and appends it to the
+(:mod:`gradmerge.jobs.rules`), casts the result to the output dtype and appends it to the
 output shards. Peak memory is a few units' tensors: the inputs are memory-mapped and read one
 unit at a time, the output is written as it comes. A dense curvature couples every parameter it
 covers, so with one the whole model is a single unit (and must fit in memory).
@@ -44,24 +44,24 @@ from gradmerge import _fused, _memory, _weight_sample
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
-from gradmerge.checkpoints import rules
-from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.checkpoints.errors import ConfigError
-from gradmerge.checkpoints.lora import open_model
-from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
-from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
-from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.curvature import KFAC, Curvature
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     PD_FIX,
     ArgumentError,
+    ConfigError,
     GradmergeError,
     InputWarning,
     NotPositiveDefiniteError,
     ResultOverflowError,
     StepTooLargeError,
 )
+from gradmerge.io.lora_models import open_model
+from gradmerge.io.reader import Checkpoint, open_checkpoint
+from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
+from gradmerge.jobs import rules
+from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
+from gradmerge.jobs.plan import Coverage, Plan, Unit, build_plan
 from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -75,7 +75,7 @@ class MergeReport:
         out_dir: the output folder.
         files: the files written there (shards, index, copied config files, record).
         tensors: tensors written; ``merged`` of them merged, ``copied`` copied from the base.
-        units: units processed (see :mod:`gradmerge.checkpoints.plan`).
+        units: units processed (see :mod:`gradmerge.jobs.plan`).
         bytes_read: tensor bytes read from all inputs (checkpoints and curvature files).
         bytes_written: bytes of the safetensors shards.
         seconds: wall time of the run.
@@ -134,7 +134,7 @@ def run_merge(
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from safetensors.torch import save_file, load_file
-        >>> from gradmerge.checkpoints import MergeConfig, run_merge
+        >>> from gradmerge.jobs import MergeConfig, run_merge
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     d = Path(tmp)
         ...     save_file({"w": torch.zeros(2), "step": torch.tensor(3)}, d / "base.safetensors")
@@ -251,7 +251,7 @@ class Job:
 
     Attributes:
         command: ``"merge"`` or ``"remove"``.
-        plan: the units, their shapes and output dtypes (:class:`~gradmerge.checkpoints.plan.Plan`).
+        plan: the units, their shapes and output dtypes (:class:`~gradmerge.jobs.plan.Plan`).
         base: the base checkpoint θ_LLM (its config/tokenizer files are the output's).
         device: where the arithmetic runs.
         checkpoints: input name (as in the record: ``base_model``, ``models[0].model``, ...) →
@@ -268,8 +268,8 @@ class Job:
         >>> from contextlib import ExitStack
         >>> from pathlib import Path
         >>> from safetensors.torch import save_file
-        >>> from gradmerge.checkpoints import MergeConfig
-        >>> from gradmerge.checkpoints.engine import open_job
+        >>> from gradmerge.jobs import MergeConfig
+        >>> from gradmerge.jobs.engine import open_job
         >>> with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         ...     d = Path(tmp)
         ...     save_file({"w": torch.zeros(2)}, d / "base.safetensors")

@@ -17,7 +17,7 @@ DATA is one of
 
 - text: ``.jsonl``, ``.csv``/``.tsv``, ``.txt`` or a ``datasets`` folder (``save_to_disk``),
   tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
-  or causal language modelling (:mod:`gradmerge.text_data`);
+  or causal language modelling (:mod:`gradmerge.io.text_data`);
 - a tensor file (``.safetensors``, or ``.pt``/``.pth`` read with ``torch.load(weights_only=True)``)
   holding ``inputs`` and ``targets``, or ``input_ids`` and ``labels`` (optionally
   ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`); ``labels``
@@ -29,7 +29,7 @@ DATA is one of
 
 Example:
     >>> import torch
-    >>> from gradmerge.sources import TensorBatches
+    >>> from gradmerge.io.sources import TensorBatches
     >>> batches = TensorBatches({"inputs": torch.zeros(5, 2), "targets": torch.zeros(5)}, batch_size=2)
     >>> [x.shape[0] for x, _ in batches]
     [2, 2, 1]
@@ -53,8 +53,8 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
-from gradmerge.lora import is_adapter, merged_state_dict
-from gradmerge.text_data import (
+from gradmerge.io.lora import is_adapter, merged_state_dict
+from gradmerge.io.text_data import (
     TEXT_SUFFIXES,
     TextBatches,
     TextOptions,
@@ -193,7 +193,7 @@ def base_fingerprint(path: Path) -> str:
     folder or checkpoint file (a few rows per tensor are read): which base an adapter was
     applied to, recorded in a curvature's metadata."""
     from gradmerge._weight_sample import sample_hash_from
-    from gradmerge.checkpoints import open_checkpoint
+    from gradmerge.io.reader import open_checkpoint
 
     with open_checkpoint(path) as checkpoint:
         keys = [k for k in checkpoint if checkpoint.dtype(k).is_floating_point]
@@ -203,7 +203,7 @@ def base_fingerprint(path: Path) -> str:
 def tokenizer_folder(spec: str, base: str | None = None) -> str:
     """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder
     (:func:`adapter_base`, ``base`` if given) when the adapter folder holds no tokenizer files."""
-    from gradmerge.text_data import TOKENIZER_FILES
+    from gradmerge.io.text_data import TOKENIZER_FILES
 
     folder = Path(spec)
     if is_adapter(spec) and not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -330,9 +330,9 @@ def load_data(
         arguments: keyword arguments of a DATA entry point (``--data-arg``).
         max_examples: keep the first examples of a tensor or text file only.
         model: the model the data are for; needed by text, whose task, labels, vocabulary and
-            positions it gives (:class:`gradmerge.text_data.TextBatches`).
+            positions it gives (:class:`gradmerge.io.text_data.TextBatches`).
         tokenizer: the Hugging Face folder whose tokenizer tokenises text (MODEL's folder).
-        text: the fields and limits of text data (:class:`gradmerge.text_data.TextOptions`).
+        text: the fields and limits of text data (:class:`gradmerge.io.text_data.TextOptions`).
 
     Raises:
         ArgumentError: an entry point that cannot be imported, does not take ``arguments`` or

@@ -11,7 +11,7 @@ module is that of its factors (so ``rank_pattern`` is honoured). Tensors of ``mo
 (e.g. a classification head) replace the base's. What this does not express is refused with an
 error naming the setting: DoRA (``use_dora``), trained biases (``bias`` other than "none",
 ``lora_bias``), per-module alphas (``alpha_pattern``), LoRA on embeddings or convolutions, and
-other PEFT methods. :mod:`gradmerge.checkpoints.lora` reads an adapter over a checkpoint tensor by
+other PEFT methods. :mod:`gradmerge.io.lora_models` reads an adapter over a checkpoint tensor by
 tensor (merges, removals); :func:`merged_state_dict` applies it to a loaded model's state dict
 (``gradmerge curvature``).
 

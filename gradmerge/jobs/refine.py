@@ -34,19 +34,19 @@ relative paths are relative to its folder)::
 MODEL entries (``start``, ``base_model``, ``models[].model``) are Hugging Face folders or
 ``module:function`` entry points, DATA entries text (``.jsonl``, ``.csv``/``.tsv``, ``.txt``, a
 ``datasets`` folder; tokenised with the ``start`` folder's tokenizer), tensor files or entry
-points, as for ``gradmerge curvature`` (:mod:`gradmerge.sources`); ``text`` takes the keys of
-:class:`gradmerge.text_data.TextOptions`. Every model must have the parameters of
+points, as for ``gradmerge curvature`` (:mod:`gradmerge.io.sources`); ``text`` takes the keys of
+:class:`gradmerge.io.text_data.TextOptions`. Every model must have the parameters of
 ``start`` (names and shapes). Unlike a merge, refinement is not streamed: it holds T + 2 copies of
 the parameters (θ^k, θ_LLM, θ_1 … θ_T), the model, and one curvature at a time in memory.
 
-The output folder appears only when everything succeeded (:func:`~gradmerge.checkpoints.writer.
+The output folder appears only when everything succeeded (:func:`~gradmerge.io.writer.
 staged_output`): θ^k saved as the start model was (``save_pretrained`` for a Hugging Face model,
 with the start folder's tokenizer files; ``model.safetensors`` otherwise) and
 ``gradmerge_refine.json``: the configuration, and per step k = 0 … K the gradient mismatch
 ‖∇ℓ̄_t(θ^k) − ∇ℓ̄_t(θ_t)‖ per task (Eq. 2), its sum and ‖R(θ^k)‖.
 
 Example:
-    >>> from gradmerge.checkpoints.refine import RefineConfig
+    >>> from gradmerge.jobs.refine import RefineConfig
     >>> cfg = RefineConfig.from_dict({"start": ".", "base_model": ".", "steps": 2,
     ...     "models": [{"model": ".", "data": "a.safetensors"}], "prior": {"delta": 0.1}},
     ...     check_files=False)
@@ -71,10 +71,18 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge import params as P
-from gradmerge import sources
 from gradmerge._devices import resolve_device
 from gradmerge._text import key_list
-from gradmerge.checkpoints.config import (
+from gradmerge.curvature import Curvature, load_curvature
+from gradmerge.diagnostics import gradient_mismatch
+from gradmerge.errors import ConfigError, MissingInputError, StructureError
+from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
+from gradmerge.estimate.options import Fisher, LossFunction, Structure
+from gradmerge.io import sources
+from gradmerge.io.reader import ASSET_PATTERNS
+from gradmerge.io.text_data import TEXT_SUFFIXES, TextOptions
+from gradmerge.io.writer import refuse_existing, staged_output
+from gradmerge.jobs.config import (
     _REQUIRED,
     CurvatureTerm,
     FromYaml,
@@ -83,17 +91,8 @@ from gradmerge.checkpoints.config import (
     _shown,
     _term,
 )
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError
-from gradmerge.checkpoints.reader import ASSET_PATTERNS
-from gradmerge.checkpoints.writer import refuse_existing, staged_output
-from gradmerge.curvature import Curvature, load_curvature
-from gradmerge.diagnostics import gradient_mismatch
-from gradmerge.errors import StructureError
-from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
-from gradmerge.estimate.options import Fisher, LossFunction, Structure
 from gradmerge.merge import refine
 from gradmerge.params import Params
-from gradmerge.text_data import TEXT_SUFFIXES, TextOptions
 
 RECORD = "gradmerge_refine.json"
 
@@ -237,7 +236,7 @@ def run_refine(
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
         ConfigError: ``out_dir`` is, or holds, one of the inputs.
         StructureError: a model whose parameters differ from the start's (named).
-        ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.sources`).
+        ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.io.sources`).
         NotPositiveDefiniteError, NonFiniteError: from the solve or the data.
     """
     begin = time.perf_counter()

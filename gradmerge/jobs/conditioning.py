@@ -23,8 +23,8 @@ Example:
     >>> import tempfile, torch, gradmerge as gm
     >>> from pathlib import Path
     >>> from safetensors.torch import save_file
-    >>> from gradmerge.checkpoints import MergeConfig
-    >>> from gradmerge.checkpoints.conditioning import check_systems
+    >>> from gradmerge.jobs import MergeConfig
+    >>> from gradmerge.jobs.conditioning import check_systems
     >>> with tempfile.TemporaryDirectory() as d:
     ...     for name, w in (("a", [1.0, 2.0]), ("b", [2.0, 0.0])):
     ...         save_file({"w": torch.tensor(w)}, f"{d}/{name}.safetensors")
@@ -45,10 +45,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, RemoveConfig
-from gradmerge.checkpoints.engine import open_job
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
+from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
+from gradmerge.jobs.engine import open_job
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
