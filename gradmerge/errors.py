@@ -47,6 +47,12 @@ class AdapterBaseError(ArgumentError):
     beside the adapter (name the base explicitly)."""
 
 
+class EntryPointsNotAllowedError(ArgumentError):
+    """A configuration file that names Python entry points (code it would run) read without
+    the opt-in that says to trust it as a script (``--allow-entry-points``,
+    ``GRADMERGE_ALLOW_ENTRY_POINTS=1``)."""
+
+
 class DeviceUnavailableError(DeviceError, ArgumentError):
     """A device asked for that this machine does not have (a CUDA device without CUDA, or a
     CUDA index beyond the devices there are)."""

@@ -30,12 +30,16 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
     flags, ``--max-examples``, ``--model-arg``/``--data-arg``, ``--device``, ``--loss``,
     ``--ignore-index``, ``--shift-labels``, ``--allow-new-weights``, ``--overwrite``,
     ``--no-progress``)."""
-    p.add_argument("model", metavar="MODEL", help="Hugging Face folder or module:function")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="Hugging Face folder, or module:function (an entry point RUNS that code)",
+    )
     p.add_argument(
         "data",
         metavar="DATA",
         help="text (.jsonl/.csv/.tsv/.txt, datasets folder), tensors (.safetensors/.pt) or "
-        "module:function",
+        "module:function (an entry point RUNS that code)",
     )
     p.add_argument("out", metavar="OUT", help=out_help)
     p.add_argument("--loss", choices=["cross_entropy", "mse"], default="cross_entropy")
@@ -65,21 +69,24 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
         "--max-examples",
         type=int,
         default=None,
-        help="use the first N examples of a text or tensor file",
+        help="use the first N examples of DATA (an entry point: default at most "
+        f"{sources.MAX_ENTRY_POINT_EXAMPLES:,}, beyond which it stops with an error)",
     )
     p.add_argument(
         "--model-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="keyword argument of a MODEL entry point (repeatable; VALUE read as JSON if it is)",
+        help="keyword argument of a MODEL entry point (repeatable; VALUE read as JSON if it "
+        "is); the entry point is imported and called: it runs code, like a Python import",
     )
     p.add_argument(
         "--data-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable)",
+        help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable); the "
+        "entry point is imported and called: it runs code, like a Python import",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--ignore-index", type=int, default=-100, help="label of ignored positions")
@@ -119,13 +126,8 @@ def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         data_kind = sources.data_kind(args.data)
     except ArgumentError as err:
         parser.error(str(err))
-    if data_kind == "entry point":
-        for flag, value in (
-            ("--batch-size", args.batch_size),
-            ("--max-examples", args.max_examples),
-        ):
-            if value is not None:
-                parser.error(f"{flag} applies to files; an entry point yields its own batches")
+    if data_kind == "entry point" and args.batch_size is not None:
+        parser.error("--batch-size applies to files; an entry point yields its own batches")
     if data_kind != "tensor file" and args.shift_labels:
         parser.error(
             "--shift-labels applies to tensor files (text is shifted already; an entry point "
@@ -305,7 +307,8 @@ class _Passes:
 
 
 def _examples(data: Iterable[Any]) -> int | None:
-    """How many examples ``data`` holds, when it knows (tensor and text files)."""
+    """How many examples ``data`` holds, when it knows (tensor and text files; an entry point's
+    ``--max-examples``, at most)."""
     if isinstance(data, TextBatches):
         return data.examples
     rows = getattr(data, "rows", None)

@@ -25,7 +25,16 @@ DATA is one of
 - an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
   accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``, called with the
   keyword arguments given as ``--data-arg KEY=VALUE``, so that one function serves several tasks
-  (``--data-arg task=sentiment``).
+  (``--data-arg task=sentiment``); its first ``--max-examples`` examples, and at most
+  :data:`MAX_ENTRY_POINT_EXAMPLES` without it (an endless iterator stops with an error).
+
+An entry point RUNS CODE: its module is imported and its function called, with your
+permissions, as ``python -c "import module"`` would. Name only code you trust, and trust a
+YAML file that names one (``gradmerge refine``) as you would a script: gradmerge refuses entry
+points in YAML files unless ``--allow-entry-points`` or ``GRADMERGE_ALLOW_ENTRY_POINTS=1`` says
+so (``docs/trust.md``). Folders and files are only read, never run: weights through
+safetensors (or ``torch.load(weights_only=True)``), models by the transformers class their
+config names (no remote code), YAML with a safe loader.
 
 Example:
     >>> import torch
@@ -328,7 +337,8 @@ def load_data(
         shift_labels: a tensor file's labels follow Hugging Face's causal-LM convention.
         ignore_index: the label of positions that count for nothing.
         arguments: keyword arguments of a DATA entry point (``--data-arg``).
-        max_examples: keep the first examples of a tensor or text file only.
+        max_examples: keep the first examples only (of an entry point: at most
+            :data:`MAX_ENTRY_POINT_EXAMPLES` without it, :func:`bounded`).
         model: the model the data are for; needed by text, whose task, labels, vocabulary and
             positions it gives (:class:`gradmerge.io.text_data.TextBatches`).
         tokenizer: the Hugging Face folder whose tokenizer tokenises text (MODEL's folder).
@@ -345,15 +355,13 @@ def load_data(
     if arguments and kind != "entry point":
         raise ArgumentError(f"DATA {spec} is a {kind}; arguments apply to entry points")
     if kind == "entry point":
-        if max_examples is not None:
-            raise ArgumentError("max_examples applies to files; an entry point yields its batches")
         data = call_entry_point(spec, "DATA", arguments)
         if not isinstance(data, Iterable) or isinstance(data, (Tensor, str, bytes, Mapping)):
             raise ArgumentError(
                 f"DATA entry point {spec} returned {type(data).__name__}; expected an iterable "
                 "of batches, e.g. a list of (inputs, targets) or a DataLoader"
             )
-        return data
+        return bounded(data, spec, max_examples)
     if kind == "tensor file":
         tensors = read_tensors(Path(spec))
         if max_examples is not None:
@@ -385,6 +393,82 @@ def load_data(
         ignore_index=ignore_index,
         source=spec,
     )
+
+
+MAX_ENTRY_POINT_EXAMPLES = 10_000_000
+"""The most examples read from a DATA entry point without ``max_examples``: beyond it, an
+iterator that never ends is stopped with an error instead of running forever."""
+
+
+def bounded(data: Iterable[Any], spec: str, max_examples: int | None) -> Iterable[Any]:
+    """``data`` (an entry point's batches) cut after ``max_examples`` examples (the last batch
+    cut to fit), or, without it, an error after :data:`MAX_ENTRY_POINT_EXAMPLES`.
+
+    A one-shot iterator stays one (estimators that need two passes refuse it); a re-iterable
+    stays re-iterable. ``max_examples`` is also the progress bar's total (``.rows``).
+
+    Example:
+        >>> import torch
+        >>> endless = ((torch.zeros(2, 3), torch.zeros(2)) for _ in iter(int, 1))
+        >>> [x.shape[0] for x, _ in bounded(endless, "data:endless", 5)]
+        [2, 2, 1]
+    """
+    if isinstance(data, Iterator):
+        return _first(data, spec, max_examples)
+    if hasattr(data, "__len__"):
+        return _SizedBounded(data, spec, max_examples)
+    return _Bounded(data, spec, max_examples)
+
+
+class _Bounded:
+    def __init__(self, data: Iterable[Any], spec: str, limit: int | None) -> None:
+        self.data, self.spec, self.limit = data, spec, limit
+        self.rows = limit  # the progress bar's total: at most this many
+
+    def __iter__(self) -> Iterator[Any]:
+        return _first(iter(self.data), self.spec, self.limit)
+
+
+class _SizedBounded(_Bounded):
+    def __len__(self) -> int:
+        """The batches of the data (at most: a limit may end them sooner)."""
+        return len(self.data)  # type: ignore[arg-type]  # bounded() checked it has one
+
+
+def _first(batches: Iterator[Any], spec: str, limit: int | None) -> Iterator[Any]:
+    from gradmerge.estimate._data import split_batch
+
+    seen = 0
+    for index, batch in enumerate(batches):
+        _, targets = split_batch(batch, index)
+        rows = int(targets.shape[0]) if targets.ndim else 1
+        if limit is not None and seen + rows >= limit:
+            yield batch if seen + rows == limit else _cut(batch, limit - seen, rows)
+            return
+        seen += rows
+        if limit is None and seen > MAX_ENTRY_POINT_EXAMPLES:
+            raise ArgumentError(
+                f"DATA entry point {spec} gave more than {MAX_ENTRY_POINT_EXAMPLES:,} examples "
+                "and has not ended (an endless iterator?): pass --max-examples N (refine: "
+                "`text: {max_examples: N}`) to use its first N examples"
+            )
+        yield batch
+
+
+def _cut(batch: Any, keep: int, rows: int) -> Any:
+    """The first ``keep`` examples of a batch of ``rows``: every tensor (of a pair, a tuple or a
+    dict) whose first dimension is ``rows`` is cut."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.ndim and value.shape[0] == rows:
+            return value[:keep]
+        return value
+
+    if isinstance(batch, Mapping):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cut(v) for v in batch)
+    raise ArgumentError(f"a batch of {type(batch).__name__} cannot be cut to --max-examples")
 
 
 def read_tensors(path: Path) -> dict[str, Tensor]:
@@ -689,8 +773,8 @@ def provenance(
         meta["source.data_sha256"] = file_sha256(Path(data))
     if data_kind_ != "entry point":
         meta["source.batch_size"] = str(batch_size)
-        if max_examples is not None:
-            meta["source.max_examples"] = str(max_examples)
+    if max_examples is not None:
+        meta["source.max_examples"] = str(max_examples)
     if data_kind_ == "tensor file":
         meta["source.shift_labels"] = str(bool(shift_labels))
     return meta
