@@ -114,7 +114,7 @@ class Records:
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = (Path(d) / "a.txt").write_text("\ufeffone\n\ntwo\n", encoding="utf-8")
+        ...     _ = (Path(d) / "a.txt").write_text("\\ufeffone\\n\\ntwo\\n", encoding="utf-8")
         ...     list(Records(Path(d) / "a.txt"))
         [{'text': 'one'}, {'text': 'two'}]
     """
@@ -289,12 +289,16 @@ def token_labels(
 
 # ----- labels ---------------------------------------------------------------------------------
 def label_id(value: Any, label2id: Mapping[str, int], num_labels: int, where: str) -> int:
-    """A record's label as a class id: a name of ``label2id``, or an id (int or digits) below
-    ``num_labels``.
+    """A record's label as a class id: a name of ``label2id``, or an id (an int, or ASCII digits
+    with an optional minus sign) below ``num_labels``.
+
+    Example:
+        >>> label_id(" 2 ", {}, 3, "row 0"), label_id("pos", {"pos": 1}, 3, "row 1")
+        (2, 1)
 
     Raises:
-        FileFormatError: an unknown name, an id out of range, or a value of another type; the
-            message lists the known labels.
+        FileFormatError: an unknown name, an id out of range, or a value of another type
+            (``"--1"``, ``"²"``, ``"١"`` are not ids); the message lists the known labels.
     """
     known = f"known labels: {key_list(list(label2id), limit=10)} or ids 0..{num_labels - 1}"
     if isinstance(value, str) and value in label2id:
@@ -302,15 +306,33 @@ def label_id(value: Any, label2id: Mapping[str, int], num_labels: int, where: st
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    elif isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        digits = value.strip().lstrip("-")
+        if len(digits) > _MAX_DIGITS:  # beyond any label, and beyond what int() may parse
+            raise FileFormatError(
+                f"{where}: label id of {len(digits)} digits is out of range ({known})"
+            )
         number = int(value)
     if number is None:
         raise FileFormatError(
-            f"{where}: label {value!r} is not a label of the model's config.json ({known})"
+            f"{where}: label {_short(value)} is not a label of the model's config.json ({known})"
         )
     if not 0 <= number < num_labels:
-        raise FileFormatError(f"{where}: label id {number} is out of range ({known})")
+        shown = str(number) if number.bit_length() < 64 else f"of {number.bit_length()} bits"
+        raise FileFormatError(f"{where}: label id {shown} is out of range ({known})")
     return number
+
+
+_INTEGER = re.compile(r"-?[0-9]+", re.ASCII)
+"""An integer label written as text: ASCII digits only (``str.isdigit`` also takes ``"²"`` and
+Arabic-Indic digits, which ``int`` then rejects or reads as other numbers)."""
+_MAX_DIGITS = 18
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, at most 80 characters."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a huge int"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ----- tokenised batches ----------------------------------------------------------------------

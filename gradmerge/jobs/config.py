@@ -393,6 +393,11 @@ def _solver(r: _Reader) -> dict[str, Any]:
             )
         out["solver_tol"] = tol
     approximate = s.flag("approximate", default=False)
+    if isinstance(s.data.get("maxiter"), str):
+        raise ConfigError(
+            f"`solver.maxiter` must be a whole number, got the text {_shown(s.data['maxiter'])}: "
+            "write it without quotes (maxiter: 10)"
+        )
     maxiter = s.number("maxiter", default=0 if approximate else 1000, minimum=0)
     if maxiter != int(maxiter) or (maxiter == 0 and not approximate):
         raise ConfigError(
@@ -422,22 +427,34 @@ def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
-    """Warn when one checkpoint is listed as two models: it is then merged twice, as one model
-    with the sum of their weights — rarely what was meant."""
-    seen: dict[Path, int] = {}
+    """Warn, once, when a checkpoint is listed as several models: it is then merged as many
+    times, as one model with the sum of their weights — rarely what was meant. One warning
+    names every repeated checkpoint with its count (not one per repetition)."""
+    listed: dict[Path, list[int]] = {}
     for i, m in enumerate(models):
-        where = m.model.resolve() if check_files else m.model
-        if where in seen:
-            j = seen[where]
-            warnings.warn(
-                f"models[{j}].model and models[{i}].model are the same checkpoint ({m.model}): it "
-                f"is merged twice, as if listed once with alpha {models[j].alpha:g} + "
-                f"{m.alpha:g}; list it once (with the summed `alpha` if that is meant)",
-                InputWarning,
-                stacklevel=4,
-            )
-        else:
-            seen[where] = i
+        listed.setdefault(m.model.resolve() if check_files else m.model, []).append(i)
+    repeated = [indices for indices in listed.values() if len(indices) > 1]
+    if not repeated:
+        return
+    parts = []
+    for indices in repeated[:3]:
+        names = [f"models[{i}].model" for i in indices]
+        shown = " and ".join(names) if len(names) == 2 else ", ".join(names[:3])
+        if len(names) > 3:
+            shown += f", ... ({len(names) - 3} more)"
+        alpha = sum(models[i].alpha for i in indices)
+        parts.append(
+            f"{shown} are the same checkpoint ({models[indices[0]].model}), "
+            f"listed {len(indices)} times: it is merged {len(indices)} times, as if listed once "
+            f"with alpha {alpha:g}"
+        )
+    more = f"; and {len(repeated) - 3} more repeated checkpoint(s)" if len(repeated) > 3 else ""
+    warnings.warn(
+        "; ".join(parts) + more + ". List each checkpoint once (with the summed `alpha` if that "
+        "is meant)",
+        InputWarning,
+        stacklevel=4,
+    )
 
 
 def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
