@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from gradmerge import params
-from gradmerge._fused import fused_kernels
+from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -34,6 +34,7 @@ from gradmerge.errors import (
     FileFormatError,
     GradmergeError,
     InputWarning,
+    MissingExtraError,
     MissingInputError,
     NonFiniteError,
     NotConvergedError,
@@ -44,6 +45,7 @@ from gradmerge.errors import (
 )
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
+from gradmerge.evaluation import Evaluation, evaluate
 from gradmerge.merge import (
     fisher_average,
     gradient_matching,
@@ -56,16 +58,17 @@ from gradmerge.merge import (
 from gradmerge.solvers import Solution
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
-    from gradmerge import distributed, io, jobs
+    from gradmerge import distributed, io, jobs, kernels
     from gradmerge.io import open_checkpoint
     from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig, run_merge, run_remove
+    from gradmerge.kernels import fused_kernels
 
-__version__ = "0.1.0"
 
-_MODULES = ("distributed", "io", "jobs", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",
+    "fused_kernels": "gradmerge.kernels",
     **{
         name: "gradmerge.jobs"
         for name in ("MergeConfig", "MergeReport", "RemoveConfig", "run_merge", "run_remove")
@@ -99,6 +102,7 @@ __all__ = [
     "refine",
     "regmean",
     "fused_kernels",
+    "kernels",
     # curvature operators
     "Curvature",
     "ScaledIdentity",
@@ -118,6 +122,9 @@ __all__ = [
     "gradient_mismatch",
     "GradientMismatch",
     "GradientFn",
+    # accuracy and mean loss of a model on data
+    "evaluate",
+    "Evaluation",
     # parameter-dict algebra
     "params",
     # data-parallel estimation on torch.distributed (gm.distributed.estimate_curvature, ...)
@@ -125,6 +132,7 @@ __all__ = [
     # errors
     "GradmergeError",
     "InputWarning",
+    "MissingExtraError",
     "StructureError",
     "DTypeError",
     "DeviceError",

@@ -2,7 +2,7 @@
 
 Importing it warns (:class:`DeprecationWarning`) and gives the public names it used to hold; its
 modules moved: ``checkpoints.reader``/``writer``/``lora``/``official`` → ``gradmerge.io.reader``/
-``writer``/``lora_models``/``official``; ``checkpoints.config``/``plan``/``engine``/
+``writer``/``lora``/``official``; ``checkpoints.config``/``plan``/``engine``/
 ``conditioning``/``refine``/``rules`` → ``gradmerge.jobs.*``; ``checkpoints.errors`` →
 :mod:`gradmerge.errors`.
 

@@ -13,7 +13,7 @@ added with ``all_reduce``, so the result equals the single-process estimate on a
 - :func:`run_merge`, :func:`run_remove` — the streaming merge/removal of
   :mod:`gradmerge.jobs` with its units split over the ranks, each rank writing its own
   shards, one index at the end (:mod:`gradmerge.distributed.merge`; imported on first use).
-- ``torchrun -m gradmerge.distributed curvature|merge|remove ...`` — the command line
+- ``torchrun -m gradmerge.commands.distributed curvature|merge|remove ...`` — the command line
   (:mod:`gradmerge.commands.distributed`); process-group helpers in
   :mod:`gradmerge.distributed.launch`.
 """

@@ -4,8 +4,8 @@
   Face model folder, read tensor by tensor (:mod:`~gradmerge.io.reader`);
 - :class:`ShardedWriter`, :func:`staged_output` — sharded safetensors written atomically into a
   staging folder that appears under its name only when complete (:mod:`~gradmerge.io.writer`);
-- :mod:`~gradmerge.io.lora`, :mod:`~gradmerge.io.lora_models` — PEFT LoRA adapters, as weight
-  dicts and as lazily merged checkpoints θ_0 + (α/r)·B·A;
+- :mod:`~gradmerge.io.lora` — PEFT LoRA adapters, applied to a state dict or read as lazily
+  merged checkpoints θ_0 + (α/r)·B·A;
 - :mod:`~gradmerge.io.official` — the paper's official Fisher files converted to curvature files;
 - :mod:`~gradmerge.io.sources`, :mod:`~gradmerge.io.text_data` — the MODEL and DATA arguments of
   the commands (Hugging Face folders, tensor files, entry points; JSONL/CSV/TXT text, tokenised).

@@ -5,36 +5,9 @@ The library side of ``gradmerge curvature MODEL DATA OUT`` (and of its data-para
 arguments into an ``nn.Module`` and batches that :func:`gradmerge.estimate_curvature` accepts, and
 records where they came from (:func:`provenance`).
 
-MODEL is either
-
-- a Hugging Face model folder (``config.json`` naming the class in ``architectures``,
-  safetensors weights), loaded offline with that transformers class; or
-- a Python entry point ``module:function`` or ``path/to/file.py:function``: a function returning
-  the ``nn.Module`` (the current folder is importable, as with ``python -m``), called with the
-  keyword arguments given as ``--model-arg KEY=VALUE`` (none by default).
-
-DATA is one of
-
-- text: ``.jsonl``, ``.csv``/``.tsv``, ``.txt`` or a ``datasets`` folder (``save_to_disk``),
-  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
-  or causal language modelling (:mod:`gradmerge.io.text_data`);
-- a tensor file (``.safetensors``, or ``.pt``/``.pth`` read with ``torch.load(weights_only=True)``)
-  holding ``inputs`` and ``targets``, or ``input_ids`` and ``labels`` (optionally
-  ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`); ``labels``
-  either one per position, or one class per sequence, shape (examples,);
-- an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
-  accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``, called with the
-  keyword arguments given as ``--data-arg KEY=VALUE``, so that one function serves several tasks
-  (``--data-arg task=sentiment``); its first ``--max-examples`` examples, and at most
-  :data:`MAX_ENTRY_POINT_EXAMPLES` without it (an endless iterator stops with an error).
-
-An entry point RUNS CODE: its module is imported and its function called, with your
-permissions, as ``python -c "import module"`` would. Name only code you trust, and trust a
-YAML file that names one (``gradmerge refine``) as you would a script: gradmerge refuses entry
-points in YAML files unless ``--allow-entry-points`` or ``GRADMERGE_ALLOW_ENTRY_POINTS=1`` says
-so (``docs/trust.md``). Folders and files are only read, never run: weights through
-safetensors (or ``torch.load(weights_only=True)``), models by the transformers class their
-config names (no remote code), YAML with a safe loader.
+The forms MODEL and DATA take are :data:`FORMS` (a string, shown by ``gradmerge curvature
+--help`` also under ``python -OO``): a Hugging Face folder or an entry point for MODEL; text
+(:mod:`gradmerge.io.text_data`), a tensor file (:class:`TensorBatches`) or an entry point for DATA.
 
 Example:
     >>> import torch
@@ -61,6 +34,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
+from gradmerge._version import __version__
 from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
 from gradmerge.io.lora import is_adapter, merged_state_dict
 from gradmerge.io.text_data import (
@@ -73,6 +48,40 @@ from gradmerge.io.text_data import (
     token_labels,
     vocabulary_of,
 )
+
+FORMS = """\
+MODEL is either
+
+- a Hugging Face model folder (config.json naming the class in architectures,
+  safetensors weights), loaded offline with that transformers class; or
+- a Python entry point module:function or path/to/file.py:function: a function returning
+  the nn.Module (the current folder is importable, as with python -m), called with the
+  keyword arguments given as --model-arg KEY=VALUE (none by default).
+
+DATA is one of
+
+- text: .jsonl, .csv/.tsv, .txt or a datasets folder (save_to_disk),
+  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
+  or causal language modelling (gradmerge.io.text_data);
+- a tensor file (.safetensors, or .pt/.pth read with torch.load(weights_only=True))
+  holding inputs and targets, or input_ids and labels (optionally
+  attention_mask, token_type_ids), cut into batches (TensorBatches); labels
+  either one per position, or one class per sequence, shape (examples,);
+- an entry point returning an iterable of batches, as gradmerge.estimate_curvature
+  accepts: (inputs, targets) pairs or Hugging Face dicts with "labels", called with the
+  keyword arguments given as --data-arg KEY=VALUE, so that one function serves several tasks
+  (--data-arg task=sentiment); its first --max-examples examples, and at most 10,000,000
+  without it (an iterator that does not end stops with an error).
+
+An entry point RUNS CODE: its module is imported and its function called, with your
+permissions, as python -c "import module" would. Name only code you trust, and trust a YAML
+file that names one (gradmerge refine) as you would a script: gradmerge refuses entry points in
+YAML files unless --allow-entry-points or GRADMERGE_ALLOW_ENTRY_POINTS=1 says so
+(docs/trust.md). Folders and files are only read, never run: weights through safetensors (or
+torch.load(weights_only=True)), models by the transformers class their config names (no remote
+code), YAML with a safe loader.
+"""
+"""The forms of MODEL and DATA, as ``gradmerge curvature --help`` shows them."""
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 LM_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids")
@@ -231,7 +240,9 @@ def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.M
     Raises:
         FileFormatError: no ``config.json``, no class, no safetensors weights; weights missing,
             unexpected or of another shape (named, with the fix).
+        MissingExtraError: transformers is not installed (``pip install 'gradmerge[hf]'``).
     """
+    require("hf", f"the Hugging Face model folder {folder}")
     import transformers
 
     config_file = folder / "config.json"
@@ -436,12 +447,9 @@ class _SizedBounded(_Bounded):
 
 
 def _first(batches: Iterator[Any], spec: str, limit: int | None) -> Iterator[Any]:
-    from gradmerge.estimate._data import split_batch
-
     seen = 0
-    for index, batch in enumerate(batches):
-        _, targets = split_batch(batch, index)
-        rows = int(targets.shape[0]) if targets.ndim else 1
+    for batch in batches:
+        rows = _rows(batch)
         if limit is not None and seen + rows >= limit:
             yield batch if seen + rows == limit else _cut(batch, limit - seen, rows)
             return
@@ -453,6 +461,23 @@ def _first(batches: Iterator[Any], spec: str, limit: int | None) -> Iterator[Any
                 "`text: {max_examples: N}`) to use its first N examples"
             )
         yield batch
+
+
+def _rows(batch: Any) -> int:
+    """The examples in a batch: the first dimension of its targets (``(inputs, targets)``) or
+    ``labels`` (a Hugging Face dict); the estimators check the batch itself."""
+    if isinstance(batch, Mapping):
+        targets = batch.get("labels")
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        targets = batch[1]
+    else:
+        targets = None
+    if not isinstance(targets, Tensor):
+        raise ArgumentError(
+            f"a batch of {type(batch).__name__} has no targets to count examples by; expected "
+            "(inputs, targets) or a dict with 'labels'"
+        )
+    return int(targets.shape[0]) if targets.ndim else 1
 
 
 def _cut(batch: Any, keep: int, rows: int) -> Any:
@@ -748,15 +773,13 @@ def provenance(
     base model it was applied to (:func:`adapter_base`, ``base`` if given) and a fingerprint of
     that base's weights (:func:`base_fingerprint`).
     """
-    import gradmerge
-
     data_kind_ = data_kind(data)
     meta = {
         "source.model": describe_source(model, model_kind(model)),
         "source.data": describe_source(data, data_kind_),
         "source.ignore_index": str(ignore_index),
         "source.device": str(device),
-        "source.gradmerge": gradmerge.__version__,
+        "source.gradmerge": __version__,
         "source.torch": torch.__version__,
     }
     for key, value in (("seed", seed), ("mc_samples", mc_samples)):

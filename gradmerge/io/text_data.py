@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 
@@ -360,6 +361,8 @@ def load_tokenizer(folder: str) -> Any:
 
     Raises:
         ArgumentError: ``folder`` is not a folder, or holds no tokenizer files.
+        MissingExtraError: transformers or tokenizers is not installed
+            (``pip install 'gradmerge[hf]'``).
     """
     if not Path(folder).is_dir():
         raise ArgumentError(
@@ -372,6 +375,7 @@ def load_tokenizer(folder: str) -> Any:
             f"{folder} holds no usable tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
             "next to the model with tokenizer.save_pretrained(folder), or pass --tokenizer FOLDER"
         )
+    require("hf", "text DATA (tokenised with the model folder's Hugging Face tokenizer)")
     import transformers
 
     try:
@@ -599,6 +603,25 @@ class TextBatches:
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         for chunk, _ in self._chunks():
             yield self.batch(chunk)
+
+    def by_length(self) -> tuple[list[dict[str, Tensor]], list[int]]:
+        """The examples in batches of similar length (shortest first), and their order.
+
+        Each batch is padded to its longest sequence, so grouping by length saves the compute
+        spent on padding; what a model gives an example does not depend on its batch (padding
+        is masked), up to rounding. ``order[j]`` is the index of the j-th example of the batches
+        (``gm.Evaluation.in_order`` puts per-example results back into the data's order).
+        Sorting needs every example at once: this holds all of them (as token lists), unlike
+        iterating, whose memory is one batch.
+        """
+        examples = [e for chunk, _ in self._chunks() for e in chunk]
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+        size = self.batch_size
+        batches = [
+            self.batch([examples[i] for i in order[s : s + size]])
+            for s in range(0, len(order), size)
+        ]
+        return batches, order
 
     def batch(self, chosen: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Tokenised examples (token lists) padded on the right into one Hugging Face batch

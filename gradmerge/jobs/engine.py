@@ -35,16 +35,19 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _memory, _weight_sample
+from gradmerge import _weight_sample
+from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
-from gradmerge.curvature import KFAC, Curvature
+from gradmerge._version import __version__
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, Sum
+from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     PD_FIX,
@@ -52,16 +55,18 @@ from gradmerge.errors import (
     ConfigError,
     GradmergeError,
     InputWarning,
+    NonFiniteError,
     NotPositiveDefiniteError,
     ResultOverflowError,
     StepTooLargeError,
 )
-from gradmerge.io.lora_models import open_model
+from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.jobs import rules
+from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.jobs.plan import Coverage, Plan, Unit, build_plan
+from gradmerge.jobs.plan import Plan, Unit, build_plan
+from gradmerge.kernels import memory, select
 from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -381,18 +386,12 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     prior_files = _open_term(config.prior, "prior", stack)
     files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
     files.update(prior_files)
-    coverage: Coverage = (
-        "none"
-        if config.method == "task_arithmetic"
-        else "kfac"
-        if config.method == "regmean"
-        else "all"
-    )
+    spec = methods.get(config.method)
     plan = build_plan(
         base,
         [(f"models[{i}].model", m) for i, m in enumerate(models)],
         list(files.items()),
-        coverage=coverage,
+        coverage=spec.coverage,
         passthrough=config.passthrough,
         out_dtype=config.out_dtype,
         allow_mixed_dtypes=config.allow_mixed_dtypes,
@@ -406,6 +405,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas = config.alphas
+    kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
 
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
@@ -413,18 +413,19 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
-        return rules.merge_unit(
-            config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
-        )
+        try:
+            return rule(
+                theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping, kernel=kernel
+            )
+        except GradmergeError as err:
+            named = {f"curvatures[{t}]": h for t, h in enumerate(hs)}
+            _raise_non_finite({**named, "prior": prior}, err)
+            raise
 
-    hint = {
-        "gradient_matching": "raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive "
-        "definite",
-        "fisher_average": "set `damping:` ({example}) so that Σ α_t H_t is positive definite",
-        "regmean": "set `damping:` ({example}) so that the summed Gram matrices are invertible",
-    }.get(config.method, "")
+    rule = cast(rules.MergeRule, spec.rule)
+    hint = spec.hint
     negative = [f"models[{i}].alpha" for i, a in enumerate(config.alphas) if a < 0]
-    if negative and config.method != "task_arithmetic":
+    if negative and "curvature" in spec.uses:
         hint = (
             f"{', '.join(negative)} (times `scale`) is negative, which subtracts that model's "
             "curvature from H̄: make it smaller in magnitude, or " + hint
@@ -473,6 +474,8 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         pairs.append(("curvature", curv, [("model", model), *at_base]))
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
+    spec = methods.get(config.method)
+    rule = cast(rules.RemoveRule, spec.rule)
 
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
@@ -481,16 +484,22 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        out = rules.remove_unit(
-            config.method,
-            theta,
-            remaining=remaining,
-            alpha=config.alpha,
-            finetuned=finetuned,
-            curvature=_restrict(curv, keys, device, dtype, config),
-            prior=_term_precision(config.prior, prior_files, keys, device, dtype, config),
-            gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
-        )
+        curvature = _restrict(curv, keys, device, dtype, config)
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        try:
+            out = rule(
+                theta,
+                remaining=remaining,
+                alpha=config.alpha,
+                finetuned=finetuned,
+                curvature=curvature,
+                prior=prior,
+                gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
+            )
+        except GradmergeError as err:
+            named = {"curvature": curvature, "prior": prior, "remaining": remaining}
+            _raise_non_finite(named, err)
+            raise
         reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
         step.add({k: out[k] - theta[k] for k in keys}, reference)
         return out
@@ -502,11 +511,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         checkpoints["model"] = model
     if gradient is not None:
         checkpoints["gradient"] = gradient
-    hint = (
-        "the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
-        "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
-        "data that stays"
-    )
+    hint = spec.hint
     return Job(
         "remove",
         plan,
@@ -580,6 +585,37 @@ def _term_precision(
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
+def _raise_non_finite(curvatures: Mapping[str, object], err: GradmergeError) -> None:
+    """After a unit's rule failed with ``err``: a :class:`NonFiniteError` naming a NaN/Inf among
+    the unit's diagonal curvature values, if there is one (from ``err``).
+
+    The engine reads curvature files without their NaN/Inf check (:func:`_restrict`), which
+    saves a read of every value: a non-finite value cannot pass unnoticed (the diagonal merge's
+    own pass catches it, and every rule refuses a non-finite result), but the rule that fails
+    may not know which input it came from. This names it, as ``curvatures[t]``, ``prior``,
+    ``curvature`` or ``remaining`` (the rules' argument names)."""
+    for name, curvature in curvatures.items():
+        for values in _diagonal_values(curvature):
+            try:
+                P.check_finite(values, name=name)
+            except NonFiniteError as found:
+                raise found from err
+
+
+def _diagonal_values(curvature: object) -> list[dict[str, Tensor]]:
+    """The values of every diagonal part of ``curvature`` (the unshifted values of a lazy
+    δ·I + s·C, whose finiteness is theirs)."""
+    if isinstance(curvature, ShiftedDiagonal):
+        return _diagonal_values(curvature.unshifted)
+    if isinstance(curvature, Diagonal):
+        return [curvature.values]
+    if isinstance(curvature, Blocks):
+        return [v for block in curvature.blocks for v in _diagonal_values(block)]
+    if isinstance(curvature, Sum):
+        return [v for term in curvature.terms for v in _diagonal_values(term)]
+    return []
+
+
 def _restrict(
     file: CurvatureFile | None,
     keys: Sequence[str],
@@ -588,8 +624,9 @@ def _restrict(
     options: Options,
 ) -> Curvature | None:
     """The unit's part of a curvature file, its K-FAC solves set to ``solver:`` of ``options``;
-    NaN/Inf values are caught by the merge rule that uses them
-    (:meth:`CurvatureFile.restrict` with ``check_finite=False``): one read less."""
+    diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
+    ``check_finite=False``: one read less), which the unit's rule and :func:`_raise_non_finite`
+    make up for."""
     if file is None:
         return None
     part = file.restrict(keys, device=device, dtype=dtype, check_finite=False)
@@ -620,12 +657,10 @@ def _execute(
     plan = job.plan
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
     bar = _progress(progress, plan.out_bytes(), job.command, len(entries))
-    numels = [math.prod(plan.shapes[k]) for k in plan.merged]
     removed, left = remove_stale_stages(target)
     with (
         staged_output(target, overwrite=overwrite) as stage,
-        _fused.job(numels),
-        _memory.recycling(),  # each output is written and dropped before the next is made
+        memory.recycling(),  # each output is written and dropped before the next is made
     ):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
@@ -758,8 +793,6 @@ def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]
 
 
 def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
-    from gradmerge import __version__
-
     record: dict[str, Any] = {
         "gradmerge_version": __version__,
         "torch_version": torch.__version__,

@@ -9,27 +9,10 @@ steps towards the multi-task MAP θ_{1:T} = argmin Σ_t α_t ℓ̄_t(θ) + ½‖
         \Big[H_0(\theta^k - \theta_{LLM}) + \sum_t \alpha_t \nabla\bar\ell_t(\theta^k)\Big],
 
 with each task's gradient and curvature (SUMS over D_t) re-estimated at the iterate θ^k (and a
-backtracking on the norm of the bracket, the stationarity residual R). Configuration (YAML;
-relative paths are relative to its folder)::
-
-    start: merged/                      # θ^0: a Hugging Face folder (e.g. `gradmerge merge`'s output)
-    base_model: path/to/base            # θ_LLM
-    models:
-      - model: path/to/finetuned_a      # θ_t (for the gradient mismatch of Eq. 2)
-        data: task_a.safetensors        # D_t: a tensor file or module:function (as `curvature`)
-        alpha: 1.0                      # α_t
-      - {model: path/to/finetuned_b, data: mypkg.data:task_b}
-    prior: {delta: 1.0e-3}              # H_0 = δI (+ scale · curvature file)
-    steps: 2                            # 1 ≤ k ≤ 100
-    structure: kfac                     # H_t at each iterate: diag | kfac | full
-    fisher: empirical                   # empirical | mc | ggn | hessian (full only)
-    loss: cross_entropy                 # cross_entropy | mse
-    batch_size: 16                      # rows per batch of a tensor file
-    shift_labels: false                 # causal-LM labels = input_ids (see `gradmerge curvature`)
-    ignore_index: -100
-    seed: 0                             # Monte-Carlo labels (fisher: mc)
-    device: auto                        # auto | cpu | cuda | cuda:N
-    text: {text_field: text, label_field: label, max_length: 128}   # text DATA (as `curvature`)
+backtracking on the norm of the bracket, the stationarity residual R). The configuration is a
+YAML file (:class:`RefineConfig`): ``start`` (θ^0), ``base_model`` (θ_LLM), ``models`` (each
+θ_t with its ``data`` and ``alpha``), ``prior`` (H_0), ``steps`` (k) and how H_t is estimated;
+every key, its default and an example are in ``docs/config.md``.
 
 MODEL entries (``start``, ``base_model``, ``models[].model``) are Hugging Face folders or
 ``module:function`` entry points, DATA entries text (``.jsonl``, ``.csv``/``.tsv``, ``.txt``, a
@@ -79,6 +62,7 @@ from torch import Tensor, nn
 from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._text import key_list
+from gradmerge._version import __version__
 from gradmerge.curvature import Curvature, load_curvature
 from gradmerge.diagnostics import gradient_mismatch
 from gradmerge.errors import (
@@ -558,6 +542,4 @@ def _save(model: nn.Module, stage: Path, start: str) -> list[str]:
 
 
 def _version() -> str:
-    from gradmerge import __version__
-
     return __version__

@@ -21,7 +21,7 @@ import gradmerge as gm
 from gradmerge import cli
 from gradmerge.errors import FileFormatError, StructureError
 from gradmerge.io import open_checkpoint
-from gradmerge.io.lora_models import LoraCheckpoint
+from gradmerge.io.lora import LoraCheckpoint
 from proofs_tests.checkpoints.test_official_curvature import _Payload
 from proofs_tests.text_models import bert_classifier, gpt2_lm
 

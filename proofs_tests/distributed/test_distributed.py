@@ -380,7 +380,7 @@ def test_an_existing_output_is_refused_on_every_rank(main_job):
 
 
 def test_command_line_merge_under_torchrun(main_job):
-    """``-m gradmerge.distributed merge CONFIG OUT``: the same tensors as the API's merge."""
+    """``-m gradmerge.commands.distributed merge CONFIG OUT``: the same tensors as the API's merge."""
     from gradmerge.io import open_checkpoint
 
     outdir, ranks = main_job
