@@ -413,10 +413,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        unit_inputs = rules.MergeUnit(theta, fts, hs, alphas, prior, config.damping, kernel)
         try:
-            return rule(
-                theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping, kernel=kernel
-            )
+            return rule(unit_inputs)
         except GradmergeError as err:
             named = {f"curvatures[{t}]": h for t, h in enumerate(hs)}
             _raise_non_finite({**named, "prior": prior}, err)
@@ -486,16 +485,12 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         finetuned = _read(model, keys, device, dtype) if model is not None else None
         curvature = _restrict(curv, keys, device, dtype, config)
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        grad = _read(gradient, keys, device, dtype) if gradient is not None else None
+        unit_inputs = rules.RemoveUnit(
+            theta, remaining, config.alpha, finetuned, curvature, prior, grad
+        )
         try:
-            out = rule(
-                theta,
-                remaining=remaining,
-                alpha=config.alpha,
-                finetuned=finetuned,
-                curvature=curvature,
-                prior=prior,
-                gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
-            )
+            out = rule(unit_inputs)
         except GradmergeError as err:
             named = {"curvature": curvature, "prior": prior, "remaining": remaining}
             _raise_non_finite(named, err)
