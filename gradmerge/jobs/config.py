@@ -60,11 +60,17 @@ _REQUIRED: Any = object()
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t."""
+    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t.
+
+    ``adapter_base``: when ``model`` is a LoRA adapter, the base it was trained on, if its
+    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.io.sources.adapter_base`); it
+    must hold the merge's ``base_model`` weights.
+    """
 
     model: Path
     curvature: Path | None = None
     alpha: float = 1.0
+    adapter_base: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,11 @@ class Options(FromYaml):
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON values (paths absolute), for the run's record."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "source" and not _unused(self, f.name)
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +260,7 @@ class RemoveConfig(Options):
     curvature: Path | None = None
     prior: CurvatureTerm | None = None
     gradient: Path | None = None
+    adapter_base: Path | None = None
     step_check: str = "refuse"
     max_relative_step: float = 100.0
 
@@ -263,6 +274,7 @@ class RemoveConfig(Options):
             "method",
             "base_model",
             "model",
+            "adapter_base",
             "curvature",
             "prior",
             "gradient",
@@ -274,6 +286,7 @@ class RemoveConfig(Options):
         )
         uses = spec.uses
         model = r.path("model", default=_wanted(spec, "model")) if "model" in uses else None
+        adapter_base = r.path("adapter_base", default=None) if "model" in uses else None
         curvature = None
         if "curvature" in uses:
             curvature = r.path("curvature", kind="file", default=_wanted(spec, "curvature"))
@@ -286,6 +299,8 @@ class RemoveConfig(Options):
         for key in methods.KEYS["remove"]:
             if key not in spec.uses:
                 r.forbid(key, method, spec.refusal(key))
+        if "model" not in uses:
+            r.forbid("adapter_base", method, spec.refusal("model"))
         assert spec.max_relative_step is not None  # every removal method has one
         remaining = _term(r, "remaining", required=True)
         assert remaining is not None  # required=True
@@ -295,6 +310,7 @@ class RemoveConfig(Options):
             model=model,
             curvature=curvature,
             gradient=gradient,
+            adapter_base=adapter_base,
             prior=prior,
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
@@ -365,6 +381,11 @@ def _solver(r: _Reader) -> dict[str, Any]:
             )
         out["solver_tol"] = tol
     approximate = s.flag("approximate", default=False)
+    if isinstance(s.data.get("maxiter"), str):
+        raise ConfigError(
+            f"`solver.maxiter` must be a whole number, got the text {_shown(s.data['maxiter'])}: "
+            "write it without quotes (maxiter: 10)"
+        )
     maxiter = s.number("maxiter", default=0 if approximate else 1000, minimum=0)
     if maxiter != int(maxiter) or (maxiter == 0 and not approximate):
         raise ConfigError(
@@ -379,32 +400,49 @@ def _solver(r: _Reader) -> dict[str, Any]:
 def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
-    m.allow("model", "curvature", "alpha")
+    m.allow("model", "curvature", "alpha", "adapter_base")
     if spec.need("curvature") == "forbidden":
         m.forbid("curvature", spec.name, spec.refusal("curvature"))
         curvature = None
     else:
         curvature = m.path("curvature", kind="file", default=_wanted(spec, "curvature"))
-    return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
+    return ModelInput(
+        model=m.path("model"),
+        curvature=curvature,
+        alpha=m.number("alpha", 1.0),
+        adapter_base=m.path("adapter_base", default=None),
+    )
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
-    """Warn when one checkpoint is listed as two models: it is then merged twice, as one model
-    with the sum of their weights — rarely what was meant."""
-    seen: dict[Path, int] = {}
+    """Warn, once, when a checkpoint is listed as several models: it is then merged as many
+    times, as one model with the sum of their weights — rarely what was meant. One warning
+    names every repeated checkpoint with its count (not one per repetition)."""
+    listed: dict[Path, list[int]] = {}
     for i, m in enumerate(models):
-        where = m.model.resolve() if check_files else m.model
-        if where in seen:
-            j = seen[where]
-            warnings.warn(
-                f"models[{j}].model and models[{i}].model are the same checkpoint ({m.model}): it "
-                f"is merged twice, as if listed once with alpha {models[j].alpha:g} + "
-                f"{m.alpha:g}; list it once (with the summed `alpha` if that is meant)",
-                InputWarning,
-                stacklevel=4,
-            )
-        else:
-            seen[where] = i
+        listed.setdefault(m.model.resolve() if check_files else m.model, []).append(i)
+    repeated = [indices for indices in listed.values() if len(indices) > 1]
+    if not repeated:
+        return
+    parts = []
+    for indices in repeated[:3]:
+        names = [f"models[{i}].model" for i in indices]
+        shown = " and ".join(names) if len(names) == 2 else ", ".join(names[:3])
+        if len(names) > 3:
+            shown += f", ... ({len(names) - 3} more)"
+        alpha = sum(models[i].alpha for i in indices)
+        parts.append(
+            f"{shown} are the same checkpoint ({models[indices[0]].model}), "
+            f"listed {len(indices)} times: it is merged {len(indices)} times, as if listed once "
+            f"with alpha {alpha:g}"
+        )
+    more = f"; and {len(repeated) - 3} more repeated checkpoint(s)" if len(repeated) > 3 else ""
+    warnings.warn(
+        "; ".join(parts) + more + ". List each checkpoint once (with the summed `alpha` if that "
+        "is meant)",
+        InputWarning,
+        stacklevel=4,
+    )
 
 
 def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
@@ -659,11 +697,21 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
     return short.repr(value)
 
 
+def _unused(value: Any, name: str) -> bool:
+    """An optional key left out of records when not given (records of runs without it stay as
+    they were)."""
+    return name == "adapter_base" and getattr(value, name) is None
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, (ModelInput, CurvatureTerm)):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in fields(value)
+            if not _unused(value, f.name)
+        }
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value

@@ -378,7 +378,7 @@ def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
 
 def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    models = [stack.enter_context(open_model(m.model, base)) for m in config.models]
+    models = [stack.enter_context(open_model(m.model, base, m.adapter_base)) for m in config.models]
     curvs = [
         stack.enter_context(open_curvature(m.curvature)) if m.curvature is not None else None
         for m in config.models
@@ -445,7 +445,11 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    model = stack.enter_context(open_model(config.model, base)) if config.model else None
+    model = (
+        stack.enter_context(open_model(config.model, base, config.adapter_base))
+        if config.model
+        else None
+    )
     gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
     curv = stack.enter_context(open_curvature(config.curvature)) if config.curvature else None
     prior_files = _open_term(config.prior, "prior", stack)
