@@ -35,7 +35,9 @@ the base, judged by a sample hash of the weights recorded at estimation; default
 certified to — default 1e-5 in float32, 1e-10 in float64 — and the CG iterations per round;
 each layer's method, iterations and residual go into the record; ``approximate: true``, never
 the default, accepts each layer after at most ``maxiter`` CG iterations, default 0 = the
-eigenbasis preconditioner's solve alone, with its measured residual, instead of an error).
+eigenbasis preconditioner's solve alone, with its measured residual, instead of an error;
+``precision: bfloat16`` runs the CG's inner products in bfloat16 under a float32 refinement,
+same certificate; ``warm_start: false`` starts CG from the preconditioner's solve alone).
 Relative paths are relative to the YAML file's folder. Unknown keys, missing keys, keys a
 method does not use, keys given twice, files that are not UTF-8 and missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
 shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
@@ -58,6 +60,7 @@ import torch
 
 from gradmerge.checkpoints.errors import ConfigError, MissingInputError
 from gradmerge.errors import InputWarning
+from gradmerge.solvers.spec import PRECISIONS, Precision
 
 MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
 REMOVE_METHODS = ("remove", "influence_remove")
@@ -160,6 +163,8 @@ class Options(FromYaml):
     solver_tol: float | None = None
     solver_maxiter: int = 1000
     solver_approximate: bool = False
+    solver_precision: Precision = "working"
+    solver_warm_start: bool = True
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -359,15 +364,18 @@ def _options(r: _Reader) -> dict[str, Any]:
 
 
 def _solver(r: _Reader) -> dict[str, Any]:
-    """``solver: {tol, maxiter, approximate}``: the certified relative residual of every K-FAC
+    """``solver: {tol, maxiter, approximate, precision, warm_start}``, the fields of
+    :class:`gradmerge.SolverSpec` one to one: the certified relative residual of every K-FAC
     layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
-    1000) and, with ``approximate: true`` (never the default), accepting each layer after at
+    1000), with ``approximate: true`` (never the default) accepting each layer after at
     most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
-    measured residual instead of an error."""
+    measured residual instead of an error, ``precision`` (working | bfloat16: the dtype of the
+    CG's inner Kronecker products; the certificate is the same) and ``warm_start`` (default
+    true)."""
     if r.data.get("solver") is None:
         return {}
     s = r.sub(r.data["solver"], "solver")
-    s.allow("tol", "maxiter", "approximate")
+    s.allow("tol", "maxiter", "approximate", "precision", "warm_start")
     out: dict[str, Any] = {}
     if s.data.get("tol") is not None:
         tol = s.number("tol")
@@ -386,6 +394,8 @@ def _solver(r: _Reader) -> dict[str, Any]:
         )
     out["solver_maxiter"] = int(maxiter)
     out["solver_approximate"] = approximate
+    out["solver_precision"] = s.choice("precision", PRECISIONS, default="working")
+    out["solver_warm_start"] = s.flag("warm_start", default=True)
     return out
 
 

@@ -3,7 +3,8 @@
 No formula lives here: every branch calls one function of :mod:`gradmerge.merge` with the unit's
 tensors and the unit's restriction of each curvature, so a streamed merge computes, unit by
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
-never couple two units).
+never couple two units). The solver settings come in explicitly (``solver``); each call returns
+the unit's tensors with the report of its solve (``None`` for a method that solves nothing).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentit
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.kronecker import eye_like
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 Precision = Curvature | float
 
@@ -42,8 +45,10 @@ def merge_unit(
     alphas: Sequence[float],
     prior: Precision | None = None,
     damping: float = 0.0,
-) -> dict[str, Tensor]:
-    """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts.
+    solver: SolverSpec | None = None,
+) -> tuple[dict[str, Tensor], Solution | None]:
+    """The merged unit and its solve's report: ``method`` of :class:`MergeConfig` on the unit's
+    sub-dicts, solved as ``solver`` says.
 
     - ``task_arithmetic``: :func:`gm.task_arithmetic` (curvatures unused);
     - ``fisher_average``: :func:`gm.fisher_average` with H_t + damping·I;
@@ -55,17 +60,25 @@ def merge_unit(
       :func:`gm.fisher_average` with identity curvatures.
     """
     if method == "task_arithmetic":
-        return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
+        return merge.task_arithmetic(base, finetuned, alphas=list(alphas)), None
     if method == "regmean":
-        return _regmean(finetuned, curvatures, alphas, damping)
+        return _regmean(finetuned, curvatures, alphas, damping), None
     hs = [_required(c, t) for t, c in enumerate(curvatures)]
     if method == "fisher_average":
         damped = [h + damping if damping else h for h in hs]
-        return merge.fisher_average(finetuned, damped, alphas=list(alphas))
+        return merge.fisher_average(finetuned, damped, alphas=list(alphas)), None
     if method == "gradient_matching":
         if prior is None:
             raise ArgumentError("gradient_matching needs a prior H_0")
-        return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
+        return merge.gradient_matching(
+            base,
+            finetuned,
+            hs,
+            prior=prior,
+            alphas=list(alphas),
+            solver=solver,
+            return_solution=True,
+        )
     raise ArgumentError(f"unknown merge method {method!r}")
 
 
@@ -79,8 +92,10 @@ def remove_unit(
     curvature: Curvature | None = None,
     prior: Precision | None = None,
     gradient: Params | None = None,
-) -> dict[str, Tensor]:
-    """The unit with data removed: :func:`gm.remove` (Eq. 13) or :func:`gm.influence_remove`."""
+    solver: SolverSpec | None = None,
+) -> tuple[dict[str, Tensor], Solution]:
+    """The unit with data removed, and its solve's report: :func:`gm.remove` (Eq. 13) or
+    :func:`gm.influence_remove`, solved as ``solver`` says."""
     if method == "remove":
         if finetuned is None or prior is None:
             raise ArgumentError("remove needs the fine-tuned model θ_t and the prior H_0")
@@ -91,11 +106,15 @@ def remove_unit(
             remaining=remaining,
             prior=prior,
             alpha=alpha,
+            solver=solver,
+            return_solution=True,
         )
     if method == "influence_remove":
         if gradient is None:
             raise ArgumentError("influence_remove needs the gradient ∇ℓ̄_t(θ_LLM)")
-        return merge.influence_remove(base, gradient, remaining=remaining, alpha=alpha)
+        return merge.influence_remove(
+            base, gradient, remaining=remaining, alpha=alpha, solver=solver, return_solution=True
+        )
     raise ArgumentError(f"unknown removal method {method!r}")
 
 
