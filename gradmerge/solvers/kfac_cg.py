@@ -37,7 +37,8 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,6 +70,9 @@ NOISE = 32
 
 MIN_SIDE = 128
 """Sides smaller than this are never reduced (their whole solve is cheap)."""
+
+SMALL = 256 * 256
+"""Reduced systems of at most this many unknowns are solved with one intra-op thread."""
 
 MAX_RANK = 512
 """The largest joint factor rank a low-rank reduction looks for (its pivoted Cholesky costs
@@ -386,9 +390,24 @@ class LowRank:
         """x = K'⁻¹ b, K' the operator on the kept ranges (``x0`` is not needed: direct)."""
         wide = b.to(torch.float64)
         bh = self.qg.T @ wide @ self.qa
-        y, its = self.inner.solve(bh, target / 4, maxiter)
+        with _one_thread(bh.numel() <= SMALL):  # products too small to share between threads
+            y, its = self.inner.solve(bh, target / 4, maxiter)
         x = (wide - self.qg @ bh @ self.qa.T) / self.delta + self.qg @ y @ self.qa.T
         return x.to(b.dtype), its
+
+
+@contextmanager
+def _one_thread(small: bool) -> Iterator[None]:
+    """One intra-op thread for CG on a small reduced system, whose many tiny products would
+    otherwise pay a thread barrier each (costly on a busy machine); restored afterwards."""
+    threads = torch.get_num_threads()
+    if small and threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _scale(terms: list[Term]) -> float:

@@ -1,6 +1,6 @@
 """Text examples as batches: JSONL, CSV/TSV, plain text and ``datasets`` folders, tokenised.
 
-The text path of ``gradmerge curvature MODEL DATA OUT`` (:mod:`gradmerge.sources`): records are
+The text path of ``gradmerge curvature MODEL DATA OUT`` (:mod:`gradmerge.io.sources`): records are
 read from DATA, tokenised with the MODEL folder's own tokenizer (``AutoTokenizer``, offline) and
 cut into padded batches that :func:`gradmerge.estimate_curvature` accepts. Formats:
 
@@ -18,7 +18,7 @@ Two tasks, chosen by the model's class (``config.architectures``):
 - causal language modelling (``...ForCausalLM``, ``...LMHeadModel``): each record is a text; the
   targets are the next tokens, ``labels[:, s] = input_ids[:, s + 1]``, the last position and the
   padding set to ``ignore_index`` — the convention of ``--shift-labels`` for tensor files
-  (:class:`gradmerge.sources.TensorBatches`), so a text file and its token file give the same
+  (:class:`gradmerge.io.sources.TensorBatches`), so a text file and its token file give the same
   curvature.
 
 Each batch is padded on the right to its longest sequence (``attention_mask`` 0 on the padding,
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 
@@ -309,6 +310,8 @@ def load_tokenizer(folder: str) -> Any:
 
     Raises:
         ArgumentError: ``folder`` is not a folder, or holds no tokenizer files.
+        MissingExtraError: transformers or tokenizers is not installed
+            (``pip install 'gradmerge[hf]'``).
     """
     if not Path(folder).is_dir():
         raise ArgumentError(
@@ -321,6 +324,7 @@ def load_tokenizer(folder: str) -> Any:
             f"{folder} holds no usable tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
             "next to the model with tokenizer.save_pretrained(folder), or pass --tokenizer FOLDER"
         )
+    require("hf", "text DATA (tokenised with the model folder's Hugging Face tokenizer)")
     import transformers
 
     try:
@@ -467,7 +471,21 @@ class TextBatches:
         for start in range(0, len(self.examples), self.batch_size):
             yield self.batch(range(start, min(start + self.batch_size, len(self.examples))))
 
-    def batch(self, rows: range) -> dict[str, Tensor]:
+    def by_length(self) -> tuple[list[dict[str, Tensor]], list[int]]:
+        """The examples in batches of similar length (shortest first), and their order.
+
+        Each batch is padded to its longest sequence, so grouping by length saves the compute
+        spent on padding; what a model gives an example does not depend on its batch (padding
+        is masked), up to rounding. ``order[j]`` is the index of the j-th example of the batches
+        (``gm.Evaluation.in_order`` puts per-example results back into the data's order).
+        """
+        order = sorted(
+            range(len(self.examples)), key=lambda i: self.examples[i]["input_ids"].numel()
+        )
+        size = self.batch_size
+        return [self.batch(order[s : s + size]) for s in range(0, len(order), size)], order
+
+    def batch(self, rows: Sequence[int]) -> dict[str, Tensor]:
         """The examples ``rows`` padded into one Hugging Face batch with ``labels``."""
         chosen = [self.examples[i] for i in rows]
         width = max(int(e["input_ids"].numel()) for e in chosen)
