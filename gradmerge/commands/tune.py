@@ -1,29 +1,12 @@
 """``gradmerge tune CONFIG DATA [DATA ...] --alphas GRID``: choose α (and δ) without test labels.
 
-Runs the merge of CONFIG (a ``gradmerge merge`` YAML file, any method) once per point of the grid
-``--alphas`` × ``--deltas`` × ``--prior-scales`` and scores each merged model on the tasks' own
-TRAINING data — DATA, one file per model of CONFIG, in the order of its ``models:`` — read as
-``gradmerge curvature`` reads data (the same flags). No test or validation label is read; the
-training data's labels are. The grid point of least criterion is chosen (:mod:`gradmerge.jobs.tune`):
-
-- ``--criterion loss`` (default): Σ_t L̄_t(θ), each task's mean training loss (per example for a
-  classifier, per token for a causal LM);
-- ``--criterion mismatch``: Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's gradient mismatch of the
-  mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG (one more backward pass
-  per task and point).
-
-``--alphas`` sets CONFIG's ``scale`` (every α_t becomes scale·α_t); ``--deltas`` and
-``--prior-scales`` set gradient matching's ``prior: {delta, scale}``. A table goes to stdout;
-``--out FILE`` writes the JSON (the chosen setting, the criterion and every task's training loss
-and accuracy per point); ``--out-dir DIR`` keeps the chosen merged model (with its
-gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
-their error and skipped.
+What it does is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this docstring,
+so that the help survives ``python -OO``); the grid and the criteria are :mod:`gradmerge.jobs.tune`.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,6 +17,26 @@ import torch
 from gradmerge.commands._inputs import DATA_HELP, add_reading_arguments, check_reading
 
 FORMAT = "gradmerge-tune/1"
+DESCRIPTION = """\
+Runs the merge of CONFIG (a gradmerge merge YAML file, any method) once per point of the grid
+--alphas × --deltas × --prior-scales and scores each merged model on the tasks' own
+TRAINING data — DATA, one file per model of CONFIG, in the order of its models: — read as
+gradmerge curvature reads data (the same flags). No test or validation label is read; the
+training data's labels are. The grid point of least criterion is chosen (gradmerge.jobs.tune):
+
+- --criterion loss (default): Σ_t L̄_t(θ), each task's mean training loss (per example for a
+  classifier, per token for a causal LM);
+- --criterion mismatch: Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's gradient mismatch of the
+  mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG (one more backward pass
+  per task and point).
+
+--alphas sets CONFIG's scale (every α_t becomes scale·α_t); --deltas and
+--prior-scales set gradient matching's prior: {delta, scale}. A table goes to stdout;
+--out FILE writes the JSON (the chosen setting, the criterion and every task's training loss
+and accuracy per point); --out-dir DIR keeps the chosen merged model (with its
+gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
+their error and skipped.
+"""
 EXAMPLES = """\
 examples:
   # task arithmetic: α from a grid, by the tasks' training loss (labels of TRAINING data only)
@@ -63,9 +66,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "tune",
         help="choose α (and δ) of a merge on the tasks' training data, without test labels",
-        description=re.sub(r":\w+:`([^`]*)`", r"\1", (__doc__ or "").split("\n\n", 1)[1]).replace(
-            "``", ""
-        ),
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
@@ -161,6 +162,26 @@ def execute(args: argparse.Namespace) -> int:
             f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
             "were given: give each model's training data, in the order of `models:`"
         )
+    if not (Path(config.base_model) / "config.json").is_file():
+        raise ArgumentError(
+            f"base_model {config.base_model} is not a Hugging Face folder (no config.json): tune "
+            "scores each merged model as a Hugging Face model, and a merge's folder takes its "
+            "config and tokenizer from the base; give the base as such a folder"
+        )
+    inputs = [config.base_model, *(m.model for m in config.models)]
+    inputs += [m.curvature for m in config.models if m.curvature is not None]
+    inputs += list(config.prior.files) if config.prior is not None else []
+    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
+        if value is None:
+            continue
+        target = Path(value).resolve()
+        for path in inputs:
+            inside = Path(path).resolve()
+            if target == inside or inside in target.parents:
+                raise ArgumentError(
+                    f"{flag} {value} is, or is inside, the merge's input {path}: writing there "
+                    "would replace or add to an input; write it elsewhere"
+                )
     if args.validation and len(args.validation) != len(config.models):
         raise ArgumentError(
             f"CONFIG {args.config} merges {len(config.models)} models but "

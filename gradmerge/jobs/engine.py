@@ -414,17 +414,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype)
+        unit_inputs = rules.MergeUnit(theta, fts, hs, alphas, prior, config.damping, kernel, solver)
         try:
-            return rule(
-                theta,
-                fts,
-                hs,
-                alphas=alphas,
-                prior=prior,
-                damping=config.damping,
-                kernel=kernel,
-                solver=solver,
-            )
+            return rule(unit_inputs)
         except GradmergeError as err:
             named = {f"curvatures[{t}]": h for t, h in enumerate(hs)}
             _raise_non_finite({**named, "prior": prior}, err)
@@ -491,17 +483,12 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         finetuned = _read(model, keys, device, dtype) if model is not None else None
         curvature = _restrict(curv, keys, device, dtype)
         prior = _term_precision(config.prior, prior_files, keys, device, dtype)
+        grad = _read(gradient, keys, device, dtype) if gradient is not None else None
+        unit_inputs = rules.RemoveUnit(
+            theta, remaining, config.alpha, finetuned, curvature, prior, grad, solver
+        )
         try:
-            out, report = rule(
-                theta,
-                remaining=remaining,
-                alpha=config.alpha,
-                finetuned=finetuned,
-                curvature=curvature,
-                prior=prior,
-                gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
-                solver=solver,
-            )
+            out, report = rule(unit_inputs)
         except GradmergeError as err:
             named = {"curvature": curvature, "prior": prior, "remaining": remaining}
             _raise_non_finite(named, err)

@@ -170,7 +170,7 @@ def merge_tensor(
 ) -> Tensor | None:
     """Eq. 6 for one tensor by a compiled kernel, or ``None``: no kernel for this device, or the
     result is not certified (then the caller's chunked path decides what is wrong). An
-    :class:`~gradmerge.Affine` h is formed in the C loop; ``torch.compile``'s kernel
+    :class:`~gradmerge._elementwise.Affine` h is formed in the C loop; ``torch.compile``'s kernel
     takes it formed (``form()``)."""
     if native.supports(base, [*finetuned, *tensors(h)]):
         if "native" in _failed:

@@ -304,6 +304,10 @@ BAD = [
     ("not a grid", ("task_arithmetic", {}), ["--alphas", "a,b"], None, 2, "comma-separated"),
     ("one --validation for two models", ("task_arithmetic", {}),
      ["--alphas", "1", "--validation", "@a"], None, 1, "--validation DATA were given"),
+    ("--out-dir inside the base", ("task_arithmetic", {}),
+     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 1, "is, or is inside, the merge's input"),
+    ("a base that is no model folder", ("task_arithmetic", {"base_model": "base/model.safetensors"}),
+     ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
     ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "."], None, 2,
      "exists; pass --overwrite"),
 ]  # fmt: skip
@@ -315,9 +319,8 @@ BAD = [
 def test_bad_input(setup, tmp_path, capsys, name, method, flags, variant, code, message):
     config = _config(setup, "bad.yaml", method[0], **method[1])
     datas = [str(setup / "a.jsonl")] + ([] if variant == "drop-data" else [str(setup / "b.jsonl")])
-    flags = [
-        str(tmp_path) if f == "." else str(setup / "a.jsonl") if f == "@a" else f for f in flags
-    ]
+    paths = {".": tmp_path, "@a": setup / "a.jsonl", "@base/tuned": setup / "base" / "tuned"}
+    flags = [str(paths[f]) if f in paths else f for f in flags]
     argv = ["tune", str(config), *datas, *flags, "--no-progress", "--out", str(tmp_path / "o.json")]
     if code == 2:
         with pytest.raises(SystemExit) as exit_:
@@ -327,6 +330,7 @@ def test_bad_input(setup, tmp_path, capsys, name, method, flags, variant, code, 
         assert cli.main(argv) == 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
+    assert not (setup / "base" / "tuned").exists()
 
 
 # ----- the library ----------------------------------------------------------------------------

@@ -133,6 +133,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge._weight_sample",
         "gradmerge._version",
         "gradmerge._extras",
+        "gradmerge._lazy",
     ),
     "kernels": ("gradmerge.kernels",),
     "estimate": ("gradmerge.estimate", "gradmerge.evaluation"),  # over (model, data, loss)
