@@ -39,6 +39,7 @@ import torch
 
 from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
+from gradmerge.solvers.spec import PRECISIONS, Precision
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -145,6 +146,8 @@ class Options(FromYaml):
     solver_tol: float | None = None
     solver_maxiter: int = 1000
     solver_approximate: bool = False
+    solver_precision: Precision = "working"
+    solver_warm_start: bool = True
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -362,15 +365,18 @@ def _options(r: _Reader) -> dict[str, Any]:
 
 
 def _solver(r: _Reader) -> dict[str, Any]:
-    """``solver: {tol, maxiter, approximate}``: the certified relative residual of every K-FAC
+    """``solver: {tol, maxiter, approximate, precision, warm_start}``, the fields of
+    :class:`gradmerge.SolverSpec` one to one: the certified relative residual of every K-FAC
     layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
-    1000) and, with ``approximate: true`` (never the default), accepting each layer after at
+    1000), with ``approximate: true`` (never the default) accepting each layer after at
     most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
-    measured residual instead of an error."""
+    measured residual instead of an error, ``precision`` (working | bfloat16: the dtype of the
+    CG's inner Kronecker products; the certificate is the same) and ``warm_start`` (default
+    true)."""
     if r.data.get("solver") is None:
         return {}
     s = r.sub(r.data["solver"], "solver")
-    s.allow("tol", "maxiter", "approximate")
+    s.allow("tol", "maxiter", "approximate", "precision", "warm_start")
     out: dict[str, Any] = {}
     if s.data.get("tol") is not None:
         tol = s.number("tol")
@@ -394,6 +400,8 @@ def _solver(r: _Reader) -> dict[str, Any]:
         )
     out["solver_maxiter"] = int(maxiter)
     out["solver_approximate"] = approximate
+    out["solver_precision"] = s.choice("precision", PRECISIONS, default="working")
+    out["solver_warm_start"] = s.flag("warm_start", default=True)
     return out
 
 
