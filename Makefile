@@ -1,4 +1,5 @@
-# One-command workflows. `make verify` and `make test` set up .venv on first use.
+# One-command workflows. `make demo`, `make verify` and `make test` set up .venv on first use
+# (gradmerge with every extra: testbed, demo, hf, and the test tools).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -15,7 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(FIND_LINKS) "$(TORCH)"
-	$(BIN)/pip install -q $(FIND_LINKS) -e ".[test]"
+	$(BIN)/pip install -q $(FIND_LINKS) -e ".[test,testbed,demo,hf]"
 	$(BIN)/pip install -q $(FIND_LINKS) --no-deps $(ORACLES)
 	touch $@
 

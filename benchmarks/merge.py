@@ -14,7 +14,7 @@ Sections (each writes its part of the JSON report; ratios are measured in the sa
     compiled single-loop kernels (``gm.fused_kernels("on")``; the first call's compile time is
     recorded) and with its chunked pass (``"off"``), next to a chunked implementation written in
     this file with preallocated buffers (a reference, not gradmerge code). ``streaming`` runs
-    ``gradmerge.checkpoints.run_merge`` over safetensors files (warm page cache) in both modes; its
+    ``gradmerge.jobs.run_merge`` over safetensors files (warm page cache) in both modes; its
     time is also compared with the I/O floor measured in the same run: reading every input once
     through the same reader (a sum per tensor) plus writing the output's bytes through the same
     writer from memory already computed.
@@ -195,7 +195,7 @@ def roofline(n: int, repeats: int) -> dict[str, Any]:
 def page_cache_write(n: int, repeats: int, folder: Path) -> dict[str, Any]:
     """GB/s of writing n prefaulted floats to a new file through ``ShardedWriter`` (page cache,
     no fsync): what a streamed merge pays for its output on top of the merge itself."""
-    from gradmerge.checkpoints.writer import ShardedWriter
+    from gradmerge.io.writer import ShardedWriter
 
     data = torch.rand(n)
     times = []
@@ -377,7 +377,7 @@ def write_flat_checkpoints(folder: Path, n: int, tasks: int, pieces: int = 4) ->
 
 
 def merge_config(paths: dict[str, Any], method: str, dtype: str | None = None) -> Any:
-    from gradmerge.checkpoints import MergeConfig
+    from gradmerge.jobs import MergeConfig
 
     models = []
     for t, model in enumerate(paths["models"]):
@@ -398,7 +398,8 @@ def diagonal_streaming(
 ) -> dict[str, Any]:
     """run_merge over safetensors files in the page cache, output to a folder on the same disk,
     against the I/O floor of the same job (module docstring)."""
-    from gradmerge.checkpoints import open_checkpoint, run_merge
+    from gradmerge.io import open_checkpoint
+    from gradmerge.jobs import run_merge
 
     folder = tmp / "flat"
     folder.mkdir()
@@ -501,7 +502,7 @@ def _ablation() -> Iterator[None]:
     """The streaming engine without its two savings for elementwise priors: H_0 = s·C + δ formed
     as a tensor before the merge (``C.scaled(s) + δ``, not in the C loop) and a freshly mapped
     output per tensor (no ``_memory.recycling``). Same result bit for bit."""
-    from gradmerge.checkpoints import rules
+    from gradmerge.jobs import rules
 
     def eager(delta: float, scale: float, c: gm.Curvature | None) -> Any:
         return delta if c is None else c.scaled(scale) + delta
@@ -519,7 +520,7 @@ def gpt2_sized(tensors: int, n: int, tasks: int, repeats: int, tmp: Path) -> dic
     just before each method (same process)."""
     from safetensors.torch import save_file
 
-    from gradmerge.checkpoints import MergeConfig, run_merge
+    from gradmerge.jobs import MergeConfig, run_merge
 
     g = torch.Generator().manual_seed(0)
     keys = [f"h.{i}.w" for i in range(tensors)]
@@ -730,11 +731,11 @@ def _probe(kind: str, spec: dict[str, Any]) -> None:
         save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "model.safetensors"))
         timings = {"load_seconds": loaded - work_start, "merge_seconds": computed - loaded}
     elif kind == "idle":  # start-up and resident memory of the interpreter with gradmerge
-        import gradmerge.checkpoints  # noqa: F401
+        import gradmerge.jobs  # noqa: F401
 
         timings = {}
     elif kind in ("stream-gm", "stream-ta"):
-        from gradmerge.checkpoints import run_merge
+        from gradmerge.jobs import run_merge
 
         method = "gradient_matching" if kind == "stream-gm" else "task_arithmetic"
         run_merge(merge_config(paths, method), out, overwrite=True, progress=False)
@@ -810,7 +811,7 @@ def gpt2_side_by_side(tmp: Path) -> dict[str, Any]:
         "gradmerge streaming task_arithmetic (run_merge)": ("stream-ta", "stream_ta"),
     }
     result["startup"] = {
-        "python -c 'import gradmerge.checkpoints' (probe doing nothing)": probe(
+        "python -c 'import gradmerge.jobs' (probe doing nothing)": probe(
             "idle", paths, folder / "unused"
         ),
         "mergekit-yaml --help": run_measured(

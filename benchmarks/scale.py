@@ -5,7 +5,7 @@ Measured (GPT-2 configs with random weights, vocabulary ``VOCAB``, several width
 
 - estimation, ``gm.estimate_curvature(structure="diag"|"kfac", fisher="empirical")``, one
   process: wall time and peak anonymous memory (RssAnon above the level with the model built);
-- streaming merges, ``gradmerge.checkpoints.run_merge`` (gradient matching, Eq. 6, with T = 2–4
+- streaming merges, ``gradmerge.jobs.run_merge`` (gradient matching, Eq. 6, with T = 2–4
   diagonal curvature files; T = 2 K-FAC files; task arithmetic): wall time, bytes read/written,
   peak RssAnon (the inputs are memory-mapped: RssAnon is the merge's own footprint);
 - ``torch.linalg.eigh`` of d×d float32 matrices (the K-FAC solve's per-factor cost);
@@ -238,7 +238,7 @@ def write_inputs(root: Path, width: int, depth: int, tasks: int, structure: str)
 def measure_merge(
     root: Path, inputs: dict, method: str, structure: str, tasks: int, rep: int
 ) -> dict:
-    from gradmerge.checkpoints import MergeConfig
+    from gradmerge.jobs import MergeConfig
 
     spec: dict[str, Any] = {
         "method": method,
@@ -266,7 +266,7 @@ def measure_merge(
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     row = min(runs, key=lambda r: r["seconds"])
     row = {**row, "repeats": rep, "all_seconds": [r["seconds"] for r in runs]}
-    from gradmerge.checkpoints import plan_merge
+    from gradmerge.jobs import plan_merge
 
     plan = plan_merge(config)
     largest = sum(
@@ -288,7 +288,7 @@ def measure_merge(
 
 def merge_child(root: Path) -> None:
     """In a fresh process: run the merge of ``root/merge.json``; print time, memory, bytes."""
-    from gradmerge.checkpoints import MergeConfig, run_merge
+    from gradmerge.jobs import MergeConfig, run_merge
 
     torch.set_num_threads(1)
     config = MergeConfig.from_dict(json.loads((root / "merge.json").read_text()), root=root)
@@ -301,8 +301,8 @@ def cg_iterations(config: Any, plan: Any) -> dict[str, int]:
     """CG iterations per K-FAC layer of the merge's solve (H̄ = δ·I + Σ_t α_t A_t ⊗ G_t)."""
     from contextlib import ExitStack
 
-    from gradmerge.checkpoints.engine import open_job
     from gradmerge.curvature import KFAC
+    from gradmerge.jobs.engine import open_job
 
     seen: dict[str, int] = {}
     original = KFAC.solve_info
@@ -466,8 +466,8 @@ def rank_worker(argv: list[str]) -> None:
     import torch.distributed as dist
 
     import gradmerge.distributed as gmd
-    from gradmerge.checkpoints import MergeConfig
     from gradmerge.distributed.merge import run_merge
+    from gradmerge.jobs import MergeConfig
 
     width, depth, examples, workdir = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
     torch.set_num_threads(1)
@@ -593,7 +593,7 @@ def measure_mergekit(workdir: Path) -> dict:
 
 _IMPORT = {
     "mergekit": "import mergekit.merge, mergekit.config",
-    "gradmerge": "import gradmerge.cli, gradmerge.checkpoints",
+    "gradmerge": "import gradmerge.cli, gradmerge.jobs",
 }
 
 

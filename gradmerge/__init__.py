@@ -3,8 +3,9 @@
 Daheim, Möllenhoff, Ponti, Gurevych & Khan, "Model Merging by Uncertainty-Based Gradient
 Matching", ICLR 2024. See docs/architecture.md for the map from the paper's notation to these names.
 
-The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ...) and ``gm.distributed`` load
-on first use, so that ``import gradmerge`` stays light for the in-memory rules.
+The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ... of ``gm.jobs``;
+``gm.open_checkpoint`` of ``gm.io``) and ``gm.distributed`` load on first use, so that
+``import gradmerge`` stays light for the in-memory rules.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradmerge import params
 from gradmerge._fused import fused_kernels
+from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
     KFAC,
     Blocks,
@@ -27,19 +29,24 @@ from gradmerge.curvature import (
 from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
 from gradmerge.errors import (
     ArgumentError,
+    ConfigError,
     DeviceError,
     DTypeError,
     FileFormatError,
     GradmergeError,
     InputWarning,
+    MissingExtraError,
+    MissingInputError,
     NonFiniteError,
     NotConvergedError,
     NotPositiveDefiniteError,
+    OutputExistsError,
     ResultOverflowError,
     StructureError,
 )
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
+from gradmerge.evaluation import Evaluation, evaluate
 from gradmerge.merge import (
     fisher_average,
     gradient_matching,
@@ -52,37 +59,18 @@ from gradmerge.merge import (
 from gradmerge.solvers import Solution
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
-    from gradmerge import distributed
-    from gradmerge.checkpoints import (
-        ConfigError,
-        MergeConfig,
-        MergeReport,
-        MissingInputError,
-        OutputExistsError,
-        RemoveConfig,
-        open_checkpoint,
-        run_merge,
-        run_remove,
-    )
+    from gradmerge import distributed, io, jobs
+    from gradmerge.io import open_checkpoint
+    from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig, run_merge, run_remove
 
-__version__ = "0.1.0"
 
-_MODULES = ("distributed", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "checkpoints")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
+    "open_checkpoint": "gradmerge.io",
     **{
-        name: "gradmerge.checkpoints"
-        for name in (
-            "ConfigError",
-            "MergeConfig",
-            "MergeReport",
-            "MissingInputError",
-            "OutputExistsError",
-            "RemoveConfig",
-            "open_checkpoint",
-            "run_merge",
-            "run_remove",
-        )
+        name: "gradmerge.jobs"
+        for name in ("MergeConfig", "MergeReport", "RemoveConfig", "run_merge", "run_remove")
     },
 }
 """Public names whose modules are imported on first access (PEP 562)."""
@@ -132,6 +120,9 @@ __all__ = [
     "gradient_mismatch",
     "GradientMismatch",
     "GradientFn",
+    # accuracy and mean loss of a model on data
+    "evaluate",
+    "Evaluation",
     # parameter-dict algebra
     "params",
     # data-parallel estimation on torch.distributed (gm.distributed.estimate_curvature, ...)
@@ -139,6 +130,7 @@ __all__ = [
     # errors
     "GradmergeError",
     "InputWarning",
+    "MissingExtraError",
     "StructureError",
     "DTypeError",
     "DeviceError",
@@ -148,7 +140,9 @@ __all__ = [
     "NotPositiveDefiniteError",
     "ResultOverflowError",
     "ArgumentError",
-    # checkpoint files: lazy reading, streaming merges and removals
+    # checkpoint files: lazy reading (gm.io), streaming merges and removals (gm.jobs)
+    "io",
+    "jobs",
     "open_checkpoint",
     "MergeConfig",
     "RemoveConfig",

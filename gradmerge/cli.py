@@ -7,6 +7,8 @@ gradmerge convert-curvature SRC OUT convert a diagonal Fisher of the paper's off
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
+gradmerge evaluate MODEL... DATA    accuracy and mean loss of models on labelled data (JSON)
+gradmerge tune CONFIG DATA...       choose α (and δ) on the tasks' training data, no test labels
 gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table, JSON, plots
 """
 
@@ -20,19 +22,34 @@ from gradmerge.commands import (
     convert_curvature,
     curvature,
     demo,
+    evaluate,
     gradient,
     merge,
     refine,
     remove,
+    tune,
     verify,
 )
+from gradmerge.errors import MissingExtraError
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
-COMMANDS = [verify, curvature, gradient, convert_curvature, merge, remove, refine, demo]
+COMMANDS = [
+    verify,
+    curvature,
+    gradient,
+    convert_curvature,
+    merge,
+    remove,
+    refine,
+    evaluate,
+    tune,
+    demo,
+]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gradmerge`` command."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gradmerge`` parser with every subcommand registered. Help texts are explicit
+    strings, never docstrings, so that they survive ``python -OO``."""
     parser = argparse.ArgumentParser(
         prog="gradmerge",
         description="Merge and un-merge fine-tuned models by uncertainty-based gradient matching.",
@@ -40,11 +57,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gradmerge`` command."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    check = getattr(args, "check", None)
-    if check is not None:
-        check(parser, args)
-    return int(args.run(args))
+    try:
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(parser, args)
+        return int(args.run(args))
+    except MissingExtraError as err:  # an optional feature without its extra installed
+        print(f"gradmerge {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

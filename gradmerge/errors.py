@@ -54,9 +54,32 @@ class NotConvergedError(GradmergeError, RuntimeError):
     """An iterative solve (conjugate gradients) did not reach its tolerance."""
 
 
+class MissingExtraError(GradmergeError, ImportError):
+    """A feature whose optional dependencies are not installed. The message names the extra that
+    brings them (``pip install 'gradmerge[demo]'``); ``extra`` and ``missing`` (the modules that
+    failed to import) say the same to code."""
+
+    def __init__(self, message: str, *, extra: str, missing: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.missing = missing
+
+
 class InputWarning(UserWarning):
     """Inputs that are accepted but are probably not what was meant (a model listed twice in a
     merge, a curvature estimated at other weights than the model it is paired with)."""
+
+
+class ConfigError(ArgumentError):
+    """A merge/remove configuration with an unknown key, a missing one, or an unusable value."""
+
+
+class MissingInputError(GradmergeError, FileNotFoundError):
+    """A checkpoint, curvature or gradient path that does not exist."""
+
+
+class OutputExistsError(GradmergeError, FileExistsError):
+    """The output folder exists and overwriting was not asked for."""
 
 
 class StepTooLargeError(GradmergeError, ValueError):

@@ -1,49 +1,50 @@
-"""Checkpoint files: lazy reading, streaming merges and removals, sharded atomic output.
+"""Deprecated alias of :mod:`gradmerge.io` and :mod:`gradmerge.jobs` (the package was split).
 
-- :func:`open_checkpoint` — a ``.safetensors`` file, a shard folder with its index, or a Hugging
-  Face model folder, read tensor by tensor (:mod:`~gradmerge.checkpoints.reader`);
-- :class:`MergeConfig`, :class:`RemoveConfig` — strict YAML configurations
-  (:mod:`~gradmerge.checkpoints.config`);
-- :func:`run_merge`, :func:`run_remove` — the streaming engine: unit by unit (the smallest groups
-  of tensors a curvature couples), through the pure rules of :mod:`gradmerge.merge`, into sharded
-  safetensors written atomically (:mod:`~gradmerge.checkpoints.engine`).
+Importing it warns (:class:`DeprecationWarning`) and gives the public names it used to hold; its
+modules moved: ``checkpoints.reader``/``writer``/``lora``/``official`` → ``gradmerge.io.reader``/
+``writer``/``lora``/``official``; ``checkpoints.config``/``plan``/``engine``/
+``conditioning``/``refine``/``rules`` → ``gradmerge.jobs.*``; ``checkpoints.errors`` →
+:mod:`gradmerge.errors`.
 
 Example:
-    >>> from gradmerge.checkpoints import MergeConfig, run_merge      # doctest: +SKIP
-    >>> report = run_merge(MergeConfig.from_yaml("merge.yaml"), "out_dir")  # doctest: +SKIP
+    >>> from gradmerge.jobs import MergeConfig, run_merge   # instead of gradmerge.checkpoints
 """
 
-from gradmerge.checkpoints.config import (
+import warnings
+
+from gradmerge._devices import resolve_device
+from gradmerge.errors import ConfigError, MissingInputError, OutputExistsError
+from gradmerge.io import Checkpoint, ShardedWriter, open_checkpoint, staged_output
+from gradmerge.jobs import (
     CurvatureTerm,
     MergeConfig,
-    ModelInput,
-    RemoveConfig,
-    parse_size,
-)
-from gradmerge.checkpoints.engine import (
     MergeReport,
+    ModelInput,
+    Plan,
+    RemoveConfig,
+    Unit,
+    parse_size,
     plan_merge,
     plan_remove,
-    resolve_device,
     run_merge,
     run_remove,
 )
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError, OutputExistsError
-from gradmerge.checkpoints.plan import Plan, Unit
-from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
-from gradmerge.checkpoints.writer import ShardedWriter, staged_output
+
+warnings.warn(
+    "gradmerge.checkpoints is deprecated: import from gradmerge.io (reading, writing) and "
+    "gradmerge.jobs (configurations, run_merge, run_remove) instead",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 __all__ = [
-    # reading
     "open_checkpoint",
     "Checkpoint",
-    # configuration
     "MergeConfig",
     "RemoveConfig",
     "ModelInput",
     "CurvatureTerm",
     "parse_size",
-    # running
     "run_merge",
     "run_remove",
     "plan_merge",
@@ -52,10 +53,8 @@ __all__ = [
     "MergeReport",
     "Plan",
     "Unit",
-    # writing
     "ShardedWriter",
     "staged_output",
-    # errors
     "ConfigError",
     "MissingInputError",
     "OutputExistsError",

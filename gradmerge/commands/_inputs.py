@@ -1,7 +1,7 @@
 """MODEL, DATA and OUT of the commands that read a model and its data (``curvature``, ``gradient``).
 
 The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`),
-loading through :mod:`gradmerge.sources` (:func:`load`), the ``source.*`` metadata
+loading through :mod:`gradmerge.io.sources` (:func:`load`), the ``source.*`` metadata
 (:func:`provenance`) and the progress bar over batches (:func:`progress`).
 """
 
@@ -19,24 +19,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradmerge import sources
 from gradmerge.errors import ArgumentError
-from gradmerge.text_data import TextBatches, TextOptions
+from gradmerge.io import sources
+from gradmerge.io.text_data import TextBatches, TextOptions
+
+MODEL_HELP = "Hugging Face folder (or LoRA adapter folder) or module:function"
+DATA_HELP = (
+    "text (.jsonl/.csv/.tsv/.txt, datasets folder), tensors (.safetensors/.pt) or module:function"
+)
 
 
 def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
-    """MODEL, DATA, OUT and the flags that say how to read them (``--batch-size``, the text
-    flags, ``--max-examples``, ``--model-arg``/``--data-arg``, ``--device``, ``--loss``,
+    """MODEL, DATA, OUT and the flags that say how to read them (:func:`add_reading_arguments`)."""
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("data", metavar="DATA", help=DATA_HELP)
+    p.add_argument("out", metavar="OUT", help=out_help)
+    add_reading_arguments(p)
+
+
+def add_reading_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that say how to read MODEL and DATA (``--batch-size``, the text flags,
+    ``--max-examples``, ``--model-arg``/``--data-arg``, ``--device``, ``--loss``,
     ``--ignore-index``, ``--shift-labels``, ``--allow-new-weights``, ``--overwrite``,
     ``--no-progress``)."""
-    p.add_argument("model", metavar="MODEL", help="Hugging Face folder or module:function")
-    p.add_argument(
-        "data",
-        metavar="DATA",
-        help="text (.jsonl/.csv/.tsv/.txt, datasets folder), tensors (.safetensors/.pt) or "
-        "module:function",
-    )
-    p.add_argument("out", metavar="OUT", help=out_help)
     p.add_argument("--loss", choices=["cross_entropy", "mse"], default="cross_entropy")
     p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
@@ -100,12 +105,24 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
 
 def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """argparse errors (exit 2) for unusable MODEL, DATA, OUT or source flags."""
+    model_kinds, data_kind = check_reading(parser, args, [args.model])
+    out = Path(args.out)
+    if out.is_dir():
+        parser.error(f"OUT {out} is a folder; give a file name such as task.safetensors")
+    check_out(parser, args, out, "OUT", input_paths(args, model_kinds, data_kind))
+
+
+def check_reading(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, models: Sequence[str]
+) -> tuple[list[tuple[str, str]], str]:
+    """argparse errors (exit 2) for unusable MODELs, DATA or reading flags; each MODEL with its
+    kind, and DATA's kind (:func:`gradmerge.sources.model_kind`, ``data_kind``)."""
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no CUDA device is available; use --device cpu")
     try:
-        model_kind = sources.model_kind(args.model)
+        model_kinds = [(model, sources.model_kind(model)) for model in models]
         data_kind = sources.data_kind(args.data)
     except ArgumentError as err:
         parser.error(str(err))
@@ -129,8 +146,9 @@ def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     try:
+        others = [kind for _, kind in model_kinds if kind != "entry point"]
         for flag, values, kind in (
-            ("--model-arg", args.model_arg, model_kind),
+            ("--model-arg", args.model_arg, others[0] if others else "entry point"),
             ("--data-arg", args.data_arg, data_kind),
         ):
             if values and kind != "entry point":
@@ -139,27 +157,41 @@ def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 sources.parse_argument(value)
     except ArgumentError as err:
         parser.error(str(err))
-    out = Path(args.out)
-    if out.is_dir():
-        parser.error(f"OUT {out} is a folder; give a file name such as task.safetensors")
-    for flag, path in _inputs(args, model_kind, data_kind):
+    return model_kinds, data_kind
+
+
+def check_out(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    out: Path,
+    name: str,
+    inputs: Sequence[tuple[str, Path]],
+) -> None:
+    """argparse errors (exit 2) for an output file ``out`` (called ``name`` in messages) that is,
+    or is inside, one of ``inputs`` (:func:`input_paths`), exists without ``--overwrite``, or cannot
+    be written."""
+    for flag, path in inputs:
         inside = path.resolve()
         if out.resolve() == inside or inside in out.resolve().parents:
             parser.error(
-                f"OUT {out} is, or is inside, {flag} ({path}): writing it would replace or add to "
-                "an input; write it elsewhere"
+                f"{name} {out} is, or is inside, {flag} ({path}): writing it would replace or add "
+                "to an input; write it elsewhere"
             )
     if out.exists() and not args.overwrite:
-        parser.error(f"OUT {out} exists; pass --overwrite to replace it")
+        parser.error(f"{name} {out} exists; pass --overwrite to replace it")
     problem = _not_writable(out)
     if problem:
-        parser.error(f"OUT {out} cannot be written ({problem}): choose another path")
+        parser.error(f"{name} {out} cannot be written ({problem}): choose another path")
 
 
-def _inputs(args: argparse.Namespace, model_kind: str, data_kind: str) -> list[tuple[str, Path]]:
-    """The files and folders the run reads: OUT must be none of them nor inside one."""
+def input_paths(
+    args: argparse.Namespace, models: Sequence[tuple[str, str]], data_kind: str
+) -> list[tuple[str, Path]]:
+    """The files and folders the run reads, from ``models`` (spec, kind) and DATA: an output
+    must be none of them nor inside one."""
     inputs = []
-    for flag, spec, kind in (("MODEL", args.model, model_kind), ("DATA", args.data, data_kind)):
+    named = [("MODEL", spec, kind) for spec, kind in models]
+    for flag, spec, kind in (*named, ("DATA", args.data, data_kind)):
         if kind == "entry point":
             module = spec.rpartition(":")[0]
             if module.endswith(".py") or "/" in module:
@@ -189,14 +221,15 @@ def _not_writable(out: Path) -> str | None:
 
 
 def load(
-    args: argparse.Namespace, device: torch.device, *, announce: bool
+    args: argparse.Namespace, device: torch.device, *, announce: bool, model_spec: str | None = None
 ) -> tuple[nn.Module, Iterable[Any]]:
     """MODEL (on ``device``, in evaluation mode) and DATA's batches; with ``announce``, what was
-    read (text: examples, tokens, truncation) and a warning about unshifted labels, on stderr."""
+    read (text: examples, tokens, truncation) and a warning about unshifted labels, on stderr.
+
+    ``model_spec``: the MODEL to load instead of ``args.model`` (commands taking several)."""
+    spec = args.model if model_spec is None else model_spec
     model_arguments = dict(map(sources.parse_argument, args.model_arg))
-    model = sources.load_model(
-        args.model, model_arguments, allow_new_weights=args.allow_new_weights
-    )
+    model = sources.load_model(spec, model_arguments, allow_new_weights=args.allow_new_weights)
     model = model.to(device).eval()
     data = sources.load_data(
         args.data,
@@ -206,7 +239,7 @@ def load(
         arguments=dict(map(sources.parse_argument, args.data_arg)),
         max_examples=args.max_examples,
         model=model,
-        tokenizer=args.tokenizer or sources.tokenizer_folder(args.model),
+        tokenizer=args.tokenizer or sources.tokenizer_folder(spec),
         text=TextOptions(**{key: value for key, _, value in _text_options(args)}),
     )
     if announce:
@@ -234,12 +267,20 @@ def _text_flags(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 
 
 def provenance(
-    args: argparse.Namespace, device: torch.device, data: Iterable[Any] | None = None
+    args: argparse.Namespace,
+    device: torch.device,
+    data: Iterable[Any] | None = None,
+    *,
+    model_spec: str | None = None,
 ) -> dict[str, str]:
-    """What the file's metadata records about how it was made (:func:`gradmerge.sources.provenance`,
-    and for text the examples, tokens and truncation of :meth:`TextBatches.metadata`)."""
+    """What the file's metadata records about how it was made
+    (:func:`gradmerge.io.sources.provenance`, and for text the examples, tokens and truncation of
+    :meth:`TextBatches.metadata`).
+
+    ``model_spec``: the MODEL instead of ``args.model`` (commands taking several)."""
+    spec = args.model if model_spec is None else model_spec
     meta = sources.provenance(
-        args.model,
+        spec,
         args.data,
         device=device,
         ignore_index=args.ignore_index,
@@ -255,7 +296,7 @@ def provenance(
         meta.update(data.metadata())
         options = {key: value for key, _, value in _text_options(args) if value is not None}
         meta["source.text_options"] = json.dumps(options, sort_keys=True)
-        tokenizer = args.tokenizer or sources.tokenizer_folder(args.model)
+        tokenizer = args.tokenizer or sources.tokenizer_folder(spec)
         meta["source.tokenizer"] = str(Path(tokenizer).resolve())
     return meta
 

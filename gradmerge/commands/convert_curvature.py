@@ -1,10 +1,8 @@
 """``gradmerge convert-curvature SRC OUT.safetensors``: a Fisher of the paper's official code.
 
-SRC is a curvature as the official code (UKPLab/iclr2024-model-merging) writes it: a Hugging Face
-model folder (``<run>/hessian/``) whose weights are per-parameter diagonal Fisher values —
-``model.safetensors``, sharded safetensors with an index, or ``pytorch_model.bin`` read with
-``torch.load(weights_only=True)`` — or one state-dict file of such values. OUT is a gradmerge
-diagonal curvature file holding S × those values (:mod:`gradmerge.checkpoints.official`).
+What SRC and OUT are is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this
+docstring, so that the help survives ``python -OO``); the conversion is
+:mod:`gradmerge.io.official`.
 """
 
 from __future__ import annotations
@@ -14,6 +12,14 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+
+DESCRIPTION = """\
+SRC is a curvature as the official code (UKPLab/iclr2024-model-merging) writes it: a Hugging Face
+model folder (<run>/hessian/) whose weights are per-parameter diagonal Fisher values —
+model.safetensors, sharded safetensors with an index, or pytorch_model.bin read with
+torch.load(weights_only=True) — or one state-dict file of such values. OUT is a gradmerge
+diagonal curvature file holding S × those values.
+"""
 
 EPILOG = """\
 reproducing the official merge (uncertainty_based_gradient_matching.py with --scaling_factor λ,
@@ -46,7 +52,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "convert-curvature",
         help="convert a diagonal Fisher of the paper's official code to a curvature file",
-        description=(__doc__ or "").split("\n\n", 1)[1].replace("``", ""),
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )
@@ -83,8 +89,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert; 0 on success, 1 on bad input (one line on stderr; OUT is not written)."""
-    from gradmerge.checkpoints.official import convert_curvature
     from gradmerge.errors import GradmergeError
+    from gradmerge.io.official import convert_curvature
 
     try:
         curvature = convert_curvature(

@@ -1,24 +1,14 @@
 """``gradmerge curvature MODEL DATA OUT``: estimate a task's curvature H_t and save it.
 
-H_t = Σ_i ∇²ℓ_i (or its Fisher/GGN), a SUM over the examples of DATA, at the weights of MODEL
-(θ_t for a fine-tuned model's H_t, θ_LLM for a prior or for removal): a call of
-:func:`gradmerge.estimate_curvature` written with ``C.save(OUT)`` (atomic), so that
-``gradmerge merge`` / ``gm.load_curvature`` can read it. Where MODEL and DATA came from is kept in
-the file's metadata (``C.meta["source.*"]`` after loading).
-
-MODEL and DATA are read by :mod:`gradmerge.sources` (its forms are listed below). A tensor file is
-cut into batches of ``--batch-size`` rows; its ``labels`` are the targets of each position's logits;
-``--shift-labels`` turns Hugging Face's causal-LM convention (labels = input_ids) into that.
-Positions whose ``attention_mask`` is 0 are ignored.
-
-The model is put in evaluation mode (no dropout), so the estimate is that of the weights given.
+What it computes is :data:`DESCRIPTION`, followed in ``--help`` by the forms of MODEL and DATA
+(:data:`gradmerge.io.sources.FORMS`): strings, not docstrings, so that the help survives
+``python -OO``. The estimate is :func:`gradmerge.estimate_curvature`'s, written with ``C.save``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -26,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradmerge import sources
 from gradmerge._devices import resolve_device
 from gradmerge.commands._inputs import (
     add_source_arguments,
@@ -49,6 +38,22 @@ from gradmerge.estimate.options import (
     KFACApprox,
     Structure,
 )
+from gradmerge.io import sources
+
+DESCRIPTION = """\
+H_t = Σ_i ∇²ℓ_i (or its Fisher/GGN), a SUM over the examples of DATA, at the weights of MODEL
+(θ_t for a fine-tuned model's H_t, θ_LLM for a prior or for removal): a call of
+gradmerge.estimate_curvature written with C.save(OUT) (atomic), so that gradmerge merge /
+gm.load_curvature can read it. Where MODEL and DATA came from is kept in the file's metadata
+(C.meta["source.*"] after loading).
+
+MODEL and DATA are read by gradmerge.io.sources (its forms are listed below). A tensor file is
+cut into batches of --batch-size rows; its labels are the targets of each position's logits;
+--shift-labels turns Hugging Face's causal-LM convention (labels = input_ids) into that.
+Positions whose attention_mask is 0 are ignored.
+
+The model is put in evaluation mode (no dropout), so the estimate is that of the weights given.
+"""
 
 EXAMPLES = """\
 examples:
@@ -110,7 +115,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "curvature",
         help="estimate a model's curvature on data (a SUM over examples) and save it",
-        description=_plain(_help_text()),
+        description=_help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES + "\n" + DISTRIBUTED_EPILOG,
     )
@@ -190,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Load, estimate, save; print one summary line. Raises the typed errors of
-    :mod:`gradmerge.errors` on bad input (see :mod:`gradmerge.sources`)."""
+    :mod:`gradmerge.errors` on bad input (see :mod:`gradmerge.io.sources`)."""
     if getattr(args, "distributed", False):  # under torchrun: gradmerge.distributed's path
         return run_distributed(args)
 
@@ -290,7 +295,7 @@ def check_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def run_distributed(args: argparse.Namespace) -> int:
     """Estimate on this rank's shard, sum over the ranks, write OUT on rank 0. 0 on success.
 
-    What ``gradmerge curvature --distributed`` and ``-m gradmerge.distributed curvature`` run;
+    What ``gradmerge curvature --distributed`` and ``-m gradmerge.commands.distributed curvature`` run;
     ``args`` are that parser's (:func:`add_distributed_options` included).
     """
     start = time.perf_counter()
@@ -331,11 +336,5 @@ def run_distributed(args: argparse.Namespace) -> int:
 
 # ----- helpers --------------------------------------------------------------------------------
 def _help_text() -> str:
-    """This module's docstring after its title, then the forms of MODEL and DATA."""
-    forms = (sources.__doc__ or "").split("MODEL is either", 1)[1].split("\n\nExample", 1)[0]
-    return (__doc__ or "").split("\n\n", 1)[1] + "\nMODEL is either" + forms
-
-
-def _plain(text: str) -> str:
-    """Docstring text without reST markup, for --help."""
-    return re.sub(r":\w+:`([^`]*)`", r"\1", text).replace("``", "")
+    """The command's description, then the forms of MODEL and DATA."""
+    return DESCRIPTION + "\n" + sources.FORMS

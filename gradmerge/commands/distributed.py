@@ -1,4 +1,4 @@
-"""``torchrun ... -m gradmerge.distributed curvature|merge|remove ...``: the commands, distributed.
+"""``torchrun ... -m gradmerge.commands.distributed curvature|merge|remove ...``: the commands, distributed.
 
 ``curvature MODEL DATA OUT`` — data-parallel curvature estimation; the same as
 ``torchrun --nproc-per-node N --no-python gradmerge curvature MODEL DATA OUT --distributed``
@@ -23,10 +23,10 @@ Devices (curvature): ``--device auto`` uses ``cuda:LOCAL_RANK`` (one GPU per ran
 gloo group for the control messages) when CUDA is available, else the CPU (gloo).
 
 This module is the command line only: the library it drives is :mod:`gradmerge.distributed`
-(estimation, sharding, process groups) and :mod:`gradmerge.sources` (MODEL and DATA).
+(estimation, sharding, process groups) and :mod:`gradmerge.io.sources` (MODEL and DATA).
 
 Example:
-    torchrun --nproc-per-node 4 -m gradmerge.distributed curvature runs/ft-task-a \\
+    torchrun --nproc-per-node 4 -m gradmerge.commands.distributed curvature runs/ft-task-a \\
         data/task_a.safetensors task_a.curvature.safetensors --structure kfac --shift-labels
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from gradmerge.distributed.launch import init_from_env
 def build_parser() -> argparse.ArgumentParser:
     """``gradmerge curvature``'s parser under ``curvature`` (always distributed), and merge/remove."""
     parser = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m gradmerge.distributed",
+        prog="torchrun --nproc-per-node N -m gradmerge.commands.distributed",
         description="Data-parallel gradmerge commands (launch with torchrun).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.choices["curvature"]
     p.epilog = (
         "examples (every rank keeps its contiguous part of the batches):\n"
-        "  torchrun --nproc-per-node 4 -m gradmerge.distributed curvature runs/ft-task-a \\\n"
+        "  torchrun --nproc-per-node 4 -m gradmerge.commands.distributed curvature runs/ft-task-a \\\n"
         "      data/task_a.safetensors task_a.curvature.safetensors --structure kfac "
         "--shift-labels\n"
-        "  torchrun --standalone --nproc-per-node 2 -m gradmerge.distributed curvature \\\n"
+        "  torchrun --standalone --nproc-per-node 2 -m gradmerge.commands.distributed curvature \\\n"
         "      ./build.py:model ./build.py:batches a.curvature.safetensors --device cpu\n"
     )
     p.set_defaults(run=curvature.run_distributed, distributed=True)
@@ -87,7 +88,7 @@ def _add_merge_commands(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m gradmerge.distributed`` (under torchrun)."""
+    """Entry point of ``python -m gradmerge.commands.distributed`` (under torchrun)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check = getattr(args, "check", None)
@@ -98,16 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_merge_command(args: argparse.Namespace) -> int:
     """``merge CONFIG OUT_DIR`` over the ranks; 0 on success, 1 on failure (on every rank)."""
-    from gradmerge.checkpoints import MergeConfig, plan_merge
     from gradmerge.distributed.merge import run_merge
+    from gradmerge.jobs import MergeConfig, plan_merge
 
     return _run_streaming(args, "merge", MergeConfig.from_yaml, plan_merge, run_merge)
 
 
 def run_remove_command(args: argparse.Namespace) -> int:
     """``remove CONFIG OUT_DIR`` over the ranks; as :func:`run_merge_command`."""
-    from gradmerge.checkpoints import RemoveConfig, plan_remove
     from gradmerge.distributed.merge import run_remove
+    from gradmerge.jobs import RemoveConfig, plan_remove
 
     return _run_streaming(args, "remove", RemoveConfig.from_yaml, plan_remove, run_remove)
 
@@ -135,3 +136,7 @@ def _init(backend: str, device: torch.device, timeout: float) -> bool:
         return init_from_env(backend, device, timeout)
     except DistributedError as err:
         raise SystemExit(f"gradmerge.distributed: {err}") from err
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,14 +1,8 @@
 """``gradmerge gradient MODEL DATA OUT``: the SUM of the per-example loss gradients, saved.
 
-g = ∇ℓ̄(θ) = Σ_i ∇ℓ_i(θ), a SUM over the examples of DATA (the convention of every curvature:
-a sequence's loss sums its tokens, ignored positions count for nothing) at the weights θ of MODEL,
-computed by :func:`gradmerge.gradient_fn` and written as a safetensors file under the parameters'
-names — the ``gradient:`` of a Koh & Liang removal (``method: influence_remove`` in
-``gradmerge remove``), where MODEL is θ_LLM and DATA the data D_t to remove. Divide by the
-``num_examples`` of the file's metadata for the mean gradient.
-
-MODEL and DATA are read as by ``gradmerge curvature`` (text, tensor files, entry points; see its
-``--help``). The model is put in evaluation mode (no dropout).
+What it computes is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this docstring,
+so that the help survives ``python -OO``): :func:`gradmerge.gradient_fn` at MODEL's weights on
+DATA, written under the parameters' names for ``gradmerge remove``'s ``influence_remove``.
 """
 
 from __future__ import annotations
@@ -33,6 +27,17 @@ from gradmerge.commands._inputs import (
 )
 
 FORMAT = "gradmerge-gradient/1"
+DESCRIPTION = """\
+g = ∇ℓ̄(θ) = Σ_i ∇ℓ_i(θ), a SUM over the examples of DATA (the convention of every curvature:
+a sequence's loss sums its tokens, ignored positions count for nothing) at the weights θ of MODEL,
+computed by gradmerge.gradient_fn and written as a safetensors file under the parameters'
+names — the `gradient:` of a Koh & Liang removal (`method: influence_remove` in
+gradmerge remove), where MODEL is θ_LLM and DATA the data D_t to remove. Divide by the
+num_examples of the file's metadata for the mean gradient.
+
+MODEL and DATA are read as by gradmerge curvature (text, tensor files, entry points; see its
+--help). The model is put in evaluation mode (no dropout).
+"""
 EXAMPLES = """\
 examples:
   # the gradient of the data to remove, at the model to remove it from (θ_LLM)
@@ -48,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "gradient",
         help="the SUM of per-example loss gradients of a model on data (for Koh & Liang removal)",
-        description=(__doc__ or "").split("\n\n", 1)[1].replace("``", ""),
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )

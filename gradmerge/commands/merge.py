@@ -7,36 +7,24 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gradmerge.jobs.methods import help_table
+
 EPILOG = """\
-configuration (YAML; relative paths are relative to the YAML file):
+configuration (YAML; relative paths are relative to the YAML file), for example:
 
   method: gradient_matching      # task_arithmetic | fisher_average | gradient_matching | regmean
   base_model: path/to/base        # θ_LLM: .safetensors file, shard folder or Hugging Face folder
   models:
-    - model: path/to/finetuned_a  # θ_t
-      curvature: a.curvature.safetensors   # H_t, from `gradmerge curvature` or C.save(path)
-      alpha: 1.0                  # α_t (default 1.0)
-    - model: path/to/finetuned_b
-      curvature: b.curvature.safetensors
-  prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
-  scale: 1.0                      # multiplies every α_t
-  dtype: bfloat16                 # output dtype of float tensors (default: as in the base)
-  compute_dtype: float32          # float32 | float64: precision of the arithmetic
-  device: auto                    # auto (CUDA if available) | cpu | cuda | cuda:N
-  passthrough: [lm_head.weight]   # globs of float tensors copied from the base, unmerged
-  max_shard_size: 5GB             # output shard size
-  curvature_weights: warn         # warn | refuse | ignore: a curvature estimated at other weights
-                                  # than its model's and the base's (a sample hash tells)
+    - {model: path/to/finetuned_a, curvature: a.curvature.safetensors, alpha: 1.0}
+    - {model: path/to/finetuned_b, curvature: b.curvature.safetensors}
+  prior: {delta: 1.0e-6}          # H_0 = δI (+ s·C from curvature files)
+
+Every key (dtype, compute_dtype, device, passthrough, max_shard_size, allow_mixed_dtypes,
+curvature_weights, solver, scale, damping, ...) is described once, with examples, in
+docs/config.md of the gradmerge repository.
 
 methods:
-  task_arithmetic    θ_LLM + Σ α_t (θ_t − θ_LLM); no curvature, no prior
-  fisher_average     (Σ α_t H_t)⁻¹ Σ α_t H_t θ_t; optional `damping: δ` adds δI to each H_t;
-                     base_model optional (default: the first model)
-  gradient_matching  Eq. 6: θ_LLM + H̄⁻¹ Σ α_t (H_0 + H_t)(θ_t − θ_LLM), H̄ = H_0 + Σ α_t H_t;
-                     `prior` required
-  regmean            RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's
-                     K-FAC input factor, a mean over M_t rows); other tensors are averaged;
-                     optional `damping`
+{methods}
 
 Tensors are read, merged and written one group at a time (a tensor, or a K-FAC layer's weight
 and bias; a dense curvature couples every parameter, so it makes the whole model one group).
@@ -60,7 +48,7 @@ def add_parser(sub: Any) -> None:
         "averaging, uncertainty-based gradient matching (Eq. 6) or RegMean, reading and writing "
         "safetensors tensor group by tensor group (bounded memory).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG,
+        epilog=EPILOG.replace("{methods}", help_table("merge")),
     )
     add_common_arguments(p)
     p.set_defaults(run=run)
@@ -79,7 +67,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge merge``; 0 on success, 1 on bad input (the message goes to stderr)."""
-    from gradmerge.checkpoints import MergeConfig, plan_merge, run_merge
+    from gradmerge.jobs import MergeConfig, plan_merge, run_merge
 
     return run_command(args, "merge", MergeConfig.from_yaml, plan_merge, run_merge)
 
@@ -137,11 +125,11 @@ def run_command(
 
 
 def describe_systems(config: Any) -> int:
-    """``--dry-run``: check every unit's linear system (:mod:`gradmerge.checkpoints.conditioning`)
+    """``--dry-run``: check every unit's linear system (:mod:`gradmerge.jobs.conditioning`)
     and, for gradient matching, δ against the curvatures; print what needs damping. 1 if a solve
     would fail, else 0."""
-    from gradmerge.checkpoints import MergeConfig
-    from gradmerge.checkpoints.conditioning import check_systems, delta_note
+    from gradmerge.jobs import MergeConfig
+    from gradmerge.jobs.conditioning import check_systems, delta_note
 
     checks = check_systems(config)
     bad = [c for c in checks if not c.ok]

@@ -26,6 +26,9 @@ configuration (YAML; relative paths are relative to the YAML file):
   ignore_index: -100
   seed: 0                         # Monte-Carlo labels (fisher: mc)
   device: auto                    # auto | cpu | cuda | cuda:N
+  text: {text_field: text, label_field: label, max_length: 128}   # how text DATA is read
+
+Every key is described once, with examples, in docs/config.md of the gradmerge repository.
 
 Each step is θ ← θ − (H_0 + Σ α_t H_t(θ))⁻¹ [H_0(θ − θ_LLM) + Σ α_t ∇ℓ̄_t(θ)] (gm.refine, with
 backtracking on the norm of the bracket, R), H_t and ∇ℓ̄_t SUMS over D_t at the current θ. Not
@@ -58,8 +61,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge refine``; 0 on success, 1 on bad input (one line on stderr)."""
-    from gradmerge.checkpoints.refine import RefineConfig, run_refine
     from gradmerge.errors import GradmergeError
+    from gradmerge.jobs.refine import RefineConfig, run_refine
 
     try:
         config = RefineConfig.from_yaml(args.config)

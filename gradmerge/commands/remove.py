@@ -33,8 +33,9 @@ configuration (YAML; relative paths are relative to the YAML file):
   remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}
   alpha: 1.0
 
-  Both also take dtype, compute_dtype, device, passthrough and max_shard_size, as in
-  `gradmerge merge --help`.
+  Both also take the options of merges (dtype, compute_dtype, device, passthrough,
+  max_shard_size, allow_mixed_dtypes, curvature_weights, solver); every key is described once,
+  with examples, in docs/config.md of the gradmerge repository.
 
 The step's size ‖θ_\\t − θ_LLM‖ is printed against the task vector ‖θ_t − θ_LLM‖ (remove) or the
 weights ‖θ_LLM‖ (influence_remove); above `max_relative_step` (default 100 and 1) — a direction
@@ -79,6 +80,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge remove``; 0 on success, 1 on bad input (the message goes to stderr)."""
-    from gradmerge.checkpoints import RemoveConfig, plan_remove, run_remove
+    from gradmerge.jobs import RemoveConfig, plan_remove, run_remove
 
     return run_command(args, "remove", RemoveConfig.from_yaml, plan_remove, run_remove)

@@ -41,13 +41,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
+from gradmerge._extras import require
 
-from gradmerge._devices import resolve_device
-from gradmerge.demo.config import DemoConfig
-from gradmerge.demo.output import check_output, staged_output
-from gradmerge.demo.results import DemoResults
-from gradmerge.errors import ArgumentError
+require("demo", "the demo (gradmerge demo, gradmerge.demo)")
+
+import torch  # noqa: E402 (after the check for scikit-learn and matplotlib)
+
+from gradmerge._devices import resolve_device  # noqa: E402
+from gradmerge.demo.config import DemoConfig  # noqa: E402
+from gradmerge.demo.output import check_output, staged_output  # noqa: E402
+from gradmerge.demo.results import DemoResults  # noqa: E402
+from gradmerge.errors import ArgumentError  # noqa: E402
 
 __all__ = ["DemoConfig", "DemoResults", "run_demo", "resolve_device", "check_output"]
 

@@ -11,9 +11,9 @@ added with ``all_reduce``, so the result equals the single-process estimate on a
 - :func:`rank_seed` — the per-rank seed of Monte-Carlo draws.
 - :func:`model_fingerprint` — what the ranks compare to be sure they hold the same model.
 - :func:`run_merge`, :func:`run_remove` — the streaming merge/removal of
-  :mod:`gradmerge.checkpoints` with its units split over the ranks, each rank writing its own
+  :mod:`gradmerge.jobs` with its units split over the ranks, each rank writing its own
   shards, one index at the end (:mod:`gradmerge.distributed.merge`; imported on first use).
-- ``torchrun -m gradmerge.distributed curvature|merge|remove ...`` — the command line
+- ``torchrun -m gradmerge.commands.distributed curvature|merge|remove ...`` — the command line
   (:mod:`gradmerge.commands.distributed`); process-group helpers in
   :mod:`gradmerge.distributed.launch`.
 """

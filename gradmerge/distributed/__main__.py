@@ -1,12 +1,16 @@
-"""``torchrun --nproc-per-node N -m gradmerge.distributed curvature MODEL DATA OUT [options]``.
+"""``python -m gradmerge.distributed``: moved to ``python -m gradmerge.commands.distributed``.
 
-The package's one link to the command line (:mod:`gradmerge.commands.distributed`): run as a
-script only; the library modules of :mod:`gradmerge.distributed` import no command module.
+:mod:`gradmerge.distributed` is a library and imports no command module (the command line uses
+it, never the other way round); its command line is :mod:`gradmerge.commands.distributed`::
+
+    torchrun --nproc-per-node N -m gradmerge.commands.distributed curvature MODEL DATA OUT
+    torchrun --nproc-per-node N -m gradmerge.commands.distributed merge CONFIG.yaml OUT_DIR
 """
 
 import sys
 
-from gradmerge.commands.distributed import main
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(
+        "gradmerge.distributed is the library; its command line moved: run "
+        f"`torchrun ... -m gradmerge.commands.distributed {' '.join(sys.argv[1:]) or '...'}`"
+    )

@@ -48,7 +48,7 @@ def init_from_env(backend: str, device: torch.device, timeout: float) -> bool:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise DistributedError(
             "RANK/WORLD_SIZE are not set: launch with torchrun, e.g. "
-            "torchrun --nproc-per-node 2 -m gradmerge.distributed curvature MODEL DATA OUT"
+            "torchrun --nproc-per-node 2 -m gradmerge.commands.distributed curvature MODEL DATA OUT"
         )
     if backend == "auto":
         backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"

@@ -1,6 +1,6 @@
 r"""Distributed merging and removal: the streaming engine's units split over ranks, one index at the end.
 
-The single-process engine (:mod:`gradmerge.checkpoints.engine`) processes the plan's units — the
+The single-process engine (:mod:`gradmerge.jobs.engine`) processes the plan's units — the
 smallest groups of tensors some curvature couples — one after another and appends the results to
 safetensors shards. Here every rank opens the same inputs (on a filesystem all ranks share), builds
 the same plan, and processes a contiguous block of units, balanced by output bytes:
@@ -29,7 +29,7 @@ staging folder behind, as a killed single-process run does.
 Usage, in a script run by ``torchrun --nproc-per-node 4 script.py``::
 
     import torch.distributed as dist
-    from gradmerge.checkpoints import MergeConfig
+    from gradmerge.jobs import MergeConfig
     from gradmerge.distributed.merge import run_merge
     dist.init_process_group("gloo")
     report = run_merge(MergeConfig.from_yaml("merge.yaml"), "merged/")   # the same on every rank
@@ -49,18 +49,19 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge._files import temp_dir_beside
-from gradmerge.checkpoints import MergeConfig, MergeReport, RemoveConfig, open_checkpoint
-from gradmerge.checkpoints.engine import Job, open_job
-from gradmerge.checkpoints.plan import Plan, Unit
-from gradmerge.checkpoints.writer import (
+from gradmerge.distributed.comm import Comm
+from gradmerge.distributed.errors import DistributedError
+from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
+from gradmerge.io import open_checkpoint
+from gradmerge.io.writer import (
     INDEX_NAME,
     ShardedWriter,
     publish_stage,
     refuse_existing,
 )
-from gradmerge.distributed.comm import Comm
-from gradmerge.distributed.errors import DistributedError
-from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
+from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig
+from gradmerge.jobs.engine import Job, open_job
+from gradmerge.jobs.plan import Plan, Unit
 
 
 def run_merge(
@@ -71,7 +72,7 @@ def run_merge(
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     overwrite: bool = False,
 ) -> MergeReport:
-    """:func:`gradmerge.checkpoints.run_merge` over the ranks of ``group`` (module docstring).
+    """:func:`gradmerge.jobs.run_merge` over the ranks of ``group`` (module docstring).
 
     Every rank calls it with the same ``config`` and ``out_dir``; every rank returns the same
     report (``seconds`` aside), whose ``bytes_read``/``bytes_written`` are totals over the ranks.
@@ -93,7 +94,7 @@ def run_remove(
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     overwrite: bool = False,
 ) -> MergeReport:
-    """:func:`gradmerge.checkpoints.run_remove` over the ranks of ``group``; as :func:`run_merge`."""
+    """:func:`gradmerge.jobs.run_remove` over the ranks of ``group``; as :func:`run_merge`."""
     return _run("remove", config, out_dir, group, timeout, overwrite)
 
 

@@ -5,15 +5,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge.checkpoints import (
-    ConfigError,
-    MergeConfig,
-    OutputExistsError,
-    RemoveConfig,
-    run_merge,
-    run_remove,
-    writer,
-)
+from gradmerge.errors import ConfigError, OutputExistsError
+from gradmerge.io import writer
+from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
 from proofs_tests.checkpoints.workspace import make_workspace
 
 
@@ -250,7 +244,7 @@ def test_a_gradient_file_must_cover_the_parameters(ws, tmp_path):
 
 def test_devices():
     from gradmerge import demo
-    from gradmerge.checkpoints import resolve_device
+    from gradmerge._devices import resolve_device
     from gradmerge.errors import DeviceUnavailableError
 
     # one helper for the library, the commands, the demo and the ranks

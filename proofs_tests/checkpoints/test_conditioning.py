@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.checkpoints import MergeConfig
-from gradmerge.checkpoints.conditioning import check_systems, delta_note
+from gradmerge.jobs import MergeConfig
+from gradmerge.jobs.conditioning import check_systems, delta_note
 
 
 def _diag(values):

@@ -5,15 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gradmerge.checkpoints import (
-    ConfigError,
-    CurvatureTerm,
-    MergeConfig,
-    MissingInputError,
-    ModelInput,
-    RemoveConfig,
-    parse_size,
-)
+from gradmerge.errors import ConfigError, MissingInputError
+from gradmerge.jobs import CurvatureTerm, MergeConfig, ModelInput, RemoveConfig, parse_size
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge.checkpoints import MergeConfig, RemoveConfig, run_merge, run_remove
 from gradmerge.curvature.io import open_curvature
+from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
 
 from .workspace import make_workspace
 

@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 import gradmerge as gm
-from gradmerge.checkpoints import MergeConfig, open_checkpoint, run_merge
+from gradmerge.io import open_checkpoint
+from gradmerge.jobs import MergeConfig, run_merge
 from proofs_tests.checkpoints.workspace import assert_same, make_workspace
 
 BUFFERS = {

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import gradmerge as gm
-from gradmerge.checkpoints import MergeConfig, open_checkpoint, run_merge
+from gradmerge.io import open_checkpoint
+from gradmerge.jobs import MergeConfig, run_merge
 from proofs_tests.checkpoints.workspace import assert_same
 
 transformers = pytest.importorskip("transformers")

@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.checkpoints import open_checkpoint
-from gradmerge.checkpoints.lora import LoraCheckpoint
 from gradmerge.errors import FileFormatError, StructureError
+from gradmerge.io import open_checkpoint
+from gradmerge.io.lora import LoraCheckpoint
 from proofs_tests.checkpoints.test_official_curvature import _Payload
 from proofs_tests.text_models import bert_classifier, gpt2_lm
 

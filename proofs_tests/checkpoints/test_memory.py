@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, re, sys, threading, time
     import torch
-    from gradmerge.checkpoints import MergeConfig, run_merge, writer
+    from gradmerge.jobs import MergeConfig, run_merge
+    from gradmerge.io import writer
 
     torch.set_num_threads(1)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gradmerge.checkpoints import MergeConfig, open_checkpoint, run_merge
+from gradmerge.io import open_checkpoint
+from gradmerge.jobs import MergeConfig, run_merge
 
 
 def _tensors(folder):

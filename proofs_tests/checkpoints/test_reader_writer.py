@@ -7,13 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge.checkpoints import (
-    MissingInputError,
-    OutputExistsError,
-    ShardedWriter,
-    open_checkpoint,
-    staged_output,
-)
+from gradmerge.errors import MissingInputError, OutputExistsError
+from gradmerge.io import ShardedWriter, open_checkpoint, staged_output
 
 TENSORS = {
     "f32": torch.randn(3, 4),
@@ -105,7 +100,7 @@ def test_a_tensor_stored_twice_is_refused(tmp_path):
     save_file({"w": torch.ones(1)}, tmp_path / "b.safetensors")
     index = {"weight_map": {"w": "a.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    from gradmerge.checkpoints.reader import Checkpoint
+    from gradmerge.io.reader import Checkpoint
 
     with pytest.raises(gm.FileFormatError, match="'w' is stored twice"):
         Checkpoint(tmp_path, [tmp_path / "a.safetensors", tmp_path / "b.safetensors"], tmp_path)
@@ -172,7 +167,7 @@ def test_outputs_get_the_permissions_of_ordinary_new_files(tmp_path):
     import torch
 
     import gradmerge as gm
-    from gradmerge.checkpoints.writer import staged_output
+    from gradmerge.io.writer import staged_output
 
     mask = os.umask(0o022)
     try:

@@ -22,9 +22,9 @@ import torch
 import yaml
 
 import gradmerge as gm
-from gradmerge.checkpoints.refine import RECORD, RefineConfig, run_refine
 from gradmerge.cli import main
-from gradmerge.sources import load_data
+from gradmerge.io.sources import load_data
+from gradmerge.jobs.refine import RECORD, RefineConfig, run_refine
 
 transformers = pytest.importorskip("transformers")
 

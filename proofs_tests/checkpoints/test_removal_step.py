@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.checkpoints import ConfigError, RemoveConfig, run_remove
-from gradmerge.errors import InputWarning, StepTooLargeError
+from gradmerge.errors import ConfigError, InputWarning, StepTooLargeError
+from gradmerge.jobs import RemoveConfig, run_remove
 
 SHAPES = {"w": (4, 3), "b": (3,)}
 

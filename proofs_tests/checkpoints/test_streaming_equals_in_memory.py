@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import gradmerge as gm
-from gradmerge.checkpoints import MergeConfig, RemoveConfig, run_merge, run_remove
+from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
 from proofs_tests.checkpoints.workspace import assert_same, make_workspace
 
 ALPHAS = [0.7, 0.4]

@@ -5,7 +5,7 @@ algebra), and, for removing a task from a gradient-matching merge, the exact ide
 
     re-merge without task b = remove(θ_m, θ_b, H_b, H_0, H̄_\\b) − H̄_\\b⁻¹ H_0 (θ_m − θ_0)
 
-(Eq. 6 and Eq. 13 with diagonal curvatures, α = 1; derivation in the README's recipe), checked
+(Eq. 6 and Eq. 13 with diagonal curvatures, α = 1; the recipe of docs/config.md, 'Removal'), checked
 elementwise in float64.
 """
 
@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.checkpoints import ConfigError, MissingInputError, RemoveConfig
+from gradmerge.errors import ConfigError, MissingInputError
+from gradmerge.jobs import RemoveConfig
 
 SHAPES = {"w": (3, 4), "b": (4,)}
 DELTA = 0.3

@@ -183,7 +183,7 @@ def merge_config(root: str, name: str):
     """The MergeConfig/RemoveConfig of case ``name`` over the workspace at ``root``."""
     from pathlib import Path
 
-    from gradmerge.checkpoints import MergeConfig, RemoveConfig
+    from gradmerge.jobs import MergeConfig, RemoveConfig
 
     if name == "remove_refused":  # a step limit below the step: refused on every rank
         command, config = MERGES["remove_eq13"]

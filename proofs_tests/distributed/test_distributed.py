@@ -321,7 +321,8 @@ def test_a_killed_rank_makes_the_others_fail_at_once(kill_job):
 def test_distributed_merge_equals_the_single_process_merge(main_job, workspace, tmp_path, name):
     """Every tensor bit-equal to run_merge/run_remove in one process; one index over the ranks'
     shards; the record says how the units were split."""
-    from gradmerge.checkpoints import open_checkpoint, run_merge, run_remove
+    from gradmerge.io import open_checkpoint
+    from gradmerge.jobs import run_merge, run_remove
 
     outdir, ranks = main_job
     assert ranks[0][name]["files"] == ranks[1][name]["files"]  # the same report on every rank
@@ -379,8 +380,8 @@ def test_an_existing_output_is_refused_on_every_rank(main_job):
 
 
 def test_command_line_merge_under_torchrun(main_job):
-    """``-m gradmerge.distributed merge CONFIG OUT``: the same tensors as the API's merge."""
-    from gradmerge.checkpoints import open_checkpoint
+    """``-m gradmerge.commands.distributed merge CONFIG OUT``: the same tensors as the API's merge."""
+    from gradmerge.io import open_checkpoint
 
     outdir, ranks = main_job
     assert [r["cli_merge"]["status"] for r in ranks] == [0, 0]

@@ -225,7 +225,7 @@ def test_all_reduce_packs_buckets_and_keeps_shapes(one_rank_group, monkeypatch):
 
 # ----- distributed merging: the split, the names, one rank ------------------------------------
 def _plan(sizes):
-    from gradmerge.checkpoints.plan import Plan, Unit
+    from gradmerge.jobs.plan import Plan, Unit
 
     units = tuple(Unit((f"t{i}",), True) for i in range(len(sizes)))
     return Plan(
@@ -265,8 +265,8 @@ def test_one_rank_merge_writes_the_single_process_files(one_rank_group, tmp_path
     """With one rank, every shard and the index are byte-identical to run_merge's."""
     import filecmp
 
-    from gradmerge.checkpoints import run_merge
     from gradmerge.distributed.merge import run_merge as run_merge_distributed
+    from gradmerge.jobs import run_merge
     from proofs_tests.checkpoints.workspace import make_workspace
 
     ws = make_workspace(tmp_path / "ws", "diag")

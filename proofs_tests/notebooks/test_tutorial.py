@@ -39,6 +39,7 @@ def test_the_tutorial_covers_the_path():
         "method: gradient_matching",
         "gradmerge merge",
         "gradmerge remove",
+        "gradmerge evaluate",
     ):
         assert step in commands, step
     assert any("accuracy" in code for language, code in blocks() if language == "python")

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.checkpoints import ConfigError, MergeConfig, RemoveConfig
+from gradmerge.errors import ConfigError
+from gradmerge.jobs import MergeConfig, RemoveConfig
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def test_case4_nine_level_alias_bomb_is_refused_quickly(folder):
     )
     (folder / "bomb.yaml").write_text(text)
     code = (
-        "import sys\nfrom gradmerge.checkpoints import MergeConfig, ConfigError\n"
+        "import sys\nfrom gradmerge.jobs import MergeConfig\nfrom gradmerge.errors import ConfigError\n"
         f"try:\n    MergeConfig.from_yaml({str(folder / 'bomb.yaml')!r})\n"
         "except ConfigError as e:\n    print(len(str(e)), str(e)[:200])\n"
     )

@@ -125,7 +125,7 @@ def test_case11_token_ids_and_lengths_are_checked_first(
 
 
 def test_case11_in_python_too(gpt2_folder, tmp_path):
-    from gradmerge.sources import load_data, load_model
+    from gradmerge.io.sources import load_data, load_model
 
     model = load_model(str(gpt2_folder / "model"))
     save_file(

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import gradmerge as gm
-from gradmerge.checkpoints import MergeConfig, run_merge
+from gradmerge.jobs import MergeConfig, run_merge
 
 DT = torch.float64
 

@@ -10,19 +10,20 @@ import sys
 
 from gradmerge import cli
 from gradmerge._files import temp_dir_beside
-from gradmerge.checkpoints import MergeConfig, run_merge
+from gradmerge.jobs import MergeConfig, run_merge
 from proofs_tests.checkpoints.workspace import make_workspace
 
 KILLED_MID_MERGE = """
 import os, signal, sys
-from gradmerge.checkpoints import MergeConfig, writer
+from gradmerge.jobs import MergeConfig
+from gradmerge.io import writer
 
 real = writer.ShardedWriter.write
 def write_then_die(self, name, tensor):
     real(self, name, tensor)
     os.kill(os.getpid(), signal.SIGKILL)  # kill -9 after the first tensor is on disk
 writer.ShardedWriter.write = write_then_die
-from gradmerge.checkpoints import engine
+from gradmerge.jobs import engine
 engine.ShardedWriter = writer.ShardedWriter
 engine.run_merge(MergeConfig.from_yaml(sys.argv[1]), sys.argv[2], progress=False)
 """

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import gradmerge as gm
 from gradmerge import cli
 from gradmerge.errors import ArgumentError
-from gradmerge.sources import call_entry_point, parse_argument
+from gradmerge.io.sources import call_entry_point, parse_argument
 
 ENTRY = textwrap.dedent(
     """

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 import gradmerge as gm
 from gradmerge import cli
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
-from gradmerge.sources import load_data, load_model
-from gradmerge.text_data import TextOptions, label_id
+from gradmerge.io.sources import load_data, load_model
+from gradmerge.io.text_data import TextOptions, label_id
 from proofs_tests.text_models import LABELS, bert_classifier, gpt2_lm
 
 REVIEWS = [

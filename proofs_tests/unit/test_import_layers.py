@@ -117,11 +117,11 @@ def _part(module: str) -> str:
 
 
 def test_the_walk_sees_the_package():
-    assert {"gradmerge.sources", "gradmerge.commands.curvature", "gradmerge.distributed"} <= set(
+    assert {"gradmerge.io.sources", "gradmerge.commands.curvature", "gradmerge.distributed"} <= set(
         MODULES
     )
     deferred = _imports("gradmerge.commands.curvature", deferred=True)["gradmerge"]
-    assert "gradmerge.sources" in deferred
+    assert "gradmerge.io.sources" in deferred
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,7 @@ def test_distributed_knows_no_command_line():
 def test_importing_distributed_loads_no_command():
     code = (
         "import sys, gradmerge.distributed, gradmerge.distributed.launch, "
-        "gradmerge.distributed.merge, gradmerge.sources\n"
+        "gradmerge.distributed.merge, gradmerge.io.sources\n"
         "print(sorted(m for m in sys.modules if m.startswith('gradmerge.commands') "
         "or m in ('argparse', 'gradmerge.cli')))"
     )

@@ -22,7 +22,14 @@ def test_only_gradmerge_is_packaged():
     assert all(p == "gradmerge" or p.startswith("gradmerge.") for p in packages), packages
 
 
-HEAVY = ("gradmerge.distributed", "gradmerge.checkpoints", "gradmerge.commands", "gradmerge.theory")
+HEAVY = (
+    "gradmerge.distributed",
+    "gradmerge.io",
+    "gradmerge.jobs",
+    "gradmerge.checkpoints",
+    "gradmerge.commands",
+    "gradmerge.theory",
+)
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -45,8 +52,9 @@ def test_import_gradmerge_is_light():
 @pytest.mark.parametrize(
     ("access", "loads"),
     [
-        ("gm.run_merge", {"gradmerge.checkpoints"}),
-        ("gm.checkpoints.open_checkpoint", {"gradmerge.checkpoints"}),
+        ("gm.run_merge", {"gradmerge.jobs"}),
+        ("gm.open_checkpoint", {"gradmerge.io"}),
+        ("gm.jobs.MergeConfig", {"gradmerge.jobs"}),
         ("gm.distributed.estimate_curvature", {"gradmerge.distributed"}),
     ],
 )
@@ -58,9 +66,29 @@ def test_public_names_load_on_first_use(access, loads):
 
 def test_lazy_names_are_the_real_ones():
     import gradmerge as gm
-    from gradmerge import checkpoints, distributed
+    from gradmerge import distributed, io, jobs
 
-    assert gm.run_merge is checkpoints.run_merge and gm.distributed is distributed
+    assert gm.run_merge is jobs.run_merge and gm.distributed is distributed
+    assert gm.open_checkpoint is io.open_checkpoint
     assert set(gm.__all__) <= set(dir(gm))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = gm.nope
+
+
+def test_the_old_checkpoints_package_warns_and_keeps_its_names():
+    """``gradmerge.checkpoints`` (split into ``io`` and ``jobs``) still gives its public names."""
+    code = (
+        "import warnings\nwarnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    import gradmerge.checkpoints as c\n"
+        "import gradmerge.io, gradmerge.jobs, gradmerge.errors\n"
+        "print([str(x.category.__name__) for x in w])\n"
+        "print(c.run_merge is gradmerge.jobs.run_merge, c.open_checkpoint is gradmerge.io.open_checkpoint,"
+        " c.ConfigError is gradmerge.errors.ConfigError, sorted(c.__all__) == sorted(set(c.__all__)),"
+        " all(hasattr(c, n) for n in c.__all__))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert "DeprecationWarning" in eval(out[-2])
+    assert out[-1] == "True True True True True"

@@ -11,7 +11,11 @@ Modules, in paper order: :mod:`.mismatch` (Sec. 1.1), :mod:`.merge_rule` (Sec. 1
 
 from __future__ import annotations
 
-from gradmerge.theory.symbolic import (
+from gradmerge._extras import require
+
+require("testbed", "the theory testbed (gradmerge verify, gradmerge.theory.symbolic)")
+
+from gradmerge.theory.symbolic import (  # noqa: E402 (after the check for sympy)
     bayes_map,
     cook,
     koh_liang,
@@ -20,7 +24,7 @@ from gradmerge.theory.symbolic import (
     mismatch,
     removal,
 )
-from gradmerge.theory.symbolic._check import SymbolicCheck
+from gradmerge.theory.symbolic._check import SymbolicCheck  # noqa: E402
 
 __all__ = ["ALL_CHECKS", "SymbolicCheck", "run_all"]
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import gradmerge as gm
 from gradmerge import cli
 from gradmerge.commands import curvature
-from gradmerge.sources import TensorBatches
+from gradmerge.io.sources import TensorBatches
 
 ENTRY_POINTS = textwrap.dedent(
     """

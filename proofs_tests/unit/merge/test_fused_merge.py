@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge import _fused, _memory, _native
-from gradmerge.checkpoints import MergeConfig, run_merge
+from gradmerge.jobs import MergeConfig, run_merge
 
 # every size above 4096: inductor specialises its loops below that (a second compile)
 SHAPES = {"big": (5003,), "mat": (71, 80)}

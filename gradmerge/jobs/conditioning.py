@@ -23,8 +23,8 @@ Example:
     >>> import tempfile, torch, gradmerge as gm
     >>> from pathlib import Path
     >>> from safetensors.torch import save_file
-    >>> from gradmerge.checkpoints import MergeConfig
-    >>> from gradmerge.checkpoints.conditioning import check_systems
+    >>> from gradmerge.jobs import MergeConfig
+    >>> from gradmerge.jobs.conditioning import check_systems
     >>> with tempfile.TemporaryDirectory() as d:
     ...     for name, w in (("a", [1.0, 2.0]), ("b", [2.0, 0.0])):
     ...         save_file({"w": torch.tensor(w)}, f"{d}/{name}.safetensors")
@@ -45,10 +45,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, RemoveConfig
-from gradmerge.checkpoints.engine import open_job
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
+from gradmerge.jobs import methods
+from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
+from gradmerge.jobs.engine import open_job
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
@@ -80,29 +81,28 @@ class SystemCheck:
 
 
 def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
-    """Every merged unit's system (module docstring), in the plan's order; empty for task
-    arithmetic and RegMean, whose systems are not checked here."""
-    if isinstance(config, MergeConfig) and config.method not in (
-        "gradient_matching",
-        "fisher_average",
-    ):
+    """Every merged unit's system (module docstring), in the plan's order; empty for a method
+    whose record has no ``system`` (task arithmetic, RegMean: :mod:`gradmerge.jobs.methods`)."""
+    spec = methods.get(config.method)
+    if spec.system is None:
         return []
+    key = spec.damping_key or "damping"
     out = []
     with ExitStack() as stack:
         job = open_job(config, stack)
         for unit in job.plan.units:
             if not unit.merged:
                 continue
-            system, key = _system(config, job.curvatures, unit.keys, config.math_dtype)
-            out.append(_check(unit.keys, system, key, config.math_dtype))
+            terms = _inputs(config, job.curvatures, unit.keys, config.math_dtype)
+            out.append(_check(unit.keys, spec.system(terms), key, config.math_dtype))
     return out
 
 
 def delta_note(config: MergeConfig) -> str | None:
     """A warning when gradient matching's δ is so small next to diagonal curvatures that it
     equals Fisher averaging: δ below 10⁻³ of the 10th percentile of the positive entries of
-    Σ_t α_t H_t. None otherwise (or with no diagonal curvature, or another method)."""
-    if config.method != "gradient_matching" or config.prior is None:
+    Σ_t α_t H_t. None otherwise (or with no diagonal curvature, or a method without a prior)."""
+    if config.prior is None:
         return None
     samples: list[Tensor] = []
     with ExitStack() as stack:
@@ -131,7 +131,7 @@ def delta_note(config: MergeConfig) -> str | None:
         f"prior δ = {delta:.3g} is below 10⁻³ of the curvatures' 10th percentile ({p10:.3g}, "
         "positive diagonal entries of Σ α_t H_t): on at least 90% of those coordinates gradient "
         "matching gives Fisher averaging's result to three digits. If that is not meant, choose δ "
-        "as the fine-tunes' own prior precision (see the README's δ recipe)"
+        "as the fine-tunes' own prior precision (see 'Choosing δ' in docs/guide.md)"
     )
 
 
@@ -172,24 +172,24 @@ def _term(
     return total + term.delta if term.delta > 0 else total
 
 
-def _system(
+def _inputs(
     config: MergeConfig | RemoveConfig,
     files: dict[str, CurvatureFile],
     keys: tuple[str, ...],
     dtype: torch.dtype,
-) -> tuple[Curvature | None, str]:
+) -> methods.SystemInputs:
+    """The unit's curvature terms, which the method's ``system`` combines."""
     if isinstance(config, RemoveConfig):
-        return _term(config.remaining, "remaining", files, keys, dtype), "remaining: {delta: ...}"
-    parts = _models(config, files, keys, dtype)
-    if config.method == "fisher_average":
-        total = sum(parts[1:], parts[0]) if parts else None
-        damping = config.damping * sum(config.alphas)
-        if total is not None and damping:
-            total = total + damping
-        return total, "damping"
-    prior = _term(config.prior, "prior", files, keys, dtype)
-    terms = [*parts, *([prior] if prior is not None else [])]
-    return (sum(terms[1:], terms[0]) if terms else None), "prior: {delta: ...}"
+        return methods.SystemInputs(
+            prior=_term(config.prior, "prior", files, keys, dtype),
+            remaining=_term(config.remaining, "remaining", files, keys, dtype),
+        )
+    return methods.SystemInputs(
+        models=tuple(_models(config, files, keys, dtype)),
+        alphas=tuple(config.alphas),
+        prior=_term(config.prior, "prior", files, keys, dtype),
+        damping=config.damping,
+    )
 
 
 def _check(

@@ -1,6 +1,6 @@
 """Text examples as batches: JSONL, CSV/TSV, plain text and ``datasets`` folders, tokenised.
 
-The text path of ``gradmerge curvature MODEL DATA OUT`` (:mod:`gradmerge.sources`): records are
+The text path of ``gradmerge curvature MODEL DATA OUT`` (:mod:`gradmerge.io.sources`): records are
 read from DATA, tokenised with the MODEL folder's own tokenizer (``AutoTokenizer``, offline) and
 cut into padded batches that :func:`gradmerge.estimate_curvature` accepts. Formats:
 
@@ -18,7 +18,7 @@ Two tasks, chosen by the model's class (``config.architectures``):
 - causal language modelling (``...ForCausalLM``, ``...LMHeadModel``): each record is a text; the
   targets are the next tokens, ``labels[:, s] = input_ids[:, s + 1]``, the last position and the
   padding set to ``ignore_index`` — the convention of ``--shift-labels`` for tensor files
-  (:class:`gradmerge.sources.TensorBatches`), so a text file and its token file give the same
+  (:class:`gradmerge.io.sources.TensorBatches`), so a text file and its token file give the same
   curvature.
 
 Each batch is padded on the right to its longest sequence (``attention_mask`` 0 on the padding,
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 
@@ -309,6 +310,8 @@ def load_tokenizer(folder: str) -> Any:
 
     Raises:
         ArgumentError: ``folder`` is not a folder, or holds no tokenizer files.
+        MissingExtraError: transformers or tokenizers is not installed
+            (``pip install 'gradmerge[hf]'``).
     """
     if not Path(folder).is_dir():
         raise ArgumentError(
@@ -321,6 +324,7 @@ def load_tokenizer(folder: str) -> Any:
             f"{folder} holds no usable tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
             "next to the model with tokenizer.save_pretrained(folder), or pass --tokenizer FOLDER"
         )
+    require("hf", "text DATA (tokenised with the model folder's Hugging Face tokenizer)")
     import transformers
 
     try:

@@ -29,9 +29,8 @@ import torch
 from torch import Tensor
 
 from gradmerge._files import remove_stale_dirs_beside, temp_dir_beside
-from gradmerge.checkpoints.errors import OutputExistsError
-from gradmerge.checkpoints.reader import SAFETENSORS_DTYPES
-from gradmerge.errors import ArgumentError
+from gradmerge.errors import ArgumentError, OutputExistsError
+from gradmerge.io.reader import SAFETENSORS_DTYPES
 
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"

@@ -5,31 +5,13 @@ The library side of ``gradmerge curvature MODEL DATA OUT`` (and of its data-para
 arguments into an ``nn.Module`` and batches that :func:`gradmerge.estimate_curvature` accepts, and
 records where they came from (:func:`provenance`).
 
-MODEL is either
-
-- a Hugging Face model folder (``config.json`` naming the class in ``architectures``,
-  safetensors weights), loaded offline with that transformers class; or
-- a Python entry point ``module:function`` or ``path/to/file.py:function``: a function returning
-  the ``nn.Module`` (the current folder is importable, as with ``python -m``), called with the
-  keyword arguments given as ``--model-arg KEY=VALUE`` (none by default).
-
-DATA is one of
-
-- text: ``.jsonl``, ``.csv``/``.tsv``, ``.txt`` or a ``datasets`` folder (``save_to_disk``),
-  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
-  or causal language modelling (:mod:`gradmerge.text_data`);
-- a tensor file (``.safetensors``, or ``.pt``/``.pth`` read with ``torch.load(weights_only=True)``)
-  holding ``inputs`` and ``targets``, or ``input_ids`` and ``labels`` (optionally
-  ``attention_mask``, ``token_type_ids``), cut into batches (:class:`TensorBatches`); ``labels``
-  either one per position, or one class per sequence, shape (examples,);
-- an entry point returning an iterable of batches, as :func:`gradmerge.estimate_curvature`
-  accepts: ``(inputs, targets)`` pairs or Hugging Face dicts with ``"labels"``, called with the
-  keyword arguments given as ``--data-arg KEY=VALUE``, so that one function serves several tasks
-  (``--data-arg task=sentiment``).
+The forms MODEL and DATA take are :data:`FORMS` (a string, shown by ``gradmerge curvature
+--help`` also under ``python -OO``): a Hugging Face folder or an entry point for MODEL; text
+(:mod:`gradmerge.io.text_data`), a tensor file (:class:`TensorBatches`) or an entry point for DATA.
 
 Example:
     >>> import torch
-    >>> from gradmerge.sources import TensorBatches
+    >>> from gradmerge.io.sources import TensorBatches
     >>> batches = TensorBatches({"inputs": torch.zeros(5, 2), "targets": torch.zeros(5)}, batch_size=2)
     >>> [x.shape[0] for x, _ in batches]
     [2, 2, 1]
@@ -52,9 +34,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from gradmerge._extras import require
+from gradmerge._version import __version__
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
-from gradmerge.lora import is_adapter, merged_state_dict
-from gradmerge.text_data import (
+from gradmerge.io.lora import is_adapter, merged_state_dict
+from gradmerge.io.text_data import (
     TEXT_SUFFIXES,
     TextBatches,
     TextOptions,
@@ -64,6 +48,31 @@ from gradmerge.text_data import (
     token_labels,
     vocabulary_of,
 )
+
+FORMS = """\
+MODEL is either
+
+- a Hugging Face model folder (config.json naming the class in architectures,
+  safetensors weights), loaded offline with that transformers class; or
+- a Python entry point module:function or path/to/file.py:function: a function returning
+  the nn.Module (the current folder is importable, as with python -m), called with the
+  keyword arguments given as --model-arg KEY=VALUE (none by default).
+
+DATA is one of
+
+- text: .jsonl, .csv/.tsv, .txt or a datasets folder (save_to_disk),
+  tokenised with the MODEL folder's tokenizer, for sequence classification (a label per example)
+  or causal language modelling (gradmerge.io.text_data);
+- a tensor file (.safetensors, or .pt/.pth read with torch.load(weights_only=True))
+  holding inputs and targets, or input_ids and labels (optionally
+  attention_mask, token_type_ids), cut into batches (TensorBatches); labels
+  either one per position, or one class per sequence, shape (examples,);
+- an entry point returning an iterable of batches, as gradmerge.estimate_curvature
+  accepts: (inputs, targets) pairs or Hugging Face dicts with "labels", called with the
+  keyword arguments given as --data-arg KEY=VALUE, so that one function serves several tasks
+  (--data-arg task=sentiment).
+"""
+"""The forms of MODEL and DATA, as ``gradmerge curvature --help`` shows them."""
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 LM_KEYS = ("input_ids", "labels", "attention_mask", "token_type_ids")
@@ -143,7 +152,7 @@ def adapter_base(folder: Path) -> Path:
 def tokenizer_folder(spec: str) -> str:
     """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder when the
     adapter folder holds no tokenizer files."""
-    from gradmerge.text_data import TOKENIZER_FILES
+    from gradmerge.io.text_data import TOKENIZER_FILES
 
     folder = Path(spec)
     if is_adapter(spec) and not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -162,7 +171,9 @@ def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.M
     Raises:
         FileFormatError: no ``config.json``, no class, no safetensors weights; weights missing,
             unexpected or of another shape (named, with the fix).
+        MissingExtraError: transformers is not installed (``pip install 'gradmerge[hf]'``).
     """
+    require("hf", f"the Hugging Face model folder {folder}")
     import transformers
 
     config_file = folder / "config.json"
@@ -270,9 +281,9 @@ def load_data(
         arguments: keyword arguments of a DATA entry point (``--data-arg``).
         max_examples: keep the first examples of a tensor or text file only.
         model: the model the data are for; needed by text, whose task, labels, vocabulary and
-            positions it gives (:class:`gradmerge.text_data.TextBatches`).
+            positions it gives (:class:`gradmerge.io.text_data.TextBatches`).
         tokenizer: the Hugging Face folder whose tokenizer tokenises text (MODEL's folder).
-        text: the fields and limits of text data (:class:`gradmerge.text_data.TextOptions`).
+        text: the fields and limits of text data (:class:`gradmerge.io.text_data.TextOptions`).
 
     Raises:
         ArgumentError: an entry point that cannot be imported, does not take ``arguments`` or
@@ -601,15 +612,13 @@ def provenance(
     was batched are recorded too, so that the estimate can be traced to its exact inputs;
     ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given.
     """
-    import gradmerge
-
     data_kind_ = data_kind(data)
     meta = {
         "source.model": describe_source(model, model_kind(model)),
         "source.data": describe_source(data, data_kind_),
         "source.ignore_index": str(ignore_index),
         "source.device": str(device),
-        "source.gradmerge": gradmerge.__version__,
+        "source.gradmerge": __version__,
         "source.torch": torch.__version__,
     }
     for key, value in (("seed", seed), ("mc_samples", mc_samples)):

@@ -1,44 +1,25 @@
 """Merge and removal configurations: strict YAML files in the style of mergekit's.
 
-Merge (``gradmerge merge CONFIG OUT_DIR``), Eq. 6 and its special cases::
+:class:`MergeConfig` reads ``gradmerge merge CONFIG OUT_DIR`` (Eq. 6 and its special cases),
+:class:`RemoveConfig` ``gradmerge remove CONFIG OUT_DIR`` (Eq. 13, Koh & Liang); both share the
+:class:`Options` (output dtype, compute dtype, device, passthrough, shard size, mixed dtypes,
+curvature/weights pairing, and the K-FAC ``solver`` settings). Every key, its default and an
+example of each method are in ``docs/config.md``, the one reference of the YAML files (its
+examples are parsed by this module in ``proofs_tests/docs/test_config_reference.py``); this
+docstring does not repeat them.
 
-    method: gradient_matching          # task_arithmetic | fisher_average | gradient_matching | regmean
-    base_model: path/to/base           # θ_LLM: a .safetensors file, a shard folder or a HF folder
-    models:
-      - model: path/to/finetuned_a     # θ_t
-        curvature: a.curvature.safetensors   # H_t (written by `gradmerge curvature` / C.save)
-        alpha: 1.0                     # α_t
-    prior: {delta: 1.0e-6, curvature: base.curvature.safetensors, scale: 1.0}  # H_0 = δI + s·C
-    scale: 1.0                         # every α_t is multiplied by this
-    dtype: bfloat16                    # output dtype of float tensors (default: the base's)
-    device: auto                       # auto | cpu | cuda | cuda:N
+The reader is strict: relative paths are relative to the YAML file's folder; unknown keys,
+missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and missing
+files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values shown in
+messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
 
-Removal (``gradmerge remove CONFIG OUT_DIR``), Eq. 13 or Koh & Liang::
-
-    method: remove                     # remove (Eq. 13) | influence_remove (Koh & Liang)
-    base_model: path/to/base           # θ_LLM, trained on all data including D_t
-    model: path/to/finetuned_on_Dt     # θ_t (remove only)
-    curvature: t.curvature.safetensors # H_t (remove only)
-    prior: {delta: 1.0e-6}             # H_0 used when fine-tuning θ_t (remove only)
-    gradient: grad.safetensors         # ∇ℓ̄_t(θ_LLM) as a parameter dict (influence_remove only)
-    remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}   # H̄_\\t = δI + s·C
-    # C may be several files, summed: curvature: [a.curvature.safetensors, c.curvature.safetensors]
-    alpha: 1.0                         # α_t
-
-Both also take ``compute_dtype`` (float32 | float64: the precision of the arithmetic),
-``passthrough`` (globs of float tensors copied from the base unmerged), ``max_shard_size``
-(bytes, or "5GB", "500MB", "2GiB"), ``allow_mixed_dtypes`` (let float tensors of one name
-differ in dtype between inputs) and ``curvature_weights`` (warn | refuse | ignore: what to do
-when a curvature file was estimated at other weights than both the model it is paired with and
-the base, judged by a sample hash of the weights recorded at estimation; default warn) and
-``solver: {tol: 1.0e-6, maxiter: 2000}`` (the relative residual every K-FAC layer's solve is
-certified to — default 1e-5 in float32, 1e-10 in float64 — and the CG iterations per round;
-each layer's method, iterations and residual go into the record; ``approximate: true``, never
-the default, accepts each layer after at most ``maxiter`` CG iterations, default 0 = the
-eigenbasis preconditioner's solve alone, with its measured residual, instead of an error).
-Relative paths are relative to the YAML file's folder. Unknown keys, missing keys, keys a
-method does not use, keys given twice, files that are not UTF-8 and missing files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (values
-shown in messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
+Example:
+    >>> cfg = MergeConfig.from_dict(
+    ...     {"method": "gradient_matching", "base_model": ".", "prior": {"delta": 1e-6},
+    ...      "models": [{"model": ".", "curvature": "a.curvature.safetensors", "alpha": 0.5}]},
+    ...     check_files=False)
+    >>> cfg.method, cfg.prior.delta, cfg.alphas
+    ('gradient_matching', 1e-06, [0.5])
 """
 
 from __future__ import annotations
@@ -56,11 +37,9 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError
-from gradmerge.errors import InputWarning
+from gradmerge.errors import ConfigError, InputWarning, MissingInputError
+from gradmerge.jobs import methods
 
-MERGE_METHODS = ("task_arithmetic", "fisher_average", "gradient_matching", "regmean")
-REMOVE_METHODS = ("remove", "influence_remove")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -210,7 +189,8 @@ class MergeConfig(Options):
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> MergeConfig:
-        method = r.choice("method", MERGE_METHODS)
+        method = r.choice("method", methods.names("merge"))
+        spec = methods.get(method)
         r.allow(
             "method",
             "base_model",
@@ -220,20 +200,20 @@ class MergeConfig(Options):
             "damping",
             *_OPTION_KEYS,
         )
-        models = tuple(_model(r, i, m, method) for i, m in enumerate(r.entries("models")))
+        models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
         _warn_repeated(models, r.check_files)
-        needs_base = method in ("task_arithmetic", "gradient_matching")
+        needs_base = spec.need("base_model") == "required"
         base = r.path("base_model", default=_REQUIRED if needs_base else None)
         prior = None
-        if method == "gradient_matching":
-            prior = _term(r, "prior", required=True)
+        if spec.need("prior") != "forbidden":
+            prior = _term(r, "prior", required=spec.need("prior") == "required")
         else:
-            r.forbid("prior", method, "only gradient_matching has a prior H_0")
-        if method in ("fisher_average", "regmean"):
+            r.forbid("prior", method, spec.refusal("prior"))
+        if spec.need("damping") != "forbidden":
             damping = r.number("damping", default=0.0, minimum=0.0)
         else:
             damping = 0.0
-            r.forbid("damping", method, "use prior: {delta: ...} to damp gradient_matching")
+            r.forbid("damping", method, spec.refusal("damping"))
         return cls(
             method=method,
             base_model=base if base is not None else models[0].model,
@@ -277,7 +257,8 @@ class RemoveConfig(Options):
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> RemoveConfig:
-        method = r.choice("method", REMOVE_METHODS)
+        method = r.choice("method", methods.names("remove"))
+        spec = methods.get(method)
         r.allow(
             "method",
             "base_model",
@@ -291,17 +272,21 @@ class RemoveConfig(Options):
             "max_relative_step",
             *_OPTION_KEYS,
         )
-        model = curvature = gradient = None
+        uses = spec.uses
+        model = r.path("model", default=_wanted(spec, "model")) if "model" in uses else None
+        curvature = None
+        if "curvature" in uses:
+            curvature = r.path("curvature", kind="file", default=_wanted(spec, "curvature"))
         prior = None
-        if method == "remove":
-            model = r.path("model")
-            curvature = r.path("curvature", kind="file")
-            prior = _term(r, "prior", required=True)
-            r.forbid("gradient", method, "the gradient is for influence_remove")
-        else:
-            gradient = r.path("gradient")
-            for key in ("model", "curvature", "prior"):
-                r.forbid(key, method, "influence_remove needs the gradient and `remaining` only")
+        if "prior" in uses:
+            prior = _term(r, "prior", required=spec.need("prior") == "required")
+        gradient = None
+        if "gradient" in uses:
+            gradient = r.path("gradient", default=_wanted(spec, "gradient"))
+        for key in methods.KEYS["remove"]:
+            if key not in spec.uses:
+                r.forbid(key, method, spec.refusal(key))
+        assert spec.max_relative_step is not None  # every removal method has one
         remaining = _term(r, "remaining", required=True)
         assert remaining is not None  # required=True
         return cls(
@@ -314,7 +299,7 @@ class RemoveConfig(Options):
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
             step_check=r.choice("step_check", STEP_CHECKS, default="refuse"),
-            max_relative_step=_positive(r, "max_relative_step", MAX_RELATIVE_STEP[method]),
+            max_relative_step=_positive(r, "max_relative_step", spec.max_relative_step),
             source=source,
             **_options(r),
         )
@@ -332,9 +317,11 @@ _OPTION_KEYS = (
 )
 CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
 STEP_CHECKS = ("refuse", "warn", "ignore")
-MAX_RELATIVE_STEP = {"remove": 100.0, "influence_remove": 1.0}
-"""Default largest ‖θ_\\t − θ_LLM‖ relative to ‖θ_t − θ_LLM‖ (remove) or to ‖θ_LLM‖
-(influence_remove, which has no task vector)."""
+
+
+def _wanted(spec: methods.MergeMethod, key: str) -> Any:
+    """The default of a path key ``spec`` uses: none if it requires the key."""
+    return _REQUIRED if spec.need(key) == "required" else None
 
 
 def _positive(r: _Reader, key: str, default: float) -> float:
@@ -389,15 +376,15 @@ def _solver(r: _Reader) -> dict[str, Any]:
     return out
 
 
-def _model(r: _Reader, i: int, data: Any, method: str) -> ModelInput:
+def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
     m.allow("model", "curvature", "alpha")
-    if method == "task_arithmetic":
-        m.forbid("curvature", method, "task arithmetic uses no curvature")
+    if spec.need("curvature") == "forbidden":
+        m.forbid("curvature", spec.name, spec.refusal("curvature"))
         curvature = None
     else:
-        curvature = m.path("curvature", kind="file")
+        curvature = m.path("curvature", kind="file", default=_wanted(spec, "curvature"))
     return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
 
 

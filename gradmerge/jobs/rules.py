@@ -1,14 +1,17 @@
 """Each configured method as a call of the pure merge core on one unit's parameter dicts.
 
-No formula lives here: every branch calls one function of :mod:`gradmerge.merge` with the unit's
+No formula lives here: every rule calls one function of :mod:`gradmerge.merge` with the unit's
 tensors and the unit's restriction of each curvature, so a streamed merge computes, unit by
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
-never couple two units).
+never couple two units). The merge rules share one signature (:class:`MergeRule`), the removal
+rules another (:class:`RemoveRule`); which method calls which rule is recorded in
+:mod:`gradmerge.jobs.methods`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from torch import Tensor
 
@@ -33,8 +36,7 @@ def precision(delta: float, scale: float, curvature: Curvature | None) -> Precis
     return curvature.scaled(scale) + delta
 
 
-def merge_unit(
-    method: str,
+def task_arithmetic(
     base: Params,
     finetuned: Sequence[Params],
     curvatures: Sequence[Curvature | None],
@@ -43,34 +45,58 @@ def merge_unit(
     prior: Precision | None = None,
     damping: float = 0.0,
 ) -> dict[str, Tensor]:
-    """The merged unit: ``method`` of :class:`MergeConfig` on the unit's sub-dicts.
+    """:func:`gm.task_arithmetic` on the unit (curvatures, prior and damping unused)."""
+    return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
 
-    - ``task_arithmetic``: :func:`gm.task_arithmetic` (curvatures unused);
-    - ``fisher_average``: :func:`gm.fisher_average` with H_t + damping·I;
-    - ``gradient_matching``: :func:`gm.gradient_matching` (Eq. 6) with ``prior`` H_0;
-    - ``regmean``: :func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each
-      model's K-FAC input factor A_t, a mean over M_t rows (kept positions, or examples: the
-      curvature's ``KFAC.counts``);
-      a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
-      :func:`gm.fisher_average` with identity curvatures.
-    """
-    if method == "task_arithmetic":
-        return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
-    if method == "regmean":
-        return _regmean(finetuned, curvatures, alphas, damping)
+
+def fisher_average(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[Curvature | None],
+    *,
+    alphas: Sequence[float],
+    prior: Precision | None = None,
+    damping: float = 0.0,
+) -> dict[str, Tensor]:
+    """:func:`gm.fisher_average` on the unit with H_t + damping·I (base and prior unused)."""
     hs = [_required(c, t) for t, c in enumerate(curvatures)]
-    if method == "fisher_average":
-        damped = [h + damping if damping else h for h in hs]
-        return merge.fisher_average(finetuned, damped, alphas=list(alphas))
-    if method == "gradient_matching":
-        if prior is None:
-            raise ArgumentError("gradient_matching needs a prior H_0")
-        return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
-    raise ArgumentError(f"unknown merge method {method!r}")
+    damped = [h + damping if damping else h for h in hs]
+    return merge.fisher_average(finetuned, damped, alphas=list(alphas))
 
 
-def remove_unit(
-    method: str,
+def gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[Curvature | None],
+    *,
+    alphas: Sequence[float],
+    prior: Precision | None = None,
+    damping: float = 0.0,
+) -> dict[str, Tensor]:
+    """:func:`gm.gradient_matching` (Eq. 6) on the unit with ``prior`` H_0 (damping unused)."""
+    hs = [_required(c, t) for t, c in enumerate(curvatures)]
+    if prior is None:
+        raise ArgumentError("gradient matching needs a prior H_0")
+    return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
+
+
+def regmean(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[Curvature | None],
+    *,
+    alphas: Sequence[float],
+    prior: Precision | None = None,
+    damping: float = 0.0,
+) -> dict[str, Tensor]:
+    """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
+    input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
+    ``KFAC.counts``); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
+    :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
+    return _regmean(finetuned, curvatures, alphas, damping)
+
+
+def remove(
     base: Params,
     *,
     remaining: Precision,
@@ -80,23 +106,65 @@ def remove_unit(
     prior: Precision | None = None,
     gradient: Params | None = None,
 ) -> dict[str, Tensor]:
-    """The unit with data removed: :func:`gm.remove` (Eq. 13) or :func:`gm.influence_remove`."""
-    if method == "remove":
-        if finetuned is None or prior is None:
-            raise ArgumentError("remove needs the fine-tuned model θ_t and the prior H_0")
-        return merge.remove(
-            base,
-            finetuned,
-            _required(curvature, 0),
-            remaining=remaining,
-            prior=prior,
-            alpha=alpha,
-        )
-    if method == "influence_remove":
-        if gradient is None:
-            raise ArgumentError("influence_remove needs the gradient ∇ℓ̄_t(θ_LLM)")
-        return merge.influence_remove(base, gradient, remaining=remaining, alpha=alpha)
-    raise ArgumentError(f"unknown removal method {method!r}")
+    """:func:`gm.remove` (Eq. 13) on the unit (gradient unused)."""
+    if finetuned is None or prior is None:
+        raise ArgumentError("removal by Eq. 13 needs the fine-tuned model θ_t and the prior H_0")
+    return merge.remove(
+        base,
+        finetuned,
+        _required(curvature, 0),
+        remaining=remaining,
+        prior=prior,
+        alpha=alpha,
+    )
+
+
+def influence_remove(
+    base: Params,
+    *,
+    remaining: Precision,
+    alpha: float,
+    finetuned: Params | None = None,
+    curvature: Curvature | None = None,
+    prior: Precision | None = None,
+    gradient: Params | None = None,
+) -> dict[str, Tensor]:
+    """:func:`gm.influence_remove` (Koh & Liang) on the unit (model, curvature, prior unused)."""
+    if gradient is None:
+        raise ArgumentError("the influence-function removal needs the gradient ∇ℓ̄_t(θ_LLM)")
+    return merge.influence_remove(base, gradient, remaining=remaining, alpha=alpha)
+
+
+class MergeRule(Protocol):
+    """The signature of the merge rules above (what :class:`~gradmerge.jobs.methods.MergeMethod`
+    calls for one unit)."""
+
+    def __call__(
+        self,
+        base: Params,
+        finetuned: Sequence[Params],
+        curvatures: Sequence[Curvature | None],
+        *,
+        alphas: Sequence[float],
+        prior: Precision | None = None,
+        damping: float = 0.0,
+    ) -> dict[str, Tensor]: ...
+
+
+class RemoveRule(Protocol):
+    """The signature of the removal rules above."""
+
+    def __call__(
+        self,
+        base: Params,
+        *,
+        remaining: Precision,
+        alpha: float,
+        finetuned: Params | None = None,
+        curvature: Curvature | None = None,
+        prior: Precision | None = None,
+        gradient: Params | None = None,
+    ) -> dict[str, Tensor]: ...
 
 
 def _required(curvature: Curvature | None, t: int) -> Curvature:

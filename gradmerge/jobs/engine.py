@@ -1,10 +1,10 @@
 """The streaming engine: ``run_merge`` and ``run_remove`` over checkpoint files.
 
-For every unit of the plan (:mod:`gradmerge.checkpoints.plan`: the smallest group of tensors some
+For every unit of the plan (:mod:`gradmerge.jobs.plan`: the smallest group of tensors some
 curvature couples) the engine reads that unit's tensors from every input — base, fine-tuned
 models, the unit's part of each curvature file, the gradient — on the chosen device in the
 compute dtype, calls the pure rule of :mod:`gradmerge.merge` on these sub-dicts
-(:mod:`gradmerge.checkpoints.rules`), casts the result to the output dtype and appends it to the
+(:mod:`gradmerge.jobs.rules`), casts the result to the output dtype and appends it to the
 output shards. Peak memory is a few units' tensors: the inputs are memory-mapped and read one
 unit at a time, the output is written as it comes. A dense curvature couples every parameter it
 covers, so with one the whole model is a single unit (and must fit in memory).
@@ -35,7 +35,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -44,24 +44,25 @@ from gradmerge import _fused, _memory, _weight_sample
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
-from gradmerge.checkpoints import rules
-from gradmerge.checkpoints.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.checkpoints.errors import ConfigError
-from gradmerge.checkpoints.lora import open_model
-from gradmerge.checkpoints.plan import Coverage, Plan, Unit, build_plan
-from gradmerge.checkpoints.reader import Checkpoint, open_checkpoint
-from gradmerge.checkpoints.writer import ShardedWriter, remove_stale_stages, staged_output
+from gradmerge._version import __version__
 from gradmerge.curvature import KFAC, Curvature
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     PD_FIX,
     ArgumentError,
+    ConfigError,
     GradmergeError,
     InputWarning,
     NotPositiveDefiniteError,
     ResultOverflowError,
     StepTooLargeError,
 )
+from gradmerge.io.lora import open_model
+from gradmerge.io.reader import Checkpoint, open_checkpoint
+from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
+from gradmerge.jobs import methods, rules
+from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
+from gradmerge.jobs.plan import Plan, Unit, build_plan
 from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -75,7 +76,7 @@ class MergeReport:
         out_dir: the output folder.
         files: the files written there (shards, index, copied config files, record).
         tensors: tensors written; ``merged`` of them merged, ``copied`` copied from the base.
-        units: units processed (see :mod:`gradmerge.checkpoints.plan`).
+        units: units processed (see :mod:`gradmerge.jobs.plan`).
         bytes_read: tensor bytes read from all inputs (checkpoints and curvature files).
         bytes_written: bytes of the safetensors shards.
         seconds: wall time of the run.
@@ -134,7 +135,7 @@ def run_merge(
         >>> import tempfile, torch
         >>> from pathlib import Path
         >>> from safetensors.torch import save_file, load_file
-        >>> from gradmerge.checkpoints import MergeConfig, run_merge
+        >>> from gradmerge.jobs import MergeConfig, run_merge
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     d = Path(tmp)
         ...     save_file({"w": torch.zeros(2), "step": torch.tensor(3)}, d / "base.safetensors")
@@ -251,7 +252,7 @@ class Job:
 
     Attributes:
         command: ``"merge"`` or ``"remove"``.
-        plan: the units, their shapes and output dtypes (:class:`~gradmerge.checkpoints.plan.Plan`).
+        plan: the units, their shapes and output dtypes (:class:`~gradmerge.jobs.plan.Plan`).
         base: the base checkpoint θ_LLM (its config/tokenizer files are the output's).
         device: where the arithmetic runs.
         checkpoints: input name (as in the record: ``base_model``, ``models[0].model``, ...) →
@@ -268,8 +269,8 @@ class Job:
         >>> from contextlib import ExitStack
         >>> from pathlib import Path
         >>> from safetensors.torch import save_file
-        >>> from gradmerge.checkpoints import MergeConfig
-        >>> from gradmerge.checkpoints.engine import open_job
+        >>> from gradmerge.jobs import MergeConfig
+        >>> from gradmerge.jobs.engine import open_job
         >>> with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         ...     d = Path(tmp)
         ...     save_file({"w": torch.zeros(2)}, d / "base.safetensors")
@@ -381,18 +382,12 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     prior_files = _open_term(config.prior, "prior", stack)
     files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
     files.update(prior_files)
-    coverage: Coverage = (
-        "none"
-        if config.method == "task_arithmetic"
-        else "kfac"
-        if config.method == "regmean"
-        else "all"
-    )
+    spec = methods.get(config.method)
     plan = build_plan(
         base,
         [(f"models[{i}].model", m) for i, m in enumerate(models)],
         list(files.items()),
-        coverage=coverage,
+        coverage=spec.coverage,
         passthrough=config.passthrough,
         out_dtype=config.out_dtype,
         allow_mixed_dtypes=config.allow_mixed_dtypes,
@@ -413,18 +408,12 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
-        return rules.merge_unit(
-            config.method, theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping
-        )
+        return rule(theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping)
 
-    hint = {
-        "gradient_matching": "raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive "
-        "definite",
-        "fisher_average": "set `damping:` ({example}) so that Σ α_t H_t is positive definite",
-        "regmean": "set `damping:` ({example}) so that the summed Gram matrices are invertible",
-    }.get(config.method, "")
+    rule = cast(rules.MergeRule, spec.rule)
+    hint = spec.hint
     negative = [f"models[{i}].alpha" for i, a in enumerate(config.alphas) if a < 0]
-    if negative and config.method != "task_arithmetic":
+    if negative and "curvature" in spec.uses:
         hint = (
             f"{', '.join(negative)} (times `scale`) is negative, which subtracts that model's "
             "curvature from H̄: make it smaller in magnitude, or " + hint
@@ -469,6 +458,8 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         pairs.append(("curvature", curv, [("model", model), *at_base]))
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
+    spec = methods.get(config.method)
+    rule = cast(rules.RemoveRule, spec.rule)
 
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
@@ -477,8 +468,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        out = rules.remove_unit(
-            config.method,
+        out = rule(
             theta,
             remaining=remaining,
             alpha=config.alpha,
@@ -498,11 +488,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         checkpoints["model"] = model
     if gradient is not None:
         checkpoints["gradient"] = gradient
-    hint = (
-        "the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
-        "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
-        "data that stays"
-    )
+    hint = spec.hint
     return Job(
         "remove",
         plan,
@@ -754,8 +740,6 @@ def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]
 
 
 def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
-    from gradmerge import __version__
-
     record: dict[str, Any] = {
         "gradmerge_version": __version__,
         "torch_version": torch.__version__,

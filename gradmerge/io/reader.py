@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradmerge.checkpoints.errors import MissingInputError
-from gradmerge.errors import FileFormatError, StructureError
+from gradmerge.errors import FileFormatError, MissingInputError, StructureError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -220,7 +219,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     Example:
         >>> import tempfile, torch
         >>> from safetensors.torch import save_file
-        >>> from gradmerge.checkpoints import open_checkpoint
+        >>> from gradmerge.io import open_checkpoint
         >>> with tempfile.TemporaryDirectory() as d:
         ...     save_file({"w": torch.ones(2, 3), "step": torch.tensor(7)}, f"{d}/model.safetensors")
         ...     with open_checkpoint(d) as ckpt:

@@ -11,9 +11,13 @@ module is that of its factors (so ``rank_pattern`` is honoured). Tensors of ``mo
 (e.g. a classification head) replace the base's. What this does not express is refused with an
 error naming the setting: DoRA (``use_dora``), trained biases (``bias`` other than "none",
 ``lora_bias``), per-module alphas (``alpha_pattern``), LoRA on embeddings or convolutions, and
-other PEFT methods. :mod:`gradmerge.checkpoints.lora` reads an adapter over a checkpoint tensor by
-tensor (merges, removals); :func:`merged_state_dict` applies it to a loaded model's state dict
-(``gradmerge curvature``).
+other PEFT methods.
+
+Two readers: :class:`LoraCheckpoint` shows an adapter over its base checkpoint as the fine-tuned
+checkpoint, materialising a tensor when the streaming merge asks for it, so that ``gradmerge
+merge`` and ``gradmerge remove`` take adapter folders wherever they take a model
+(:func:`open_model`); :func:`merged_state_dict` applies an adapter to a loaded model's state
+dict (``gradmerge curvature``).
 
 Example:
     >>> import torch
@@ -21,10 +25,27 @@ Example:
     >>> update.delta(torch.float32)
     tensor([[2., 2., 2.],
             [2., 2., 2.]])
+    >>> import json, tempfile
+    >>> from pathlib import Path
+    >>> from safetensors.torch import save_file
+    >>> from gradmerge.io import open_checkpoint
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     save_file({"fc.weight": torch.zeros(2, 3)}, f"{d}/base.safetensors")
+    ...     (Path(d) / "ad").mkdir()
+    ...     _ = (Path(d) / "ad/adapter_config.json").write_text(json.dumps(
+    ...         {"peft_type": "LORA", "r": 1, "lora_alpha": 2, "target_modules": ["fc"]}))
+    ...     save_file({"base_model.model.fc.lora_A.weight": torch.ones(1, 3),
+    ...                "base_model.model.fc.lora_B.weight": torch.ones(2, 1)},
+    ...               f"{d}/ad/adapter_model.safetensors")
+    ...     with open_checkpoint(f"{d}/base.safetensors") as base:
+    ...         print(LoraCheckpoint(Path(d) / "ad", base).get("fc.weight"))
+    tensor([[2., 2., 2.],
+            [2., 2., 2.]])
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -36,6 +57,7 @@ import torch
 from torch import Tensor
 
 from gradmerge.errors import FileFormatError, StructureError
+from gradmerge.io.reader import Checkpoint, open_checkpoint
 
 CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
@@ -187,3 +209,126 @@ def merged_state_dict(folder: Path, state: Mapping[str, Tensor]) -> dict[str, Te
     for key, value in saved.items():
         out[key] = value.to(out[key].dtype)
     return out
+
+
+class LoraCheckpoint(Checkpoint):
+    """An adapter folder over its base checkpoint, read as the full fine-tuned checkpoint θ_t.
+
+    A :class:`Checkpoint` for every reader of one (plan, engine, record); it opens no file of
+    its own beyond the adapter's weights, so it does not run ``Checkpoint.__init__``.
+
+    Every name, shape and dtype is the base's; :meth:`get` returns W_0 + s·B·A for a LoRA
+    target, the adapter's tensor for ``modules_to_save``, the base's otherwise.
+
+    Raises:
+        StructureError: an update or saved tensor whose name or shape the base does not have.
+    """
+
+    def __init__(self, folder: Path, base: Checkpoint) -> None:
+        self.path = self.folder = Path(folder)
+        self.base = base
+        self.updates, self.saved = read_adapter(self.path)
+        for key, update in self.updates.items():
+            shape = (update.b.shape[0], update.a.shape[1])
+            shape = shape[::-1] if update.transpose else shape
+            self._check(key, shape, "a LoRA target")
+        for key, value in self.saved.items():
+            self._check(key, tuple(value.shape), "a saved module's tensor")
+        files = sorted(p for p in self.path.iterdir() if p.name.startswith("adapter_model"))
+        self.files = (*files, *base.files)
+        digest = hashlib.sha256(base.fingerprint.encode())
+        for file in files:
+            digest.update(file.read_bytes())
+        self.fingerprint = digest.hexdigest()
+        """SHA-256 of the base's fingerprint and the adapter's bytes."""
+        self.bytes_read = 0
+
+    def _check(self, key: str, shape: tuple[int, ...], what: str) -> None:
+        if key not in self.base:
+            raise StructureError(
+                f"{self.path}: {what} {key!r} is not in the base model {self.base.path}: the "
+                "adapter was trained on another model"
+            )
+        if tuple(self.base.shape(key)) != tuple(shape):
+            raise StructureError(
+                f"{self.path}: {what} {key!r} has shape {tuple(shape)}, the base's is "
+                f"{tuple(self.base.shape(key))}"
+            )
+
+    def __repr__(self) -> str:
+        return f"LoraCheckpoint({str(self.path)!r} over {self.base!r})"
+
+    def close(self) -> None:
+        """Nothing to close of its own (the base is closed by whoever opened it)."""
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def keys(self) -> list[str]:
+        """The base's tensor names."""
+        return self.base.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The base's shape of ``key``."""
+        return self.base.shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The base's dtype of ``key``."""
+        return self.base.dtype(key)
+
+    def nbytes(self, key: str) -> int:
+        """The base's stored size of ``key``."""
+        return self.base.nbytes(key)
+
+    def file_of(self, key: str) -> Path:
+        """The adapter's weights file for a LoRA or saved tensor, else the base's file."""
+        return self.files[0] if key in self.updates or key in self.saved else self.base.file_of(key)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The base's metadata."""
+        return self.base.metadata
+
+    @property
+    def total_bytes(self) -> int:
+        """The base's size: θ_t has the base's tensors."""
+        return self.base.total_bytes
+
+    def assets(self) -> list[Path]:
+        """The base's config and tokenizer files."""
+        return self.base.assets()
+
+    def get(
+        self,
+        key: str,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """θ_t's tensor ``key`` (module docstring), moved and cast when asked."""
+        if key in self.saved:
+            tensor = self.saved[key].to(self.base.dtype(key))
+        elif key in self.updates:
+            weight = self.base.get(key)
+            tensor = weight + self.updates[key].delta(weight.dtype)
+        else:
+            tensor = self.base.get(key)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        if device is not None or dtype is not None:
+            tensor = tensor.to(device=device, dtype=dtype)
+        return tensor
+
+    def rows(self, key: str, indices: list[int]) -> Tensor:
+        """Rows ``indices`` of θ_t's tensor ``key`` (the whole value when ``indices`` is empty)."""
+        tensor = self.get(key)
+        return tensor if not indices else tensor[indices]
+
+
+def open_model(path: str | Path, base: Checkpoint) -> Checkpoint:
+    """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder)."""
+    if is_adapter(path):
+        return LoraCheckpoint(Path(path), base)
+    return open_checkpoint(path)

@@ -22,10 +22,9 @@ from typing import Literal
 import torch
 
 from gradmerge._text import first_and_more
-from gradmerge.checkpoints.errors import ConfigError
-from gradmerge.checkpoints.reader import Checkpoint
 from gradmerge.curvature.io import CurvatureFile, join_groups
-from gradmerge.errors import DTypeError, StructureError
+from gradmerge.errors import ConfigError, DTypeError, StructureError
+from gradmerge.io.reader import Checkpoint
 
 Coverage = Literal["all", "kfac", "none"]
 """What the curvatures must cover: every merged tensor (``all``), nothing (``kfac``: RegMean

@@ -18,7 +18,7 @@ Which tensors: those of floating dtype, except names holding ``position_ids`` or
 Example:
     >>> import tempfile, torch
     >>> from safetensors.torch import save_file
-    >>> from gradmerge.checkpoints.official import convert_curvature
+    >>> from gradmerge.io.official import convert_curvature
     >>> with tempfile.TemporaryDirectory() as d:
     ...     save_file({"w": torch.tensor([1.0, 0.5]), "pos.position_ids": torch.arange(2)},
     ...               f"{d}/model.safetensors")
@@ -38,10 +38,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradmerge.checkpoints.errors import MissingInputError
-from gradmerge.checkpoints.reader import open_checkpoint
 from gradmerge.curvature import Diagonal
-from gradmerge.errors import ArgumentError, FileFormatError, NonFiniteError
+from gradmerge.errors import ArgumentError, FileFormatError, MissingInputError, NonFiniteError
+from gradmerge.io.reader import open_checkpoint
 
 SKIPPED = ("position_ids", "masked_bias")
 """Name parts of the buffers the official script leaves out of its merge."""

@@ -9,44 +9,27 @@ steps towards the multi-task MAP θ_{1:T} = argmin Σ_t α_t ℓ̄_t(θ) + ½‖
         \Big[H_0(\theta^k - \theta_{LLM}) + \sum_t \alpha_t \nabla\bar\ell_t(\theta^k)\Big],
 
 with each task's gradient and curvature (SUMS over D_t) re-estimated at the iterate θ^k (and a
-backtracking on the norm of the bracket, the stationarity residual R). Configuration (YAML;
-relative paths are relative to its folder)::
-
-    start: merged/                      # θ^0: a Hugging Face folder (e.g. `gradmerge merge`'s output)
-    base_model: path/to/base            # θ_LLM
-    models:
-      - model: path/to/finetuned_a      # θ_t (for the gradient mismatch of Eq. 2)
-        data: task_a.safetensors        # D_t: a tensor file or module:function (as `curvature`)
-        alpha: 1.0                      # α_t
-      - {model: path/to/finetuned_b, data: mypkg.data:task_b}
-    prior: {delta: 1.0e-3}              # H_0 = δI (+ scale · curvature file)
-    steps: 2                            # k ≥ 1
-    structure: kfac                     # H_t at each iterate: diag | kfac | full
-    fisher: empirical                   # empirical | mc | ggn | hessian (full only)
-    loss: cross_entropy                 # cross_entropy | mse
-    batch_size: 16                      # rows per batch of a tensor file
-    shift_labels: false                 # causal-LM labels = input_ids (see `gradmerge curvature`)
-    ignore_index: -100
-    seed: 0                             # Monte-Carlo labels (fisher: mc)
-    device: auto                        # auto | cpu | cuda | cuda:N
-    text: {text_field: text, label_field: label, max_length: 128}   # text DATA (as `curvature`)
+backtracking on the norm of the bracket, the stationarity residual R). The configuration is a
+YAML file (:class:`RefineConfig`): ``start`` (θ^0), ``base_model`` (θ_LLM), ``models`` (each
+θ_t with its ``data`` and ``alpha``), ``prior`` (H_0), ``steps`` (k) and how H_t is estimated;
+every key, its default and an example are in ``docs/config.md``.
 
 MODEL entries (``start``, ``base_model``, ``models[].model``) are Hugging Face folders or
 ``module:function`` entry points, DATA entries text (``.jsonl``, ``.csv``/``.tsv``, ``.txt``, a
 ``datasets`` folder; tokenised with the ``start`` folder's tokenizer), tensor files or entry
-points, as for ``gradmerge curvature`` (:mod:`gradmerge.sources`); ``text`` takes the keys of
-:class:`gradmerge.text_data.TextOptions`. Every model must have the parameters of
+points, as for ``gradmerge curvature`` (:mod:`gradmerge.io.sources`); ``text`` takes the keys of
+:class:`gradmerge.io.text_data.TextOptions`. Every model must have the parameters of
 ``start`` (names and shapes). Unlike a merge, refinement is not streamed: it holds T + 2 copies of
 the parameters (θ^k, θ_LLM, θ_1 … θ_T), the model, and one curvature at a time in memory.
 
-The output folder appears only when everything succeeded (:func:`~gradmerge.checkpoints.writer.
+The output folder appears only when everything succeeded (:func:`~gradmerge.io.writer.
 staged_output`): θ^k saved as the start model was (``save_pretrained`` for a Hugging Face model,
 with the start folder's tokenizer files; ``model.safetensors`` otherwise) and
 ``gradmerge_refine.json``: the configuration, and per step k = 0 … K the gradient mismatch
 ‖∇ℓ̄_t(θ^k) − ∇ℓ̄_t(θ_t)‖ per task (Eq. 2), its sum and ‖R(θ^k)‖.
 
 Example:
-    >>> from gradmerge.checkpoints.refine import RefineConfig
+    >>> from gradmerge.jobs.refine import RefineConfig
     >>> cfg = RefineConfig.from_dict({"start": ".", "base_model": ".", "steps": 2,
     ...     "models": [{"model": ".", "data": "a.safetensors"}], "prior": {"delta": 0.1}},
     ...     check_files=False)
@@ -71,10 +54,19 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge import params as P
-from gradmerge import sources
 from gradmerge._devices import resolve_device
 from gradmerge._text import key_list
-from gradmerge.checkpoints.config import (
+from gradmerge._version import __version__
+from gradmerge.curvature import Curvature, load_curvature
+from gradmerge.diagnostics import gradient_mismatch
+from gradmerge.errors import ConfigError, MissingInputError, StructureError
+from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
+from gradmerge.estimate.options import Fisher, LossFunction, Structure
+from gradmerge.io import sources
+from gradmerge.io.reader import ASSET_PATTERNS
+from gradmerge.io.text_data import TEXT_SUFFIXES, TextOptions
+from gradmerge.io.writer import refuse_existing, staged_output
+from gradmerge.jobs.config import (
     _REQUIRED,
     CurvatureTerm,
     FromYaml,
@@ -83,17 +75,8 @@ from gradmerge.checkpoints.config import (
     _shown,
     _term,
 )
-from gradmerge.checkpoints.errors import ConfigError, MissingInputError
-from gradmerge.checkpoints.reader import ASSET_PATTERNS
-from gradmerge.checkpoints.writer import refuse_existing, staged_output
-from gradmerge.curvature import Curvature, load_curvature
-from gradmerge.diagnostics import gradient_mismatch
-from gradmerge.errors import StructureError
-from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
-from gradmerge.estimate.options import Fisher, LossFunction, Structure
 from gradmerge.merge import refine
 from gradmerge.params import Params
-from gradmerge.text_data import TEXT_SUFFIXES, TextOptions
 
 RECORD = "gradmerge_refine.json"
 
@@ -237,7 +220,7 @@ def run_refine(
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
         ConfigError: ``out_dir`` is, or holds, one of the inputs.
         StructureError: a model whose parameters differ from the start's (named).
-        ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.sources`).
+        ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.io.sources`).
         NotPositiveDefiniteError, NonFiniteError: from the solve or the data.
     """
     begin = time.perf_counter()
@@ -497,6 +480,4 @@ def _save(model: nn.Module, stage: Path, start: str) -> list[str]:
 
 
 def _version() -> str:
-    from gradmerge import __version__
-
     return __version__

@@ -1,0 +1,67 @@
+"""Optional dependencies, grouped as the package's extras, checked where a feature needs them.
+
+``pip install gradmerge`` brings what the merge core, curvature estimation on tensors or entry
+points and the checkpoint commands need (torch, numpy, safetensors, pyyaml, tqdm). Three features
+need more, each declared as an extra of ``pyproject.toml``:
+
+==========  ========================================  ============================================
+extra       modules                                   needed by
+==========  ========================================  ============================================
+testbed     sympy                                     ``gradmerge verify``, ``gradmerge.theory``
+demo        sklearn, matplotlib, scipy                ``gradmerge demo``, ``gradmerge.demo``
+hf          transformers, tokenizers                  Hugging Face model folders, text DATA
+==========  ========================================  ============================================
+
+``import gradmerge`` imports none of them; a feature that needs one calls :func:`require`
+first, which raises :class:`~gradmerge.errors.MissingExtraError` naming the extra to install
+instead of a bare ``ModuleNotFoundError`` from deep inside.
+
+Example:
+    >>> from gradmerge._extras import require
+    >>> require("testbed", "the theory testbed")  # sympy is there: returns None
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from gradmerge.errors import MissingExtraError
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "testbed": ("sympy",),
+    "demo": ("sklearn", "matplotlib", "scipy"),
+    "hf": ("transformers", "tokenizers"),
+}
+"""Each extra of ``pyproject.toml`` and the modules (import names) it provides."""
+
+
+def require(extra: str, feature: str) -> None:
+    """Find every module of ``extra``; raise a :class:`MissingExtraError` if one is missing.
+
+    The modules are looked up (``importlib.util.find_spec``), not imported: the check costs
+    microseconds, and the feature imports what it uses when it uses it.
+
+    Args:
+        extra: a key of :data:`EXTRAS`.
+        feature: what needs it, for the message (``"gradmerge demo"``).
+
+    Raises:
+        MissingExtraError: a module of the extra cannot be imported; the message says which,
+            and the ``pip install`` command that brings it.
+    """
+    missing = []
+    for module in EXTRAS[extra]:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a finder that refuses it, a broken module entry
+            found = False
+        if not found:
+            missing.append(module)
+    if missing:
+        raise MissingExtraError(
+            f"{feature} needs the optional dependencies of gradmerge's '{extra}' extra, and "
+            f"{', '.join(missing)} cannot be imported; install them with "
+            f"pip install 'gradmerge[{extra}]'",
+            extra=extra,
+            missing=tuple(missing),
+        )

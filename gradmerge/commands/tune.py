@@ -1,0 +1,348 @@
+"""``gradmerge tune CONFIG DATA [DATA ...] --alphas GRID``: choose α (and δ) without test labels.
+
+Runs the merge of CONFIG (a ``gradmerge merge`` YAML file, any method) once per point of the grid
+``--alphas`` × ``--deltas`` × ``--prior-scales`` and scores each merged model on the tasks' own
+TRAINING data — DATA, one file per model of CONFIG, in the order of its ``models:`` — read as
+``gradmerge curvature`` reads data (the same flags). No test or validation label is read; the
+training data's labels are. The grid point of least criterion is chosen (:mod:`gradmerge.jobs.tune`):
+
+- ``--criterion loss`` (default): Σ_t L̄_t(θ), each task's mean training loss (per example for a
+  classifier, per token for a causal LM);
+- ``--criterion mismatch``: Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's gradient mismatch of the
+  mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG (one more backward pass
+  per task and point).
+
+``--alphas`` sets CONFIG's ``scale`` (every α_t becomes scale·α_t); ``--deltas`` and
+``--prior-scales`` set gradient matching's ``prior: {delta, scale}``. A table goes to stdout;
+``--out FILE`` writes the JSON (the chosen setting, the criterion and every task's training loss
+and accuracy per point); ``--out-dir DIR`` keeps the chosen merged model (with its
+gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
+their error and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradmerge.commands._inputs import DATA_HELP, add_reading_arguments, check_reading
+
+FORMAT = "gradmerge-tune/1"
+EXAMPLES = """\
+examples:
+  # task arithmetic: α from a grid, by the tasks' training loss (labels of TRAINING data only)
+  gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --alphas 0.2,0.4,0.6,0.8,1.0 \\
+      --max-examples 500 --out ta_tune.json --out-dir merged-ta-tuned
+  # gradient matching: α × δ, by Eq. 2's gradient mismatch
+  gradmerge tune gm.yaml train_a.jsonl train_b.jsonl --alphas 0.5,1 --deltas 1e-4,1e-2,1 \\
+      --criterion mismatch --out gm_tune.json
+"""
+
+
+def grid(text: str) -> list[float]:
+    """A comma-separated list of numbers (``0.2,0.5,1``; ``1e-3`` notation allowed)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, e.g. 0.2,0.5,1.0; got {text!r}"
+        )
+    return values
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``gradmerge tune``."""
+    p = sub.add_parser(
+        "tune",
+        help="choose α (and δ) of a merge on the tasks' training data, without test labels",
+        description=re.sub(r":\w+:`([^`]*)`", r"\1", (__doc__ or "").split("\n\n", 1)[1]).replace(
+            "``", ""
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+    )
+    p.add_argument("config", metavar="CONFIG.yaml", help="the merge configuration")
+    p.add_argument(
+        "datas",
+        metavar="DATA",
+        nargs="+",
+        help=f"each model's training data, in CONFIG's order: {DATA_HELP}",
+    )
+    p.add_argument(
+        "--alphas",
+        type=grid,
+        required=True,
+        metavar="GRID",
+        help="values of CONFIG's scale (every α_t is multiplied by it), e.g. 0.2,0.5,1",
+    )
+    p.add_argument(
+        "--deltas", type=grid, default=None, metavar="GRID", help="values of prior.delta"
+    )
+    p.add_argument(
+        "--prior-scales",
+        type=grid,
+        default=None,
+        metavar="GRID",
+        help="values of prior.scale (the prior curvature's factor)",
+    )
+    p.add_argument("--criterion", choices=["loss", "mismatch"], default="loss")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report to FILE")
+    p.add_argument(
+        "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
+    )
+    add_reading_arguments(p)
+    p.set_defaults(run=run, check=check)
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
+    for spec in args.datas:
+        args.data = spec
+        check_reading(parser, args, [])
+    if args.model_arg:
+        parser.error("--model-arg does not apply: tune's models are CONFIG's merged folders")
+    if not Path(args.config).is_file():
+        parser.error(f"CONFIG {args.config} is not a file")
+    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
+        if value is None:
+            continue
+        path = Path(value)
+        if path.exists() and not args.overwrite:
+            parser.error(f"{flag} {path} exists; pass --overwrite to replace it")
+        if flag == "--out" and path.is_dir():
+            parser.error(f"--out {path} is a folder; give a file name such as tune.json")
+        if flag == "--out-dir" and path.exists() and not path.is_dir():
+            parser.error(f"--out-dir {path} is a file; give a folder name")
+        for spec in (args.config, *args.datas):
+            if Path(spec).exists() and path.resolve() == Path(spec).resolve():
+                parser.error(f"{flag} {path} is an input ({spec}); write it elsewhere")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``gradmerge tune``: 0 when a setting was chosen, 1 on bad input or when every point
+    failed (one line of stderr each)."""
+    from gradmerge.errors import GradmergeError
+
+    try:
+        return execute(args)
+    except (GradmergeError, OSError) as err:
+        print(f"gradmerge tune: error: {err}", file=sys.stderr)
+        return 1
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Load CONFIG, build the grid, run :func:`gradmerge.jobs.tune.tune`, report."""
+    from gradmerge._devices import resolve_device
+    from gradmerge._files import write_json
+    from gradmerge.errors import ArgumentError
+    from gradmerge.jobs.config import MergeConfig
+    from gradmerge.jobs.tune import Point, settings, tune
+
+    config = MergeConfig.from_yaml(args.config)
+    if len(args.datas) != len(config.models):
+        raise ArgumentError(
+            f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
+            "were given: give each model's training data, in the order of `models:`"
+        )
+    points = settings(
+        config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales
+    )
+    scorer = Scorer(args, config, resolve_device(args.device))
+    print(
+        f"{config.method}: {len(points)} settings, criterion {args.criterion} on "
+        f"{len(args.datas)} tasks' training data",
+        file=sys.stderr,
+    )
+
+    def report(index: int, point: Point) -> None:
+        value = "failed" if point.criterion is None else f"{point.criterion:.6g}"
+        print(
+            f"  [{index + 1}/{len(points)}] {_setting(point.setting.describe(config))}: {value}"
+            f"{'' if point.error is None else ' (' + point.error + ')'}",
+            file=sys.stderr,
+        )
+
+    result = tune(
+        config,
+        points,
+        scorer,
+        keep=None if args.out_dir is None else Path(args.out_dir),
+        overwrite=args.overwrite,
+        report=None if args.no_progress else report,
+    )
+    body = {
+        "format": FORMAT,
+        "config": str(Path(args.config).resolve()),
+        "method": config.method,
+        "criterion": args.criterion,
+        "data": [str(Path(d).resolve()) if Path(d).exists() else d for d in args.datas],
+        **result.to_dict(config),
+    }
+    print(_table(body))
+    if args.out is not None:
+        write_json(body, Path(args.out))
+        print(f"wrote {args.out}")
+    if result.chosen is None:
+        print("gradmerge tune: error: every setting failed (errors above)", file=sys.stderr)
+        return 1
+    if result.kept is not None:
+        print(f"wrote the chosen merge to {result.kept}")
+    return 0
+
+
+class Scorer:
+    """A merged folder ↦ (criterion, per-task figures) on the tasks' training data.
+
+    The data are read once, with the first merged model (every merged folder has the base's
+    config and tokenizer, so the tokenised batches are the same for all); for ``mismatch`` the
+    reference gradients ∇ℓ̄_t(θ_t) are computed once per task, at CONFIG's θ_t.
+    """
+
+    def __init__(self, args: argparse.Namespace, config: Any, device: torch.device) -> None:
+        self.args, self.config, self.device = args, config, device
+        self.data: list[Iterable[Any]] | None = None
+        self.references: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, folder: Path) -> tuple[float, list[dict[str, Any]]]:
+        from gradmerge import params as P
+        from gradmerge.estimate import gradient_fn
+        from gradmerge.evaluation import evaluate
+        from gradmerge.io import sources
+
+        args = self.args
+        model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
+        model = model.to(self.device).eval()
+        if self.data is None:
+            self.data = [self._load(model, folder, spec) for spec in args.datas]
+        tasks: list[dict[str, Any]] = []
+        total = 0.0
+        for t, (spec, data) in enumerate(zip(args.datas, self.data, strict=True)):
+            result = evaluate(
+                model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
+            )
+            entry: dict[str, Any] = {
+                "data": spec,
+                "examples": result.examples,
+                "mean_loss": result.mean_loss,
+                "accuracy": result.accuracy,
+            }
+            if args.criterion == "mismatch":
+                gradient = gradient_fn(model, data, loss=args.loss, ignore_index=args.ignore_index)
+                theta = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+                reference = self._reference(t, gradient, theta)
+                mismatch = P.norm(P.sub(gradient(theta), reference)) / result.examples
+                entry["mismatch"] = mismatch
+                total += mismatch
+            else:
+                total += result.mean_loss
+            tasks.append(entry)
+        return total, tasks
+
+    def _load(self, model: torch.nn.Module, folder: Path, spec: str) -> Iterable[Any]:
+        from gradmerge.io import sources
+        from gradmerge.io.text_data import TextBatches, TextOptions
+
+        args = self.args
+        data = sources.load_data(
+            spec,
+            batch_size=args.batch_size or 16,
+            shift_labels=args.shift_labels,
+            ignore_index=args.ignore_index,
+            arguments=dict(map(sources.parse_argument, args.data_arg)),
+            max_examples=args.max_examples,
+            model=model,
+            tokenizer=args.tokenizer or str(folder),
+            text=TextOptions(
+                text_field=args.text_field,
+                text_pair_field=args.text_pair_field,
+                label_field=args.label_field,
+                max_length=args.max_length,
+            ),
+        )
+        if isinstance(data, TextBatches) and not args.no_progress:
+            print(f"{spec}: {data.summary()}", file=sys.stderr)
+        return data
+
+    def _reference(
+        self, t: int, gradient: Any, theta: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """∇ℓ̄_t(θ_t), θ_t read from CONFIG's t-th model under θ's names, dtypes and device."""
+        if t not in self.references:
+            weights = fine_tuned_weights(
+                str(self.config.models[t].model), theta, self.args.allow_new_weights
+            )
+            self.references[t] = gradient(weights)
+        return self.references[t]
+
+
+def fine_tuned_weights(
+    spec: str, like: dict[str, torch.Tensor], allow_new_weights: bool = False
+) -> dict[str, torch.Tensor]:
+    """The parameters ``like`` names, read from a fine-tuned model: a Hugging Face or LoRA
+    adapter folder (loaded as a model, so an adapter is applied to its base) or a safetensors
+    checkpoint; each in ``like``'s dtype and device.
+
+    Raises:
+        StructureError: a parameter the checkpoint lacks, or of another shape.
+    """
+    from gradmerge.errors import StructureError
+    from gradmerge.io import open_checkpoint, sources
+    from gradmerge.io.lora import is_adapter
+
+    if (Path(spec) / "config.json").is_file() or is_adapter(spec):
+        model = sources.load_model(spec, allow_new_weights=allow_new_weights)
+        found = dict(model.named_parameters())
+        get = found.__getitem__
+        names = set(found)
+    else:
+        checkpoint = open_checkpoint(spec)
+        names = set(checkpoint.keys())
+        get = checkpoint.get  # type: ignore[assignment]
+    out = {}
+    for name, ref in like.items():
+        if name not in names:
+            raise StructureError(
+                f"{spec} has no parameter {name!r}, which the merged model has; the models of "
+                "CONFIG must share the base's architecture"
+            )
+        value = get(name).detach()
+        if tuple(value.shape) != tuple(ref.shape):
+            raise StructureError(
+                f"{spec}: {name} has shape {tuple(value.shape)}, the merged model "
+                f"{tuple(ref.shape)}"
+            )
+        out[name] = value.to(device=ref.device, dtype=ref.dtype)
+    return out
+
+
+def _setting(values: dict[str, Any]) -> str:
+    parts = [f"scale={values['scale']:g}"]
+    if "delta" in values:
+        parts.append(f"delta={values['delta']:g}")
+    if "prior_scale" in values:
+        parts.append(f"prior_scale={values['prior_scale']:g}")
+    return " ".join(parts)
+
+
+def _table(body: dict[str, Any]) -> str:
+    """One line per point: the setting, the criterion, each task's training loss."""
+    lines = [f"{'setting':<40} {body['criterion']:>12}  training loss per task"]
+    for index, point in enumerate(body["points"]):
+        mark = " <- chosen" if index == body["chosen_index"] else ""
+        if point["criterion"] is None:
+            value, losses = "failed", ""
+        else:
+            value = f"{point['criterion']:.6g}"
+            losses = " ".join(f"{task['mean_loss']:.4f}" for task in point["tasks"])
+        lines.append(f"{_setting(point):<40} {value:>12}  {losses}{mark}")
+    if body["chosen"] is not None:
+        lines.append(f"chosen: {_setting(body['chosen'])} (alphas {body['chosen']['alphas']})")
+    return "\n".join(lines)

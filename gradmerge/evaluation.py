@@ -1,0 +1,190 @@
+"""Accuracy and mean loss of a model on labelled data: the companion of every merge.
+
+For a batch of logits f and targets y (the batches of :mod:`gradmerge.estimate._data`: tensor
+``(inputs, targets)`` pairs or Hugging Face dicts with ``labels``), a SCORED POSITION is an entry
+of y that is not ``ignore_index``: one per example for a classifier (targets of shape
+``(examples,)``), one per predicted token for a causal LM (targets ``(examples, positions)``, the
+next tokens). Over all of DATA:
+
+- mean loss  L̄ = (Σ_positions −log softmax(f)_y) / P  (nats per scored position; for a classifier
+  the mean per-example cross-entropy, for a causal LM the mean per-token negative log-likelihood,
+  whose exp is the perplexity);
+- accuracy   A = #{positions with argmax f = y} / P (ties in argmax go to the lowest index, as
+  ``torch.argmax``);
+- with ``loss="mse"``: L̄ = (Σ_i ½‖f_i − y_i‖²) / N over the N examples, and no accuracy.
+
+Per example i (kept in DATA's order, so that two models scored on the same DATA can be compared
+pair by pair, e.g. by a paired bootstrap): the summed loss ℓ_i, the number of correct positions
+c_i and of scored positions p_i; for a classifier also the predicted class.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 3)
+    >>> with torch.no_grad():
+    ...     _ = model.weight.copy_(torch.eye(3, 2)); _ = model.bias.zero_()
+    >>> x, y = torch.tensor([[2.0, 0.0], [0.0, 2.0], [1.0, 0.0]]), torch.tensor([0, 1, 1])
+    >>> result = evaluate(model, [(x, y)])
+    >>> result.examples, result.accuracy
+    (3, 0.6666666666666666)
+    >>> result.correct_per_example
+    [1, 1, 0]
+
+References:
+    Hugging Face transformers' losses (``ForSequenceClassification`` / ``ForCausalLM`` with
+    ``labels``), which these figures equal per example (tested in
+    ``proofs_tests/sources/test_evaluate_command.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradmerge.errors import ArgumentError, StructureError
+from gradmerge.estimate._data import Loss, batches, forward, per_example_loss
+from gradmerge.estimate.options import LossFunction
+
+
+@dataclass
+class Evaluation:
+    """What :func:`evaluate` measured (module docstring).
+
+    Attributes:
+        loss: ``"cross_entropy"`` or ``"mse"``.
+        token_level: whether the targets were per position (a causal LM) rather than one per
+            example (a classifier).
+        loss_per_example: ℓ_i, the loss of example i summed over its scored positions.
+        correct_per_example: c_i, correct scored positions of example i (cross-entropy only).
+        positions_per_example: p_i, scored positions of example i (cross-entropy only).
+        predictions: the predicted class of each example (classifiers only).
+    """
+
+    loss: str
+    token_level: bool = False
+    loss_per_example: list[float] = field(default_factory=list)
+    correct_per_example: list[int] | None = None
+    positions_per_example: list[int] | None = None
+    predictions: list[int] | None = None
+
+    @property
+    def examples(self) -> int:
+        """N, the examples scored."""
+        return len(self.loss_per_example)
+
+    @property
+    def positions(self) -> int:
+        """P, the scored positions (N for a classifier and for mse)."""
+        if self.positions_per_example is None:
+            return self.examples
+        return sum(self.positions_per_example)
+
+    @property
+    def mean_loss(self) -> float:
+        """L̄: the summed loss over P (module docstring), computed with ``math.fsum``."""
+        return math.fsum(self.loss_per_example) / self.positions
+
+    @property
+    def accuracy(self) -> float | None:
+        """A = correct positions / P; ``None`` for mse."""
+        if self.correct_per_example is None:
+            return None
+        return sum(self.correct_per_example) / self.positions
+
+    def summary(self, *, per_example: bool = False) -> dict[str, Any]:
+        """A JSON-able dict: ``examples``, ``positions`` (token level), ``accuracy``,
+        ``mean_loss`` (and ``perplexity`` for a causal LM); with ``per_example``, the lists
+        ``loss`` (ℓ_i), ``correct`` (c_i; for a classifier 0 or 1), ``positions`` (p_i, token
+        level) and ``prediction`` (classifiers)."""
+        out: dict[str, Any] = {
+            "loss_function": self.loss,
+            "level": "token" if self.token_level else "example",
+            "examples": self.examples,
+        }
+        if self.token_level:
+            out["positions"] = self.positions
+        out["accuracy"] = self.accuracy
+        out["mean_loss"] = self.mean_loss
+        if self.token_level:
+            out["perplexity"] = math.exp(self.mean_loss) if self.mean_loss < 700 else math.inf
+        if per_example:
+            lists: dict[str, Any] = {"loss": list(self.loss_per_example)}
+            if self.correct_per_example is not None:
+                lists["correct"] = list(self.correct_per_example)
+            if self.token_level and self.positions_per_example is not None:
+                lists["positions"] = list(self.positions_per_example)
+            if self.predictions is not None:
+                lists["prediction"] = list(self.predictions)
+            out["per_example"] = lists
+        return out
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data: Iterable[Any],
+    *,
+    loss: str = "cross_entropy",
+    ignore_index: int = -100,
+    device: torch.device | None = None,
+) -> Evaluation:
+    """Accuracy and mean loss of ``model`` on ``data`` (module docstring), without gradients.
+
+    The model is used as given (call ``model.eval()`` first for dropout-free scores; the command
+    ``gradmerge evaluate`` does). Losses are summed in float64.
+
+    Args:
+        model: called as ``model(inputs)`` or ``model(**inputs)``; its output is the logits
+            (a tensor, the first of a tuple, or ``.logits``).
+        data: batches ``(inputs, targets)`` or dicts with ``labels``.
+        loss: ``"cross_entropy"`` (class or token ids as targets) or ``"mse"``.
+        ignore_index: targets with this value are not scored (cross-entropy).
+        device: move each batch there (the model's device); ``None``: leave them.
+
+    Returns:
+        An :class:`Evaluation`.
+
+    Raises:
+        ArgumentError: empty data; data in which no position is scored.
+        StructureError: targets that do not fit the logits; batches mixing one target per
+            example with per-position targets.
+        NonFiniteError: a NaN/Inf loss (the batch is named): never a NaN mean.
+    """
+    spec = Loss(LossFunction.check(loss, "loss"), ignore_index)
+    result = Evaluation(loss=LossFunction.check(loss, "loss").value)
+    cross_entropy = result.loss == LossFunction.CROSS_ENTROPY.value
+    token_level: bool | None = None
+    for index, inputs, targets in batches(data, device=device):
+        outputs = forward(model, inputs)
+        losses = per_example_loss(outputs, targets, spec, batch=index)  # checks shapes, finite
+        result.loss_per_example.extend(float(v) for v in losses.double().cpu())
+        if not cross_entropy:
+            continue
+        level = targets.ndim >= 2
+        if token_level is not None and level != token_level:
+            raise StructureError(
+                f"batch {index}: targets of shape {tuple(targets.shape)}, but earlier batches had "
+                f"{'per-position' if token_level else 'one-per-example'} targets; every batch "
+                "must be scored the same way"
+            )
+        token_level = level
+        scored = (targets != ignore_index).reshape(targets.shape[0], -1)
+        predicted = outputs.argmax(dim=-1)
+        hits = ((predicted == targets).reshape(targets.shape[0], -1) & scored).sum(dim=1)
+        result.correct_per_example = (result.correct_per_example or []) + hits.tolist()
+        result.positions_per_example = (result.positions_per_example or []) + scored.sum(
+            dim=1
+        ).tolist()
+        if not level:
+            result.predictions = (result.predictions or []) + predicted.reshape(-1).tolist()
+    result.token_level = bool(token_level)
+    if cross_entropy and result.positions == 0:
+        raise ArgumentError(
+            f"no position of DATA is scored: every target is ignore_index ({ignore_index}); "
+            "check the labels (and --ignore-index)"
+        )
+    return result

@@ -1,0 +1,23 @@
+"""Reading and writing: checkpoints, LoRA adapters, the official curvature format, models and data.
+
+- :func:`open_checkpoint` — a ``.safetensors`` file, a shard folder with its index, or a Hugging
+  Face model folder, read tensor by tensor (:mod:`~gradmerge.io.reader`);
+- :class:`ShardedWriter`, :func:`staged_output` — sharded safetensors written atomically into a
+  staging folder that appears under its name only when complete (:mod:`~gradmerge.io.writer`);
+- :mod:`~gradmerge.io.lora` — PEFT LoRA adapters, applied to a state dict or read as lazily
+  merged checkpoints θ_0 + (α/r)·B·A;
+- :mod:`~gradmerge.io.official` — the paper's official Fisher files converted to curvature files;
+- :mod:`~gradmerge.io.sources`, :mod:`~gradmerge.io.text_data` — the MODEL and DATA arguments of
+  the commands (Hugging Face folders, tensor files, entry points; JSONL/CSV/TXT text, tokenised).
+
+This layer imports no job (:mod:`gradmerge.jobs`) and no estimator (:mod:`gradmerge.estimate`).
+
+Example:
+    >>> from gradmerge.io import open_checkpoint                     # doctest: +SKIP
+    >>> ckpt = open_checkpoint("model.safetensors")                   # doctest: +SKIP
+"""
+
+from gradmerge.io.reader import Checkpoint, open_checkpoint
+from gradmerge.io.writer import ShardedWriter, staged_output
+
+__all__ = ["open_checkpoint", "Checkpoint", "ShardedWriter", "staged_output"]

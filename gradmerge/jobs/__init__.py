@@ -1,0 +1,81 @@
+"""Jobs over checkpoint files: YAML configurations, planning, the streaming engine, dry runs, refine.
+
+- :class:`MergeConfig`, :class:`RemoveConfig` — strict YAML configurations
+  (:mod:`~gradmerge.jobs.config`);
+- :func:`run_merge`, :func:`run_remove` — the streaming engine: unit by unit (the smallest groups
+  of tensors a curvature couples, :mod:`~gradmerge.jobs.plan`), through the pure rules of
+  :mod:`gradmerge.merge` (:mod:`~gradmerge.jobs.rules`), into sharded safetensors written
+  atomically (:mod:`~gradmerge.jobs.engine`);
+- :mod:`~gradmerge.jobs.conditioning` — the ``--dry-run`` check of every unit's linear system;
+- :mod:`~gradmerge.jobs.refine` — the refinement workflow over files (data, estimation, merge).
+
+Files are read and written through :mod:`gradmerge.io`.
+
+Example:
+    >>> from gradmerge.jobs import MergeConfig, run_merge             # doctest: +SKIP
+    >>> report = run_merge(MergeConfig.from_yaml("merge.yaml"), "out_dir")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # loaded on first access (__getattr__ below)
+    from gradmerge.jobs.config import (
+        CurvatureTerm,
+        MergeConfig,
+        ModelInput,
+        RemoveConfig,
+        parse_size,
+    )
+    from gradmerge.jobs.engine import (
+        MergeReport,
+        plan_merge,
+        plan_remove,
+        run_merge,
+        run_remove,
+    )
+    from gradmerge.jobs.plan import Plan, Unit
+
+_LAZY = {
+    **dict.fromkeys(("CurvatureTerm", "MergeConfig", "ModelInput", "RemoveConfig"), "config"),
+    "parse_size": "config",
+    **dict.fromkeys(("MergeReport", "plan_merge", "plan_remove", "run_merge"), "engine"),
+    "run_remove": "engine",
+    "Plan": "plan",
+    "Unit": "plan",
+}
+"""Public names and their modules, imported on first access (PEP 562), so that a command that
+only lists the methods (:mod:`gradmerge.jobs.methods`) does not load the engine."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradmerge.jobs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"gradmerge.jobs.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    # configuration
+    "MergeConfig",
+    "RemoveConfig",
+    "ModelInput",
+    "CurvatureTerm",
+    "parse_size",
+    # running
+    "run_merge",
+    "run_remove",
+    "plan_merge",
+    "plan_remove",
+    "MergeReport",
+    "Plan",
+    "Unit",
+]

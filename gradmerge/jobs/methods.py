@@ -1,0 +1,250 @@
+r"""The merge and removal methods of the YAML jobs: one :class:`MergeMethod` record each.
+
+A record says everything the jobs know about a method, so that adding a method means adding one
+record here and its rule in :mod:`gradmerge.jobs.rules`:
+
+- ``name`` and ``job``: the YAML ``method:`` value and the command that runs it (``merge``,
+  ``remove``);
+- ``keys``: which of the method-specific YAML keys it requires, allows or refuses
+  (:class:`~gradmerge.jobs.config.MergeConfig`, :class:`~gradmerge.jobs.config.RemoveConfig`
+  read them from here);
+- ``coverage``: which tensors need a curvature (the plan, :data:`gradmerge.jobs.plan.Coverage`);
+- ``rule``: the function of :mod:`gradmerge.jobs.rules` the engine calls on every unit;
+- ``system`` and ``damping_key``: the linear system the dry run checks on a unit
+  (:mod:`gradmerge.jobs.conditioning`), built from that unit's curvature terms
+  (:class:`SystemInputs`), and the YAML key that damps it; ``None`` for a method whose system
+  is not checked;
+- ``hint``: what to change when the run meets a singular system (the engine adds it to the
+  error);
+- ``summary``: its lines in ``gradmerge merge --help``.
+
+Example:
+    >>> [m.name for m in methods("merge")]
+    ['task_arithmetic', 'fisher_average', 'gradient_matching', 'regmean']
+    >>> get("fisher_average").need("damping"), get("fisher_average").need("prior")
+    ('optional', 'forbidden')
+    >>> import gradmerge as gm
+    >>> system = get("gradient_matching").system
+    >>> system(SystemInputs(models=(gm.ScaledIdentity(2.0),), alphas=(1.0,),
+    ...                     prior=gm.ScaledIdentity(0.5))).min_eigenvalue()
+    2.5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gradmerge.curvature import Curvature
+from gradmerge.errors import ArgumentError
+from gradmerge.jobs import rules
+from gradmerge.jobs.plan import Coverage
+
+Need = Literal["required", "optional", "forbidden"]
+Job = Literal["merge", "remove"]
+
+KEYS: dict[Job, tuple[str, ...]] = {
+    "merge": ("base_model", "curvature", "prior", "damping"),
+    "remove": ("model", "curvature", "prior", "gradient"),
+}
+"""The method-specific YAML keys of each job (``curvature`` of a merge: each ``models[i]``'s)."""
+
+MEANING = {
+    "base_model": "the base model θ_LLM",
+    "curvature": "the curvature H_t",
+    "prior": "the prior H_0",
+    "damping": "`damping` (δ·I added to each H_t)",
+    "model": "the fine-tuned model θ_t",
+    "gradient": "the gradient ∇ℓ̄_t(θ_LLM)",
+}
+"""What each method-specific key holds, for messages."""
+
+
+@dataclass(frozen=True)
+class SystemInputs:
+    """One unit's curvature terms, as the dry run reads them (in the compute dtype).
+
+    ``models``: α_t·H_t of the models that have a curvature on the unit; ``alphas``: every
+    α_t (scale included); ``prior``: H_0 = δI + s·C; ``remaining``: H̄_\t of a removal;
+    ``damping``: the merge's ``damping``.
+    """
+
+    models: tuple[Curvature, ...] = ()
+    alphas: tuple[float, ...] = ()
+    prior: Curvature | None = None
+    remaining: Curvature | None = None
+    damping: float = 0.0
+
+
+SystemFn = Callable[[SystemInputs], Curvature | None]
+"""The system a method solves on one unit, from that unit's terms (``None``: there is none)."""
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """One merge or removal method of the YAML jobs (module docstring)."""
+
+    name: str
+    job: Job
+    summary: str
+    keys: Mapping[str, Need]
+    rule: rules.MergeRule | rules.RemoveRule
+    coverage: Coverage = "all"
+    system: SystemFn | None = None
+    damping_key: str | None = None
+    hint: str = ""
+    max_relative_step: float | None = None
+    uses: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.keys) - set(KEYS[self.job])
+        if unknown:
+            raise ArgumentError(f"{self.name}: keys {sorted(unknown)} are not keys of a {self.job}")
+        uses = frozenset(k for k in KEYS[self.job] if self.need(k) != "forbidden")
+        object.__setattr__(self, "uses", uses)
+
+    def need(self, key: str) -> Need:
+        """Whether the method requires, allows or refuses the method-specific ``key``."""
+        return self.keys.get(key, "forbidden")
+
+    def refusal(self, key: str) -> str:
+        """Why ``key`` is refused by this method: which methods of its job use it instead."""
+        users = [m.name for m in methods(self.job) if key in m.uses]
+        listed = " and ".join(filter(None, [", ".join(users[:-1]), *users[-1:]]))
+        why = f"{MEANING.get(key, key)} is for {listed or 'no method'}"
+        if key == "damping" and self.damping_key is not None:
+            why += f" (damp {self.name} with `{self.damping_key}`)"
+        return why
+
+
+def _sum(terms: Sequence[Curvature]) -> Curvature | None:
+    return sum(terms[1:], terms[0]) if terms else None
+
+
+def _gradient_matching_system(x: SystemInputs) -> Curvature | None:
+    """H̄ = H_0 + Σ_t α_t H_t."""
+    return _sum([*x.models, *([x.prior] if x.prior is not None else [])])
+
+
+def _fisher_average_system(x: SystemInputs) -> Curvature | None:
+    """Σ_t α_t (H_t + damping·I)."""
+    total = _sum(x.models)
+    damping = x.damping * sum(x.alphas)
+    return total + damping if total is not None and damping else total
+
+
+def _removal_system(x: SystemInputs) -> Curvature | None:
+    """H̄_\\t, the remaining curvature."""
+    return x.remaining
+
+
+_REMOVAL_HINT = (
+    "the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
+    "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
+    "data that stays"
+)
+
+REGISTRY: tuple[MergeMethod, ...] = (
+    MergeMethod(
+        "task_arithmetic",
+        "merge",
+        "θ_LLM + Σ α_t (θ_t − θ_LLM); no curvature, no prior",
+        {"base_model": "required"},
+        rules.task_arithmetic,
+        coverage="none",
+    ),
+    MergeMethod(
+        "fisher_average",
+        "merge",
+        "(Σ α_t H_t)⁻¹ Σ α_t H_t θ_t; optional `damping: δ` adds δI to each H_t;\n"
+        "base_model optional (default: the first model)",
+        {"base_model": "optional", "curvature": "required", "damping": "optional"},
+        rules.fisher_average,
+        system=_fisher_average_system,
+        damping_key="damping",
+        hint="set `damping:` ({example}) so that Σ α_t H_t is positive definite",
+    ),
+    MergeMethod(
+        "gradient_matching",
+        "merge",
+        "Eq. 6: θ_LLM + H̄⁻¹ Σ α_t (H_0 + H_t)(θ_t − θ_LLM), H̄ = H_0 + Σ α_t H_t;\n`prior` required",
+        {"base_model": "required", "curvature": "required", "prior": "required"},
+        rules.gradient_matching,
+        system=_gradient_matching_system,
+        damping_key="prior: {delta: ...}",
+        hint="raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive definite",
+    ),
+    MergeMethod(
+        "regmean",
+        "merge",
+        "RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's\n"
+        "K-FAC input factor, a mean over M_t rows); other tensors are averaged;\n"
+        "optional `damping`",
+        {"base_model": "optional", "curvature": "required", "damping": "optional"},
+        rules.regmean,
+        coverage="kfac",
+        damping_key="damping",
+        hint="set `damping:` ({example}) so that the summed Gram matrices are invertible",
+    ),
+    MergeMethod(
+        "remove",
+        "remove",
+        "Eq. 13: θ_LLM − α H̄_\\t⁻¹ (H_0 + H_t)(θ_t − θ_LLM)",
+        {"model": "required", "curvature": "required", "prior": "required"},
+        rules.remove,
+        system=_removal_system,
+        damping_key="remaining: {delta: ...}",
+        hint=_REMOVAL_HINT,
+        max_relative_step=100.0,
+    ),
+    MergeMethod(
+        "influence_remove",
+        "remove",
+        "Koh & Liang (2017): θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM)",
+        {"gradient": "required"},
+        rules.influence_remove,
+        system=_removal_system,
+        damping_key="remaining: {delta: ...}",
+        hint=_REMOVAL_HINT,
+        max_relative_step=1.0,
+    ),
+)
+"""Every method, in the order the help and the error messages list them."""
+
+_BY_NAME = {m.name: m for m in REGISTRY}
+
+
+def methods(job: Job) -> tuple[MergeMethod, ...]:
+    """The methods of one job, in registry order."""
+    return tuple(m for m in REGISTRY if m.job == job)
+
+
+def names(job: Job) -> tuple[str, ...]:
+    """The ``method:`` values one job accepts."""
+    return tuple(m.name for m in methods(job))
+
+
+def get(name: str) -> MergeMethod:
+    """The record of ``name``.
+
+    Raises:
+        ArgumentError: no method has that name (the message lists those that exist).
+    """
+    method = _BY_NAME.get(name)
+    if method is None:
+        raise ArgumentError(
+            f"unknown method {name!r}: expected one of {', '.join(_BY_NAME)} "
+            "(gradmerge.jobs.methods.REGISTRY)"
+        )
+    return method
+
+
+def help_table(job: Job, indent: int = 2, width: int = 19) -> str:
+    """The ``methods:`` lines of a command's help: each name and its summary."""
+    lines = []
+    for m in methods(job):
+        first, *rest = m.summary.splitlines()
+        lines.append(f"{' ' * indent}{m.name:<{width}}{first}")
+        lines += [f"{' ' * (indent + width)}{line}" for line in rest]
+    return "\n".join(lines)
