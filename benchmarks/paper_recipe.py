@@ -243,7 +243,19 @@ def save_task_model(model: Any, tokenizer: Any, head: nn.Linear, task: str, fold
 def state(folder: Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(folder / "model.safetensors"))
+    out: dict[str, Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):  # one file, or mergekit's shards
+        out |= load_file(str(f))
+    return out
+
+
+def wait_for(path: Path, what: str, timeout: float = 4 * 3600) -> None:
+    """Poll until ``path`` exists (written by a parallel process of the study)."""
+    start = time.perf_counter()
+    while not path.exists():
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"{path} ({what}) did not appear within {timeout:.0f} s")
+        time.sleep(10)
 
 
 def with_head(merged: Path, task_model: Path, out: Path) -> Path:
@@ -253,7 +265,8 @@ def with_head(merged: Path, task_model: Path, out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     for f in merged.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+        skip = f.name.endswith((".safetensors", ".index.json")) or f.name == "config.json"
+        if f.is_file() and not skip:
             shutil.copy(f, out / f.name)
     shutil.copy(task_model / "config.json", out / "config.json")
     weights = state(merged) | {k: v for k, v in state(task_model).items() if k in HEAD}
@@ -279,6 +292,23 @@ class CLI:
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
         return run.stdout
+
+
+def _mergekit(self: CLI, config: Path, out: Path, *extra: str) -> None:
+    """``mergekit-yaml CONFIG OUT`` (offline), as its documentation runs it."""
+    exe = shutil.which("mergekit-yaml") or str(Path(sys.executable).parent / "mergekit-yaml")
+    cmd = [exe, str(config), str(out), *extra]
+    start = time.perf_counter()
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    self.log.append(
+        {"command": " ".join(["mergekit-yaml", *cmd[1:]]), "seconds": time.perf_counter() - start}
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+
+
+CLI.mergekit = _mergekit  # type: ignore[attr-defined]
 
 
 def yaml_dump(config: dict[str, Any], path: Path) -> Path:
@@ -336,6 +366,7 @@ class Study:
         self.tasks = list(args.tasks)
         self.timings: dict[str, float] = {}
         self.files: dict[str, Path] = {}
+        self.train_files: dict[int, dict[str, Path]] = {}
         for task in [BASE_TASK, *self.tasks]:
             for split in ("val", "test"):
                 n = args.test if split == "test" else args.val
@@ -352,7 +383,9 @@ class Study:
         )
 
     # -- shared: θ_LLM, F_0 and the task heads' probes --
-    def base(self) -> dict[str, Any]:
+    def base(self, shared: bool) -> dict[str, Any]:
+        """θ_LLM, F_0, the probes; ``shared``: a separate process (``--seeds`` with no seed)
+        builds θ_LLM and F_0, this one waits for θ_LLM and reads F_0 when it merges."""
         args = self.args
         folder = self.work / "base"
         train = subset(self.data[BASE_TASK]["train"], args.base_train, 0)
@@ -360,7 +393,9 @@ class Study:
         start = time.perf_counter()
         tokenizer, model = load_classifier(pretrained_folder())
         self.tokenizer = tokenizer
-        if not (folder / "model.safetensors").exists():
+        if shared:
+            wait_for(folder / "tokenizer.json", "θ_LLM, from the base process")
+        elif not (folder / "model.safetensors").exists():
             enc = encode(tokenizer, train, args.max_length)
             head = probe(model, enc)
             train_model(
@@ -382,7 +417,7 @@ class Study:
         self.base_curv = {}
         for structure in self.args.structures:
             out = self.work / f"base-{structure}.safetensors"
-            if not out.exists():
+            if not out.exists() and not shared:
                 self.curvature(folder, fisher_data, out, structure, seed=0)
             self.base_curv[structure] = out
         self.stage("F_0: base Fisher sums (diag, K-FAC)", start)
@@ -394,6 +429,8 @@ class Study:
             train = subset(self.data[task]["train"], args.train, 0)
             self.probes[task] = probe(model, encode(tokenizer, train, args.max_length))
         self.stage("task heads: linear probes on θ_LLM", start)
+        if shared:
+            return {"folder": str(folder), "N_0": self.n0, "F_0 examples": self.n0_fisher}
         acc = evaluate(
             self.cli,
             {"θ_LLM": folder},
@@ -435,6 +472,7 @@ class Study:
         root = self.work / f"seed{seed}"
         train = {t: subset(self.data[t]["train"], args.train, seed) for t in tasks}
         files = {t: write_jsonl(root / "data" / f"{t}-train.jsonl", train[t]) for t in tasks}
+        self.train_files[seed] = files
         enc = {t: encode(self.tokenizer, train[t], args.max_length) for t in tasks}
         n = {t: len(train[t]) for t in tasks}
         models: dict[str, dict[str, Path]] = {}  # recipe → task → folder
@@ -547,6 +585,7 @@ class Merges:
         self.dir = root / "merges"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.merged: dict[str, tuple[Path, dict[str, Any]]] = {}  # name → (folder, row facts)
+        self.label_free_facts: dict[str, dict[str, Any]] = {}
         cache = root / "scores.json"
         self.cache: dict[str, Any] = json.loads(cache.read_text()) if cache.exists() else {}
 
@@ -559,10 +598,16 @@ class Merges:
         if all(f"{name} | {t} | {s}" in self.cache for t in self.tasks for s in splits):
             self.merged[name] = (out, {**facts, **self.cache.get(f"{name} | facts", {})})
             return out
-        config = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
-        path = yaml_dump(config, self.dir / f"{safe}.yaml")
         start = time.perf_counter()
-        self.cli("merge", path, out, "--overwrite", "--no-progress")
+        if facts.get("tool") == "mergekit":
+            config = {"base_model": str(self.base.resolve()), **config, "dtype": "float32"}
+            path = yaml_dump(config, self.dir / f"{safe}.yaml")
+            seed = ["--random-seed", str(self.seed)] if "dare" in config["merge_method"] else []
+            self.cli.mergekit(path, out, *seed)
+        else:
+            config = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
+            path = yaml_dump(config, self.dir / f"{safe}.yaml")
+            self.cli("merge", path, out, "--overwrite", "--no-progress")
         facts = {"merge seconds": time.perf_counter() - start, **facts}
         self.cache[f"{name} | facts"] = facts
         self.merged[name] = (out, facts)
@@ -651,6 +696,77 @@ class Merges:
             )
         return out
 
+    def mergekit_merges(self, alpha: float) -> dict[str, tuple[dict[str, Any], str]]:
+        """TIES (density 0.2, disjoint mean: Yadav et al.'s defaults) and DARE (drop 1 − p = 0.5,
+        rescaled; task vectors weighted by task arithmetic's validation-chosen α) on recipe
+        (a)'s fine-tunes, as mergekit computes them."""
+        ft = [str(self.models["a"][t].resolve()) for t in self.tasks]
+        ties = {
+            "merge_method": "ties",
+            "models": [{"model": m, "parameters": {"weight": 1.0, "density": 0.2}} for m in ft],
+            "parameters": {"normalize": True},
+        }
+        dare = {
+            "merge_method": "dare_linear",
+            "models": [{"model": m, "parameters": {"weight": alpha, "density": 0.5}} for m in ft],
+            "parameters": {"normalize": False},
+        }
+        return {"TIES (a), mergekit": (ties, "a"), "DARE (a), mergekit": (dare, "a")}
+
+    def label_free(self, chosen: dict[str, Any]) -> dict[str, Any]:
+        """``gradmerge tune`` (training loss, each task through its own head) over the α grid:
+        task arithmetic of both recipes and recipe (a)'s diagonal gradient matching."""
+        study, args = self.study, self.args
+        out: dict[str, Any] = {}
+        configs = {
+            "task arithmetic (a)": {"method": "task_arithmetic", "models": self.models_of("a")},
+            "task arithmetic (b)": {"method": "task_arithmetic", "models": self.models_of("b")},
+        }
+        if "diag" in args.structures:
+            configs["grad. matching (a) official, diag"] = self.gm_merges()[
+                "grad. matching (a) official, diag"
+            ][0]
+        data = [str(study.train_files[self.seed][t]) for t in self.tasks]
+        for name, config in configs.items():
+            key = f"{name} | tune"
+            if key not in self.cache:
+                safe = name.replace(" ", "_").replace("/", "_").replace(",", "")
+                body = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
+                path = yaml_dump(body, self.dir / f"tune-{safe}.yaml")
+                report = self.dir / f"tune-{safe}.json"
+                grid = ",".join(f"{a:g}" for a in args.alphas)
+                self.cli(
+                    "tune",
+                    path,
+                    *data,
+                    "--alphas",
+                    grid,
+                    "--task-heads",
+                    "classifier.*",
+                    "--max-length",
+                    str(args.max_length),
+                    "--out",
+                    report,
+                    "--overwrite",
+                    "--no-progress",
+                )
+                tuned = json.loads(report.read_text())
+                self.cache[key] = {
+                    "chosen α": tuned["chosen"]["scale"],
+                    "training loss by α": {
+                        f"{p['scale']:g}": p["criterion"] for p in tuned["points"]
+                    },
+                }
+                self.save_cache()
+            out[name] = dict(self.cache[key])
+            recipe = "b" if "(b)" in name else "a"
+            if name.startswith("task arithmetic"):
+                curve = chosen[recipe]["validation accuracy by α"]
+                best = chosen[recipe]["chosen α"]
+                out[name]["validation accuracy at the tuned α"] = curve[out[name]["chosen α"]]
+                out[name]["best validation accuracy (α on validation)"] = curve[best]
+        return out
+
     def run(self) -> list[dict[str, Any]]:
         args, study = self.args, self.study
         rows: list[dict[str, Any]] = []
@@ -677,10 +793,38 @@ class Merges:
                 if self.merged[n][1]["alpha"] != best:
                     shutil.rmtree(self.merged.pop(n)[0], ignore_errors=True)
         study.stage("task arithmetic: α on validation", start)
+        # label-free choices (gradmerge tune on the tasks' training data, no other labels)
+        start = time.perf_counter()
+        for p in study.base_curv.values():
+            wait_for(p, "F_0, from the base process")
+        tuned = self.label_free(chosen)
+        study.stage("label-free α (gradmerge tune)", start)
         # gradient matching and the other baselines
         start = time.perf_counter()
         for name, (config, recipe) in self.gm_merges().items():
             self.merge(name, config, recipe=recipe)
+        for name, (config, recipe) in self.mergekit_merges(chosen["a"]["chosen α"]).items():
+            self.merge(name, config, recipe=recipe, tool="mergekit")
+        aliases = {}  # a label-free row whose α is that of another row: the same model
+        for name, facts in tuned.items():
+            recipe = "b" if "(b)" in name else "a"
+            alpha = facts["chosen α"]
+            row_name = f"label-free {name} α={alpha:g}"
+            if name.startswith("task arithmetic"):
+                same = f"task arithmetic ({recipe}) α={alpha:g}"
+                config = {
+                    "method": "task_arithmetic",
+                    "models": self.models_of(recipe, alpha=alpha),
+                }
+            else:
+                same = name if alpha == 1 else ""
+                config = dict(self.gm_merges()[name][0])
+                config["scale"] = alpha
+            if same in self.merged:
+                aliases[row_name] = same
+            else:
+                self.merge(row_name, config, recipe=recipe)
+            self.label_free_facts[row_name] = facts
         cached = all(f"{OFFICIAL} | {t} | test" in self.cache for t in self.tasks)
         if cached and "parity" in self.cache:
             self.merged[OFFICIAL] = (self.dir / "official", {"recipe": "a"})
@@ -703,11 +847,16 @@ class Merges:
             facts = self.merged[name][1]
             recipe = facts.get("recipe", "a")
             kind = "task arithmetic" if name.startswith("task arithmetic") else "merge"
+            kind = "label-free" if name.startswith("label-free") else kind
             if kind == "task arithmetic":
                 facts |= chosen[recipe]
             if name.startswith("official script"):
                 facts |= parity
+            facts |= self.label_free_facts.get(name, {})
             rows.append(row(name, test[name], kind=kind, **facts))
+        for name, same in aliases.items():
+            facts = self.merged[same][1] | self.label_free_facts[name] | {"same model as": same}
+            rows.append(row(name, test[same], kind="label-free", **facts))
         study.stage("models scored on test", start)
         shutil.rmtree(self.dir)
         return rows
@@ -764,7 +913,8 @@ class Merges:
         theta0 = state(self.base)
         thetas = {t: state(self.models["a"][t]) for t in self.tasks}
         merged = state(out)
-        worst, num, den = 0.0, 0.0, 0.0
+        worst, num, den, ulps = 0.0, 0.0, 0.0, 0.0
+        eps = torch.finfo(torch.float32).eps
         lam, s0 = 1.0, float(study.n0)
         for k, base in theta0.items():
             if k in HEAD or k not in means["base"]:
@@ -780,11 +930,14 @@ class Merges:
             official = base.double() + update / hbar
             diff = (official - merged[k].double()).abs()
             worst = max(worst, float(diff.max()))
+            scale = torch.maximum(official.abs(), base.double().abs()).clamp_min(1e-30)
+            ulps = max(ulps, float((diff / (eps * scale)).max()))
             num += float(diff.square().sum())
             den += float((official - base.double()).square().sum())
         return {
             "parity: max |official − gradmerge|": worst,
             "parity: ‖official − gradmerge‖ / ‖official − θ_0‖": math.sqrt(num / den),
+            "parity: max |official − gradmerge| / (float32 eps · max(|official|, |θ_0|))": ulps,
         }
 
 
@@ -836,14 +989,15 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
     out = []
     if not seeds:
         return out
+    starts = ("grad.", "official", "label-free grad.")
     methods = [
-        r["method"] for r in seeds[0]["rows"] if r["method"].startswith(("grad.", "official"))
+        r["method"].split(" α=")[0] for r in seeds[0]["rows"] if r["method"].startswith(starts)
     ]
     for method in methods:
         recipe = "b" if "(b)" in method else "a"
         per_seed = []
         for s in seeds:
-            rows = {r["method"]: r for r in s["rows"]}
+            rows = {r["method"].split(" α=")[0]: r for r in s["rows"]}
             ta = next(r for r in s["rows"] if r["method"].startswith(f"task arithmetic ({recipe})"))
             gm_row = rows.get(method)
             if gm_row is None:
@@ -1041,6 +1195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--structures", nargs="+", default=["diag", "kfac"])
     parser.add_argument("--tasks", nargs="+", default=[t for t in TASKS if t != BASE_TASK])
+    parser.add_argument(
+        "--shared-base",
+        action="store_true",
+        help="θ_LLM and F_0 come from a parallel run with --seeds and no seed: wait for them",
+    )
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast in fine-tuning")
     parser.add_argument("--bootstrap", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
@@ -1063,7 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     load = [os.getloadavg()]
     study = Study(args)
-    base = study.base()
+    base = study.base(shared=bool(args.seeds) and args.shared_base)
     seeds: list[dict[str, Any]] = []
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     command = " ".join(["python", "benchmarks/paper_recipe.py", *(argv or sys.argv[1:])])
