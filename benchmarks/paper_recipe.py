@@ -1169,7 +1169,8 @@ def combine(paths: list[Path], out: Path, stem: str) -> Path:
             for p, q in zip(paths, parts, strict=True)
         ]
     }
-    report = report_of(seeds, first["base"], first["tasks"], first["config"], extra)
+    base = next((q["base"] for q in parts if "base-task test accuracy" in q["base"]), first["base"])
+    report = report_of(seeds, base, first["tasks"], first["config"], extra)
     report["config"]["seeds"] = [s["seed"] for s in seeds]
     path = write(report, out, stem)
     print(report["table"])
@@ -1227,6 +1228,15 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     command = " ".join(["python", "benchmarks/paper_recipe.py", *(argv or sys.argv[1:])])
     path = None
+    if not args.seeds:  # the shared part only (θ_LLM, F_0): its own small report
+        extra = {
+            "command": command,
+            "cli log": study.log,
+            "seconds": time.perf_counter() - begin,
+            "stage seconds": study.timings,
+            "load average (1, 5, 15 min) at start and after each seed": load,
+        }
+        path = write(report_of([], base, study.tasks, config, extra), args.out, args.stem)
     for seed in args.seeds:
         print(f"seed {seed}", flush=True)
         seeds.append(study.seed(seed))
