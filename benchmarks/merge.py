@@ -11,7 +11,7 @@ Sections (each writes its part of the JSON report; ratios are measured in the sa
     θ_t and H_t and write θ once: (2 + 2T)·n·4 bytes for Eq. 6, (2 + T)·n·4 for task arithmetic.
     Its throughput is those bytes over its time, as a fraction of the roofline, for the in-memory
     ``gm.gradient_matching`` / ``gm.task_arithmetic`` on large flat tensors, with gradmerge's
-    compiled single-loop kernels (``gm.fused_kernels("on")``; the first call's compile time is
+    compiled single-loop kernels (``kernel=gradmerge.kernels.Fused("on")``; the first call's compile time is
     recorded) and with its chunked pass (``"off"``), next to a chunked implementation written in
     this file with preallocated buffers (a reference, not gradmerge code). ``streaming`` runs
     ``gradmerge.jobs.run_merge`` over safetensors files (warm page cache) in both modes; its
@@ -73,7 +73,10 @@ import torch
 from torch import Tensor
 
 import gradmerge as gm
-from gradmerge import _fused, _memory, _native
+from gradmerge.kernels import fused as _fused
+from gradmerge.kernels import memory as _memory
+from gradmerge.kernels import native as _native
+from gradmerge.kernels import select
 
 DELTA = 1e-3  # prior precision δ of every Eq. 6 merge here (H_0 = δ·I)
 GiB = 1024**3
@@ -306,10 +309,10 @@ def diagonal_in_memory(n: int, tasks: int, repeats: int, roof: dict[str, Any]) -
     out_bytes = n * 4
 
     def eq6() -> Any:
-        return gm.gradient_matching(base, fts, curvatures, prior=DELTA)
+        return gm.gradient_matching(base, fts, curvatures, prior=DELTA, kernel=select())
 
     def ta() -> Any:
-        return gm.task_arithmetic(base, fts)
+        return gm.task_arithmetic(base, fts, kernel=select())
 
     methods: dict[str, tuple[Callable[[], Any], int, str | None]] = {
         "gm.gradient_matching (diagonal, Eq. 6), compiled kernel": (eq6, eq6_bytes, "on"),
@@ -554,8 +557,8 @@ def gpt2_sized(tensors: int, n: int, tasks: int, repeats: int, tmp: Path) -> dic
         root=folder,
     )
 
-    def in_memory() -> Any:
-        return gm.gradient_matching(base, fts, curvatures, prior=prior)
+    def in_memory() -> Any:  # the kernel of the mode in force (gm.fused_kernels), as the engine
+        return gm.gradient_matching(base, fts, curvatures, prior=prior, kernel=select())
 
     outputs = iter(range(10**6))
 
@@ -725,7 +728,7 @@ def _probe(kind: str, spec: dict[str, Any]) -> None:
             fishers = [c.values for c in curvs]  # type: ignore[attr-defined]
             merged = paper_reference_merge(base, models, fishers, [1.0] * len(models), DELTA)
         else:
-            merged = gm.gradient_matching(base, models, curvs, prior=DELTA)
+            merged = gm.gradient_matching(base, models, curvs, prior=DELTA, kernel=select())
         computed = time.perf_counter()
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "model.safetensors"))

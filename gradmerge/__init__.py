@@ -10,11 +10,10 @@ The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ... of ``gm.jobs
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gradmerge import params
-from gradmerge._fused import fused_kernels
+from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
     KFAC,
@@ -59,15 +58,17 @@ from gradmerge.merge import (
 from gradmerge.solvers import Solution
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
-    from gradmerge import distributed, io, jobs
+    from gradmerge import distributed, io, jobs, kernels
     from gradmerge.io import open_checkpoint
     from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig, run_merge, run_remove
+    from gradmerge.kernels import fused_kernels
 
 
-_MODULES = ("distributed", "io", "jobs", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",
+    "fused_kernels": "gradmerge.kernels",
     **{
         name: "gradmerge.jobs"
         for name in ("MergeConfig", "MergeReport", "RemoveConfig", "run_merge", "run_remove")
@@ -76,19 +77,7 @@ _LAZY = {
 """Public names whose modules are imported on first access (PEP 562)."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradmerge' has no attribute {name!r}")
-    value = importlib.import_module(module)
-    if name not in _MODULES:
-        value = getattr(value, name)
-    globals()[name] = value  # later accesses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, _MODULES)
 
 
 __all__ = [
@@ -101,6 +90,7 @@ __all__ = [
     "refine",
     "regmean",
     "fused_kernels",
+    "kernels",
     # curvature operators
     "Curvature",
     "ScaledIdentity",

@@ -21,21 +21,20 @@ A prior δ·I + s·C built lazily (:meth:`gradmerge.Diagonal.shifted`, as the st
 builds it) reaches the C loop as C, s and δ, and h_0 = (s·C) + δ is formed inside the loop (never
 written to memory); every other path forms it as the operator algebra does, bit for bit the same.
 
-Tensors usually take one compiled loop instead (:mod:`gradmerge._fused`: on a CPU a C loop for
-float32/float64 tensors from 4096 elements; elsewhere large tensors in large calls; same result
-bit for bit); one that comes out uncertified (a NaN/Inf, H̄ ≤ 0 or h < 0 somewhere) is redone
-here for the exact diagnosis.
+A caller may hand in a faster evaluator (``kernel``, a :class:`Kernel`: the compiled loops of
+:mod:`gradmerge.kernels`, which the streaming engine chooses; same result bit for bit); a tensor
+it declines, or whose result comes out uncertified (a NaN/Inf, H̄ ≤ 0 or h < 0 somewhere), is
+merged here, with the exact diagnosis. This module itself compiles nothing and maps no memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _memory, _native
 from gradmerge import params as P
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.diagonal import ShiftedDiagonal
@@ -52,6 +51,47 @@ large (64 MiB per float32 buffer), which keeps launches rare and temporaries bou
 Part = float | dict[str, Tensor] | ShiftedDiagonal
 """An elementwise curvature: δ (for δ·I), diagonal values per parameter, or a diagonal
 δ·I + s·C whose values are not formed yet."""
+
+
+class Affine(NamedTuple):
+    """A curvature's values formed elementwise inside the loop: h = (c·scale) + delta, each
+    operation rounded to c's type, as ``Diagonal.scaled(scale) + delta`` rounds it.
+
+    ``form`` returns h as the operator algebra forms it (the tensor), for every path that does
+    not take the C loop (the chunked pass, its diagnosis, other devices).
+    """
+
+    values: Tensor
+    scale: float
+    delta: float
+    form: Callable[[], Tensor]
+
+
+H = float | Tensor | Affine
+"""One curvature at one tensor: δ (δ·I), the tensor h, or an :class:`Affine` h."""
+
+
+def tensors(h: Sequence[H]) -> list[Tensor]:
+    """The tensors the loop reads for ``h`` (an Affine's ``values``)."""
+    return [x.values if isinstance(x, Affine) else x for x in h if isinstance(x, (Tensor, Affine))]
+
+
+TensorMerge = Callable[[Tensor, Sequence[Tensor], Sequence[float], Sequence[H]], "Tensor | None"]
+"""Eq. 6 for one tensor (θ_LLM, the θ_t, the α_t, the h_i at its key), or ``None`` where the
+evaluator does not take the tensor or cannot certify its result."""
+
+
+class Kernel(Protocol):
+    """A faster evaluator of the diagonal merge than the chunked pass (:mod:`gradmerge.kernels`).
+
+    Given to :func:`merge` (``kernel=`` of :func:`gradmerge.gradient_matching` and its special
+    cases), it is asked once per call for a per-tensor evaluator; every tensor it declines (or
+    whose result it does not certify) is merged by the chunked pass, which names what is wrong.
+    """
+
+    def for_call(self, numels: Sequence[int]) -> TensorMerge | None:
+        """The evaluator for a call on tensors of these sizes (``None``: the chunked pass only)."""
+        ...
 
 
 def parts(curvature: Curvature) -> Part | None:
@@ -74,6 +114,7 @@ def merge(
     *,
     names: Sequence[str],
     precisions: Sequence[torch.dtype | None],
+    kernel: Kernel | None = None,
 ) -> dict[str, Tensor]:
     """Eq. 6 with elementwise H_0 = ``prior`` and H_t = ``curvatures[t]`` (already structure-checked).
 
@@ -82,12 +123,12 @@ def merge(
     """
     out: dict[str, Tensor] = {}
     minima: list[Tensor | None] = [None] * (1 + len(curvatures))
-    fused = _fused.wanted(b.numel() for b in base.values())
+    fast = kernel.for_call([b.numel() for b in base.values()]) if kernel is not None else None
     for key, b in base.items():
-        lazy = [_lazy_at(prior, key), *(_lazy_at(c, key) for c in curvatures)]
         thetas = [ft[key] for ft in finetuned]
-        if _fused.takes(b, [*thetas, *_native.tensors(lazy)], fused):
-            result = _fused.merge_tensor(b, thetas, alphas, lazy)  # one compiled loop, certified
+        if fast is not None:
+            lazy = [_lazy_at(prior, key), *(_lazy_at(c, key) for c in curvatures)]
+            result = fast(b, thetas, alphas, lazy)  # e.g. one compiled loop, certified
             if result is not None:
                 out[key] = result
                 continue
@@ -115,7 +156,7 @@ def _check_psd(
     for part, m, name, precision in zip(parts, minima, names, precisions, strict=True):
         if m is not None and float(m) < 0 and not isinstance(part, float):
             values = part.values if isinstance(part, ShiftedDiagonal) else part
-            diagonal = Diagonal._checked_already(values)
+            diagonal = Diagonal._of(values)
             diagonal._remember_precision(precision)
             diagonal.check_psd(name=name)
 
@@ -149,12 +190,12 @@ def _at(part: Part, key: str) -> float | Tensor:
     return part if isinstance(part, float) else part[key]
 
 
-def _lazy_at(part: Part, key: str) -> _native.H:
+def _lazy_at(part: Part, key: str) -> H:
     """As :func:`_at`, but a diagonal whose values are not formed yet as an Affine for the loop."""
     if isinstance(part, ShiftedDiagonal):
         shifted = part
         c = shifted.unshifted.values[key]
-        return _native.Affine(c, shifted.scale, shifted.delta, lambda: shifted.values[key])
+        return Affine(c, shifted.scale, shifted.delta, lambda: shifted.values[key])
     return _at(part, key)
 
 
@@ -174,7 +215,7 @@ def _merge_tensor(
     flat_f = [f.reshape(-1) for f in finetuned]
     flat_h = [x.reshape(-1) if isinstance(x, Tensor) else x for x in h]
     h0 = flat_h[0]
-    result = _memory.empty(flat_b.shape, like=flat_b)
+    result = torch.empty(flat_b.shape, dtype=flat_b.dtype, device=flat_b.device)
     n = flat_b.numel()
     chunk = CHUNK if base.device.type == "cpu" else DEVICE_CHUNK
     size = min(chunk, n)

@@ -38,7 +38,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,35 @@ class Evaluation:
         if self.correct_per_example is None:
             return None
         return sum(self.correct_per_example) / self.positions
+
+    def in_order(self, order: Sequence[int]) -> Evaluation:
+        """The per-example lists put back in the data's order, when example j was the data's
+        example ``order[j]`` (e.g. ``TextBatches.by_length`` of :mod:`gradmerge.io.text_data`).
+
+        Raises:
+            ArgumentError: ``order`` is not a permutation of the examples.
+        """
+        if sorted(order) != list(range(self.examples)):
+            raise ArgumentError(
+                f"order must be a permutation of the {self.examples} examples scored"
+            )
+
+        def restore(values: list[Any] | None) -> list[Any] | None:
+            if values is None:
+                return None
+            out: list[Any] = [None] * len(values)
+            for j, index in enumerate(order):
+                out[index] = values[j]
+            return out
+
+        return Evaluation(
+            loss=self.loss,
+            token_level=self.token_level,
+            loss_per_example=restore(self.loss_per_example) or [],
+            correct_per_example=restore(self.correct_per_example),
+            positions_per_example=restore(self.positions_per_example),
+            predictions=restore(self.predictions),
+        )
 
     def summary(self, *, per_example: bool = False) -> dict[str, Any]:
         """A JSON-able dict: ``examples``, ``positions`` (token level), ``accuracy``,

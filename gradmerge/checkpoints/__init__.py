@@ -12,23 +12,19 @@ Example:
 
 import warnings
 
-from gradmerge._devices import resolve_device
-from gradmerge.errors import ConfigError, MissingInputError, OutputExistsError
-from gradmerge.io import Checkpoint, ShardedWriter, open_checkpoint, staged_output
-from gradmerge.jobs import (
-    CurvatureTerm,
-    MergeConfig,
-    MergeReport,
-    ModelInput,
-    Plan,
-    RemoveConfig,
-    Unit,
-    parse_size,
-    plan_merge,
-    plan_remove,
-    run_merge,
-    run_remove,
-)
+from gradmerge import io, jobs
+from gradmerge._lazy import lazy_names
+
+_NAMES = {
+    **dict.fromkeys(io.__all__, "gradmerge.io"),
+    **dict.fromkeys(jobs.__all__, "gradmerge.jobs"),
+    **dict.fromkeys(("ConfigError", "MissingInputError", "OutputExistsError"), "gradmerge.errors"),
+    "resolve_device": "gradmerge._devices",
+}
+"""Each public name the package held, and where it lives now."""
+
+__getattr__, __dir__ = lazy_names(__name__, _NAMES)
+__all__ = list(_NAMES)
 
 warnings.warn(
     "gradmerge.checkpoints is deprecated: import from gradmerge.io (reading, writing) and "
@@ -36,26 +32,3 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
-
-__all__ = [
-    "open_checkpoint",
-    "Checkpoint",
-    "MergeConfig",
-    "RemoveConfig",
-    "ModelInput",
-    "CurvatureTerm",
-    "parse_size",
-    "run_merge",
-    "run_remove",
-    "plan_merge",
-    "plan_remove",
-    "resolve_device",
-    "MergeReport",
-    "Plan",
-    "Unit",
-    "ShardedWriter",
-    "staged_output",
-    "ConfigError",
-    "MissingInputError",
-    "OutputExistsError",
-]

@@ -1,29 +1,17 @@
 """``gradmerge evaluate MODEL [MODEL ...] DATA``: accuracy and mean loss of models on labelled data.
 
-Each MODEL (a Hugging Face classifier or causal LM folder, a LoRA adapter folder, or an entry
-point) is scored on DATA, read as ``gradmerge curvature`` reads it (text with the model's own
-tokenizer, tensor files, entry points; the same flags), in evaluation mode (no dropout), without
-gradients (:func:`gradmerge.evaluation.evaluate`):
-
-- a classifier: accuracy = fraction of examples whose argmax logit is the label; mean loss = mean
-  cross-entropy per example (nats);
-- a causal LM: accuracy = fraction of next tokens predicted exactly; mean loss = negative
-  log-likelihood per predicted token (nats; perplexity = its exp);
-- ``--loss mse``: mean of ½‖f − y‖² per example, no accuracy.
-
-A table goes to stdout; ``--out FILE`` writes the figures as JSON (atomically; ``--out -``:
-JSON on stdout, the table on stderr). ``--per-example`` adds each example's loss, correct count
-and prediction in DATA's order, so that models scored on the same DATA can be compared pair by
-pair (a paired bootstrap of the accuracy difference resamples the indices of both lists alike).
+What it computes is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this
+docstring, so that the help survives ``python -OO``); the scores are
+:func:`gradmerge.evaluation.evaluate`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +28,23 @@ from gradmerge.commands._inputs import (
 )
 
 FORMAT = "gradmerge-evaluate/1"
+DESCRIPTION = """\
+Each MODEL (a Hugging Face classifier or causal LM folder, a LoRA adapter folder, or an entry
+point) is scored on DATA, read as gradmerge curvature reads it (text with the model's own
+tokenizer, tensor files, entry points; the same flags), in evaluation mode (no dropout), without
+gradients (gradmerge.evaluation.evaluate):
+
+- a classifier: accuracy = fraction of examples whose argmax logit is the label; mean loss = mean
+  cross-entropy per example (nats);
+- a causal LM: accuracy = fraction of next tokens predicted exactly; mean loss = negative
+  log-likelihood per predicted token (nats; perplexity = its exp);
+- --loss mse: mean of ½‖f − y‖² per example, no accuracy.
+
+A table goes to stdout; --out FILE writes the figures as JSON (atomically; --out -:
+JSON on stdout, the table on stderr). --per-example adds each example's loss, correct count
+and prediction in DATA's order, so that models scored on the same DATA can be compared pair by
+pair (a paired bootstrap of the accuracy difference resamples the indices of both lists alike).
+"""
 EXAMPLES = """\
 examples:
   # three classifiers on a JSONL test set ({"text": ..., "label": "positive"} per line)
@@ -56,9 +61,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "evaluate",
         help="accuracy and mean loss of classifiers or causal LMs on labelled data",
-        description=re.sub(r":\w+:`([^`]*)`", r"\1", (__doc__ or "").split("\n\n", 1)[1]).replace(
-            "``", ""
-        ),
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
@@ -114,10 +117,17 @@ def execute(args: argparse.Namespace) -> int:
     for spec in args.models:
         start = time.perf_counter()
         model, data = load(args, device, announce=True, model_spec=spec)
-        batches = data if args.no_progress else progress(data, f"evaluate {spec}")
+        order: list[int] | None = None
+        batches: Iterable[Any] = data
+        if isinstance(data, TextBatches):  # similar lengths together: less padding to compute
+            batches, order = data.by_length()
+        if not args.no_progress:
+            batches = progress(batches, f"evaluate {spec}")
         result = evaluate(
             model, batches, loss=args.loss, ignore_index=args.ignore_index, device=device
         )
+        if order is not None:
+            result = result.in_order(order)
         row: dict[str, Any] = {"model": spec}
         if isinstance(data, TextBatches):
             row["task"] = data.task

@@ -1,33 +1,12 @@
 """``gradmerge tune CONFIG DATA [DATA ...] --alphas GRID``: choose α (and δ) without test labels.
 
-Runs the merge of CONFIG (a ``gradmerge merge`` YAML file, any method) once per point of the grid
-``--alphas`` × ``--deltas`` × ``--prior-scales`` and scores each merged model on the tasks' own
-TRAINING data — DATA, one file per model of CONFIG, in the order of its ``models:`` — read as
-``gradmerge curvature`` reads data (the same flags). No test or validation label is read; the
-training data's labels are. The grid point of least criterion is chosen (:mod:`gradmerge.jobs.tune`):
-
-- ``--criterion loss`` (default): Σ_t L̄_t(θ), each task's mean training loss (per example for a
-  classifier, per token for a causal LM);
-- ``--criterion mismatch``: Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's gradient mismatch of the
-  mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG (one more backward pass
-  per task and point).
-
-``--alphas`` sets CONFIG's ``scale`` (every α_t becomes scale·α_t); ``--deltas`` and
-``--prior-scales`` set gradient matching's ``prior: {delta, scale}``. A table goes to stdout;
-``--out FILE`` writes the JSON (the chosen setting, the criterion and every task's training loss
-and accuracy per point); ``--out-dir DIR`` keeps the chosen merged model (with its
-gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
-their error and skipped.
-
-Tasks with their own heads over one merged body (``--task-heads 'classifier.*'``): task t is
-scored with the parameters matching the globs taken from CONFIG's t-th model, the rest from the
-merged model (give CONFIG ``passthrough: [classifier.*]`` so the heads are not merged).
+What it does is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this docstring,
+so that the help survives ``python -OO``); the grid and the criteria are :mod:`gradmerge.jobs.tune`.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,6 +17,30 @@ import torch
 from gradmerge.commands._inputs import DATA_HELP, add_reading_arguments, check_reading
 
 FORMAT = "gradmerge-tune/1"
+DESCRIPTION = """\
+Runs the merge of CONFIG (a gradmerge merge YAML file, any method) once per point of the grid
+--alphas × --deltas × --prior-scales and scores each merged model on the tasks' own
+TRAINING data — DATA, one file per model of CONFIG, in the order of its models: — read as
+gradmerge curvature reads data (the same flags). No test or validation label is read; the
+training data's labels are. The grid point of least criterion is chosen (gradmerge.jobs.tune):
+
+- --criterion loss (default): Σ_t L̄_t(θ), each task's mean training loss (per example for a
+  classifier, per token for a causal LM);
+- --criterion mismatch: Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's gradient mismatch of the
+  mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG (one more backward pass
+  per task and point).
+
+--alphas sets CONFIG's scale (every α_t becomes scale·α_t); --deltas and
+--prior-scales set gradient matching's prior: {delta, scale}. A table goes to stdout;
+--out FILE writes the JSON (the chosen setting, the criterion and every task's training loss
+and accuracy per point); --out-dir DIR keeps the chosen merged model (with its
+gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
+their error and skipped.
+
+Tasks with their own heads over one merged body (--task-heads 'classifier.*'): task t is
+scored with the parameters matching the globs taken from CONFIG's t-th model, the rest from the
+merged model (give CONFIG passthrough: [classifier.*] so the heads are not merged).
+"""
 EXAMPLES = """\
 examples:
   # task arithmetic: α from a grid, by the tasks' training loss (labels of TRAINING data only)
@@ -69,9 +72,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "tune",
         help="choose α (and δ) of a merge on the tasks' training data, without test labels",
-        description=re.sub(r":\w+:`([^`]*)`", r"\1", (__doc__ or "").split("\n\n", 1)[1]).replace(
-            "``", ""
-        ),
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
@@ -109,6 +110,15 @@ def add_parser(sub: Any) -> None:
         "repeatable) are, for task t, those of CONFIG's t-th model, not the merged ones (merge "
         "them with passthrough in CONFIG); the rest is the merged body",
     )
+    p.add_argument(
+        "--validation",
+        action="append",
+        default=[],
+        metavar="DATA",
+        help="held-out labelled data, one per model in CONFIG's order (repeat the flag): scored "
+        "at every point and REPORTED beside the choice (best setting on it, and how the chosen "
+        "one does there); never used to choose. --max-examples does not cut it",
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report to FILE")
     p.add_argument(
         "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
@@ -119,7 +129,7 @@ def add_parser(sub: Any) -> None:
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    for spec in args.datas:
+    for spec in [*args.datas, *args.validation]:
         args.data = spec
         check_reading(parser, args, [])
     if args.model_arg:
@@ -136,7 +146,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--out {path} is a folder; give a file name such as tune.json")
         if flag == "--out-dir" and path.exists() and not path.is_dir():
             parser.error(f"--out-dir {path} is a file; give a folder name")
-        for spec in (args.config, *args.datas):
+        for spec in (args.config, *args.datas, *args.validation):
             if Path(spec).exists() and path.resolve() == Path(spec).resolve():
                 parser.error(f"{flag} {path} is an input ({spec}); write it elsewhere")
 
@@ -166,6 +176,31 @@ def execute(args: argparse.Namespace) -> int:
         raise ArgumentError(
             f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
             "were given: give each model's training data, in the order of `models:`"
+        )
+    if not (Path(config.base_model) / "config.json").is_file():
+        raise ArgumentError(
+            f"base_model {config.base_model} is not a Hugging Face folder (no config.json): tune "
+            "scores each merged model as a Hugging Face model, and a merge's folder takes its "
+            "config and tokenizer from the base; give the base as such a folder"
+        )
+    inputs = [config.base_model, *(m.model for m in config.models)]
+    inputs += [m.curvature for m in config.models if m.curvature is not None]
+    inputs += list(config.prior.files) if config.prior is not None else []
+    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
+        if value is None:
+            continue
+        target = Path(value).resolve()
+        for path in inputs:
+            inside = Path(path).resolve()
+            if target == inside or inside in target.parents:
+                raise ArgumentError(
+                    f"{flag} {value} is, or is inside, the merge's input {path}: writing there "
+                    "would replace or add to an input; write it elsewhere"
+                )
+    if args.validation and len(args.validation) != len(config.models):
+        raise ArgumentError(
+            f"CONFIG {args.config} merges {len(config.models)} models but "
+            f"{len(args.validation)} --validation DATA were given: one per model, in order"
         )
     points = settings(
         config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales
@@ -201,6 +236,8 @@ def execute(args: argparse.Namespace) -> int:
         "data": [str(Path(d).resolve()) if Path(d).exists() else d for d in args.datas],
         **result.to_dict(config),
     }
+    if args.validation:
+        body["validation"] = validation_summary(body)
     print(_table(body))
     if args.out is not None:
         write_json(body, Path(args.out))
@@ -214,7 +251,8 @@ def execute(args: argparse.Namespace) -> int:
 
 
 class Scorer:
-    """A merged folder ↦ (criterion, per-task figures) on the tasks' training data.
+    """A merged folder ↦ (criterion, figures) on the tasks' training data (and, reported only,
+    on ``--validation`` data).
 
     The data are read once, with the first merged model (every merged folder has the base's
     config and tokenizer, so the tokenised batches are the same for all); for ``mismatch`` the
@@ -224,10 +262,11 @@ class Scorer:
     def __init__(self, args: argparse.Namespace, config: Any, device: torch.device) -> None:
         self.args, self.config, self.device = args, config, device
         self.data: list[Iterable[Any]] | None = None
+        self.validation: list[Iterable[Any]] = []
         self.references: dict[int, dict[str, torch.Tensor]] = {}
         self.heads: dict[int, dict[str, torch.Tensor]] = {}
 
-    def __call__(self, folder: Path) -> tuple[float, list[dict[str, Any]]]:
+    def __call__(self, folder: Path) -> tuple[float, dict[str, Any]]:
         from gradmerge import params as P
         from gradmerge.estimate import gradient_fn
         from gradmerge.evaluation import evaluate
@@ -237,7 +276,8 @@ class Scorer:
         model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
         model = model.to(self.device).eval()
         if self.data is None:
-            self.data = [self._load(model, folder, spec) for spec in args.datas]
+            self.data = [self._load(model, folder, spec, args.max_examples) for spec in args.datas]
+            self.validation = [self._load(model, folder, spec, None) for spec in args.validation]
         tasks: list[dict[str, Any]] = []
         total = 0.0
         for t, (spec, data) in enumerate(zip(args.datas, self.data, strict=True)):
@@ -262,7 +302,24 @@ class Scorer:
             else:
                 total += result.mean_loss
             tasks.append(entry)
-        return total, tasks
+        figures: dict[str, Any] = {"tasks": tasks}
+        if args.validation:  # reported only: the criterion above never reads these labels
+            figures["validation"] = []
+            for t, (spec, data) in enumerate(zip(args.validation, self.validation, strict=True)):
+                if args.task_heads:
+                    self._use_head(t, model)
+                held_out = evaluate(
+                    model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
+                )
+                figures["validation"].append(
+                    {
+                        "data": spec,
+                        "examples": held_out.examples,
+                        "mean_loss": held_out.mean_loss,
+                        "accuracy": held_out.accuracy,
+                    }
+                )
+        return total, figures
 
     def _use_head(self, t: int, model: torch.nn.Module) -> None:
         """Copy task t's head (the parameters matching ``--task-heads``, read from CONFIG's t-th
@@ -288,7 +345,9 @@ class Scorer:
             for name, value in self.heads[t].items():
                 model.get_parameter(name).copy_(value)
 
-    def _load(self, model: torch.nn.Module, folder: Path, spec: str) -> Iterable[Any]:
+    def _load(
+        self, model: torch.nn.Module, folder: Path, spec: str, max_examples: int | None
+    ) -> Iterable[Any]:
         from gradmerge.io import sources
         from gradmerge.io.text_data import TextBatches, TextOptions
 
@@ -299,7 +358,7 @@ class Scorer:
             shift_labels=args.shift_labels,
             ignore_index=args.ignore_index,
             arguments=dict(map(sources.parse_argument, args.data_arg)),
-            max_examples=args.max_examples,
+            max_examples=max_examples,
             model=model,
             tokenizer=args.tokenizer or str(folder),
             text=TextOptions(
@@ -309,8 +368,10 @@ class Scorer:
                 max_length=args.max_length,
             ),
         )
-        if isinstance(data, TextBatches) and not args.no_progress:
-            print(f"{spec}: {data.summary()}", file=sys.stderr)
+        if isinstance(data, TextBatches):
+            if not args.no_progress:
+                print(f"{spec}: {data.summary()}", file=sys.stderr)
+            return data.by_length()[0]  # sums and means do not depend on the order: less padding
         return data
 
     def _reference(
@@ -365,6 +426,42 @@ def fine_tuned_weights(
     return out
 
 
+def validation_summary(body: dict[str, Any]) -> dict[str, Any]:
+    """How the chosen setting does on the held-out data against the best setting there.
+
+    A point's held-out score is its mean accuracy over the ``--validation`` tasks (each task
+    weighted alike), or minus its mean loss when there is no accuracy (``--loss mse``); the best
+    point has the highest score (the first on ties). Returns ``best_index``, ``best`` (its
+    setting), ``best_score``, ``chosen_score`` and ``regret`` = best − chosen (≥ 0)."""
+    scores: list[float | None] = []
+    for point in body["points"]:
+        held_out = point.get("validation")
+        if point["criterion"] is None or not held_out:
+            scores.append(None)
+        elif all(task["accuracy"] is not None for task in held_out):
+            scores.append(sum(task["accuracy"] for task in held_out) / len(held_out))
+        else:
+            scores.append(-sum(task["mean_loss"] for task in held_out) / len(held_out))
+    best: int | None = None
+    for index, value in enumerate(scores):
+        if value is not None and (best is None or value > scores[best]):  # type: ignore[operator]
+            best = index
+    chosen = body["chosen_index"]
+    best_score = None if best is None else scores[best]
+    chosen_score = None if chosen is None else scores[chosen]
+    if best is None or best_score is None or chosen_score is None:
+        return {"best_index": None}
+    keys = ("scale", "alphas", "delta", "prior_scale")
+    return {
+        "score": "mean accuracy over the tasks (or minus the mean loss without accuracy)",
+        "best_index": best,
+        "best": {k: body["points"][best][k] for k in keys if k in body["points"][best]},
+        "best_score": best_score,
+        "chosen_score": chosen_score,
+        "regret": best_score - chosen_score,
+    }
+
+
 def _setting(values: dict[str, Any]) -> str:
     parts = [f"scale={values['scale']:g}"]
     if "delta" in values:
@@ -387,4 +484,10 @@ def _table(body: dict[str, Any]) -> str:
         lines.append(f"{_setting(point):<40} {value:>12}  {losses}{mark}")
     if body["chosen"] is not None:
         lines.append(f"chosen: {_setting(body['chosen'])} (alphas {body['chosen']['alphas']})")
+    held_out = body.get("validation")
+    if held_out and held_out.get("best_index") is not None:
+        lines.append(
+            f"validation (reported, not used to choose): chosen {held_out['chosen_score']:.4f}, "
+            f"best {held_out['best_score']:.4f} at {_setting(held_out['best'])}"
+        )
     return "\n".join(lines)

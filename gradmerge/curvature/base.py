@@ -203,11 +203,6 @@ class Curvature(ABC):
         cols = [P.flatten(self.mv(P.unflatten(eye[:, j], layout)), layout) for j in range(n)]
         return torch.stack(cols, dim=1)
 
-    def verify_finite(self, *, name: str) -> None:
-        """Raise :class:`NonFiniteError` for NaN/Inf values not checked when ``C`` was built
-        (diagonals read lazily from a curvature file); a no-op for every other curvature."""
-        return None
-
     @property
     def coarsest_dtype(self) -> torch.dtype | None:
         """The coarsest floating dtype (largest machine epsilon) this curvature's values have

@@ -100,10 +100,6 @@ class Blocks(Curvature):
             parts=parts,
         )
 
-    def verify_finite(self, *, name: str) -> None:
-        for block in self.blocks:
-            block.verify_finite(name=name)
-
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Blocks:
@@ -154,7 +150,7 @@ def _restrict(other: Curvature, keys: dict, layout: dict) -> Curvature:
 
     if isinstance(other, Diagonal):
         subset = {k: other.values[k] for k in keys}
-        part = Diagonal._checked_already(subset, unverified=other._unverified)
+        part = Diagonal._of(subset)
         part._remember_precision(other.coarsest_dtype)
         return part
     raise IncompatibleStructures(

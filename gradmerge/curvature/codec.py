@@ -37,7 +37,7 @@ from torch import Tensor
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.dense import Dense
-from gradmerge.curvature.diagonal import Diagonal
+from gradmerge.curvature.diagonal import Diagonal, unchecked
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.curvature.kfac import KFAC
 from gradmerge.curvature.lazy import Sum
@@ -120,7 +120,7 @@ def decode(
     spec: Spec, tensors: Mapping[str, Tensor], prefix: str = "", *, defer: bool = False
 ) -> Curvature:
     """The curvature that ``spec`` describes, over ``tensors``; ``defer``: diagonals' NaN/Inf
-    checked at use (:meth:`Diagonal._deferred`).
+    checked by their user (:func:`~gradmerge.curvature.diagonal.unchecked`).
 
     Raises:
         FileFormatError: a tensor or field the spec needs is missing, or an unknown structure.
@@ -137,7 +137,7 @@ def decode(
 
 def _decode_diag(spec: Spec, tensors: Mapping[str, Tensor], prefix: str, defer: bool) -> Curvature:
     values = {k: tensors[f"{prefix}diag/{k}"] for k in spec["keys"]}
-    return Diagonal._deferred(values) if defer else Diagonal(values)
+    return unchecked(values) if defer else Diagonal(values)
 
 
 def _decode_dense(spec: Spec, tensors: Mapping[str, Tensor], prefix: str, defer: bool) -> Curvature:

@@ -35,32 +35,16 @@ class Diagonal(Curvature):
         self.values: dict[str, Tensor] = dict(values)
         self._layout = P.layout_of(self.values)
 
-    _unverified = False  # whether the values' finiteness is still to be checked (_deferred)
-
     @classmethod
-    def _checked_already(cls, values: dict[str, Tensor], *, unverified: bool = False) -> Diagonal:
-        """A Diagonal from values derived from checked ones (sums, scalings, subsets): the
-        algebra builds many intermediates, and re-checking each would re-read every value.
-        ``unverified``: derived from a :meth:`_deferred` one (NaN/Inf would carry over)."""
+    def _of(cls, values: dict[str, Tensor]) -> Diagonal:
+        """A Diagonal over ``values`` without the pass that checks them: values derived from
+        checked ones (the algebra builds many intermediates, and re-checking each would re-read
+        every value), or read from a file whose reader checks them where they are used
+        (:func:`unchecked`)."""
         out = cls.__new__(cls)
         out.values = values
         out._layout = P.layout_of(values)
-        out._unverified = unverified
         return out
-
-    @classmethod
-    def _deferred(cls, values: Params) -> Diagonal:
-        """A Diagonal whose values' finiteness is checked where they are used, not here: by
-        :meth:`verify_finite` (which every rule of :mod:`gradmerge.merge` calls), or within the
-        diagonal merge's own pass over the values — saving the streaming engine one read of
-        every curvature tensor. Structure (dict of float tensors on one device) is checked."""
-        P.check_params(values, name="Diagonal values", finite=False)
-        return cls._checked_already(dict(values), unverified=True)
-
-    def verify_finite(self, *, name: str) -> None:
-        if self._unverified:
-            P.check_finite(self.values, name=name)
-            self._unverified = False
 
     def __repr__(self) -> str:
         return f"Diagonal({len(self.values)} tensors, {P.numel(self.values)} values)"
@@ -91,17 +75,17 @@ class Diagonal(Curvature):
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Diagonal:
         moved = {k: d.to(device=device, dtype=dtype) for k, d in self.values.items()}
-        return (
-            Diagonal._checked_already(moved, unverified=True)
-            if self._unverified
-            else Diagonal(moved)
+        # a cast to a dtype of no smaller range (and any move) keeps finite values finite
+        same_range = all(
+            torch.finfo(m.dtype).max >= torch.finfo(d.dtype).max
+            for m, d in zip(moved.values(), self.values.values(), strict=True)
         )
+        return Diagonal._of(moved) if same_range else Diagonal(moved)
 
     def scaled(self, c: float) -> Diagonal:
         if c == 1.0:  # 1·d = d exactly: no pass over memory
-            return Diagonal._checked_already(dict(self.values), unverified=self._unverified)
-        scaled = {k: c * d for k, d in self.values.items()}
-        return Diagonal._checked_already(scaled, unverified=self._unverified)
+            return Diagonal._of(dict(self.values))
+        return Diagonal._of({k: c * d for k, d in self.values.items()})
 
     def shifted(self, scale: float, delta: float) -> Curvature:
         """``scale·D + δ·I`` (a prior δ·I + s·C), its values formed only where they are used.
@@ -140,9 +124,7 @@ class Diagonal(Curvature):
             and delta != 0.0
             and all(d.dtype in (torch.float32, torch.float64) for d in self.values.values())
         ):
-            total = Diagonal._checked_already(
-                {k: d + float(delta) for k, d in self.values.items()}, unverified=self._unverified
-            )
+            total = Diagonal._of({k: d + float(delta) for k, d in self.values.items()})
             total._remember_precision(self.coarsest_dtype)
             return total
         return super().__add__(other)
@@ -164,15 +146,12 @@ class Diagonal(Curvature):
 
     def _add_same(self, other: Diagonal) -> Diagonal:
         P.check_compatible(self.values, other.values, ref_name="Diagonal", name="Diagonal")
-        unverified = self._unverified or other._unverified
-        return Diagonal._checked_already(P.add(self.values, other.values), unverified=unverified)
+        return Diagonal._of(P.add(self.values, other.values))
 
     def _promote(self, other: Curvature) -> Diagonal:
         if not isinstance(other, ScaledIdentity):
             raise IncompatibleStructures(f"cannot express {type(other).__name__} as a Diagonal")
-        return Diagonal._checked_already(
-            {k: torch.full_like(d, other.delta) for k, d in self.values.items()}
-        )
+        return Diagonal._of({k: torch.full_like(d, other.delta) for k, d in self.values.items()})
 
 
 class ShiftedDiagonal(Diagonal):
@@ -183,7 +162,7 @@ class ShiftedDiagonal(Diagonal):
     :class:`Diagonal` sees exactly the values of that eager expression. The diagonal merge of
     :mod:`gradmerge._elementwise` instead hands c, scale and δ to its C loop, which forms each
     h = (c·scale) + δ with the same roundings where it is used (one read of c, no write).
-    Finiteness and the coarsest dtype are those of ``unshifted`` (as for the eager sum).
+    The coarsest dtype is that of ``unshifted`` (as for the eager sum).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -195,7 +174,6 @@ class ShiftedDiagonal(Diagonal):
     def __init__(self, unshifted: Diagonal, scale: float, delta: float) -> None:
         self.unshifted, self.scale, self.delta = unshifted, float(scale), float(delta)
         self._layout = unshifted.layout
-        self._unverified = unshifted._unverified
         self._formed: dict[str, Tensor] | None = None
         self._remember_precision(unshifted.coarsest_dtype)
 
@@ -224,3 +202,19 @@ class ShiftedDiagonal(Diagonal):
 
     def _like(self) -> dict[str, Tensor]:
         return self.unshifted._like()
+
+
+def unchecked(values: Params) -> Diagonal:
+    """A Diagonal whose values' NaN/Inf check is left to whoever uses them: the streaming engine
+    reads curvature files this way (``CurvatureFile.restrict(check_finite=False)``), names a
+    non-finite value when a unit's merge fails (:mod:`gradmerge.jobs.engine`), and the diagonal
+    merge's own pass catches one without a separate read. Structure (a dict of float tensors on
+    one device) is checked.
+
+    Example:
+        >>> import torch
+        >>> unchecked({"w": torch.tensor([1.0, float("nan")])}).min_eigenvalue_exact
+        True
+    """
+    P.check_params(values, name="Diagonal values", finite=False)
+    return Diagonal._of(dict(values))

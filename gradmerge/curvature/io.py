@@ -319,9 +319,9 @@ class CurvatureFile:
         ``keys`` must hold whole coupling groups (see :meth:`couplings`): a K-FAC layer's weight
         with its bias, every parameter of a dense block. Only the needed tensors are read; they
         are moved to ``device`` and cast to ``dtype`` when given. ``check_finite=False`` leaves
-        the NaN/Inf check of diagonal values to the merge rules that use them (every
-        :mod:`gradmerge.merge` function checks; :meth:`Curvature.verify_finite`), sparing a
-        diagonal merge one read of each value.
+        the NaN/Inf check of diagonal values to whoever uses them
+        (:func:`gradmerge.curvature.diagonal.unchecked`: the streaming engine names a non-finite
+        value when a unit's merge fails), sparing a diagonal merge one read of each value.
 
         Raises:
             ArgumentError: ``keys`` splits a coupling group.

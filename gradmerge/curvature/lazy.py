@@ -87,10 +87,6 @@ class Sum(Curvature):
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value
 
-    def verify_finite(self, *, name: str) -> None:
-        for term in self.terms:
-            term.verify_finite(name=name)
-
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Sum:
         return Sum(
             [t.to(device=device, dtype=dtype) for t in self.terms],

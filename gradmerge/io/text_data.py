@@ -471,7 +471,21 @@ class TextBatches:
         for start in range(0, len(self.examples), self.batch_size):
             yield self.batch(range(start, min(start + self.batch_size, len(self.examples))))
 
-    def batch(self, rows: range) -> dict[str, Tensor]:
+    def by_length(self) -> tuple[list[dict[str, Tensor]], list[int]]:
+        """The examples in batches of similar length (shortest first), and their order.
+
+        Each batch is padded to its longest sequence, so grouping by length saves the compute
+        spent on padding; what a model gives an example does not depend on its batch (padding
+        is masked), up to rounding. ``order[j]`` is the index of the j-th example of the batches
+        (``gm.Evaluation.in_order`` puts per-example results back into the data's order).
+        """
+        order = sorted(
+            range(len(self.examples)), key=lambda i: self.examples[i]["input_ids"].numel()
+        )
+        size = self.batch_size
+        return [self.batch(order[s : s + size]) for s in range(0, len(order), size)], order
+
+    def batch(self, rows: Sequence[int]) -> dict[str, Tensor]:
         """The examples ``rows`` padded into one Hugging Face batch with ``labels``."""
         chosen = [self.examples[i] for i in rows]
         width = max(int(e["input_ids"].numel()) for e in chosen)

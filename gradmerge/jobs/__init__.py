@@ -18,8 +18,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gradmerge._lazy import lazy_names
 
 if TYPE_CHECKING:  # loaded on first access (__getattr__ below)
     from gradmerge.jobs.config import (
@@ -50,17 +51,7 @@ _LAZY = {
 only lists the methods (:mod:`gradmerge.jobs.methods`) does not load the engine."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradmerge.jobs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"gradmerge.jobs.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, {n: f"{__name__}.{m}" for n, m in _LAZY.items()})
 
 
 __all__ = [

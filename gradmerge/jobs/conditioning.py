@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -88,14 +89,22 @@ def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
         return []
     key = spec.damping_key or "damping"
     out = []
+    for files, keys in _merged_units(config):
+        terms = _inputs(config, files, keys, config.math_dtype)
+        out.append(_check(keys, spec.system(terms), key, config.math_dtype))
+    return out
+
+
+def _merged_units(
+    config: MergeConfig | RemoveConfig,
+) -> Iterator[tuple[dict[str, CurvatureFile], tuple[str, ...]]]:
+    """The curvature files and the keys of every merged unit of the plan, in its order (the
+    files stay open while the iteration runs)."""
     with ExitStack() as stack:
         job = open_job(config, stack)
         for unit in job.plan.units:
-            if not unit.merged:
-                continue
-            terms = _inputs(config, job.curvatures, unit.keys, config.math_dtype)
-            out.append(_check(unit.keys, spec.system(terms), key, config.math_dtype))
-    return out
+            if unit.merged:
+                yield job.curvatures, unit.keys
 
 
 def delta_note(config: MergeConfig) -> str | None:
@@ -105,18 +114,14 @@ def delta_note(config: MergeConfig) -> str | None:
     if config.prior is None:
         return None
     samples: list[Tensor] = []
-    with ExitStack() as stack:
-        job = open_job(config, stack)
-        for unit in job.plan.units:
-            if not unit.merged:
-                continue
-            parts = _models(config, job.curvatures, unit.keys, torch.float64)
-            if parts and all(isinstance(p, Diagonal) for p in parts):
-                total = sum(parts[1:], parts[0])
-                assert isinstance(total, Diagonal)
-                for values in total.values.values():
-                    flat = values.flatten()
-                    samples.append(flat[:: max(1, flat.numel() // SAMPLE)])
+    for files, keys in _merged_units(config):
+        parts = _models(config, files, keys, torch.float64)
+        if parts and all(isinstance(p, Diagonal) for p in parts):
+            total = sum(parts[1:], parts[0])
+            assert isinstance(total, Diagonal)
+            for values in total.values.values():
+                flat = values.flatten()
+                samples.append(flat[:: max(1, flat.numel() // SAMPLE)])
     if not samples:
         return None
     positive = torch.cat(samples)

@@ -40,12 +40,14 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _fused, _memory, _weight_sample
+from gradmerge import _weight_sample
+from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge._version import __version__
-from gradmerge.curvature import KFAC, Curvature
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, Sum
+from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
     PD_FIX,
@@ -53,6 +55,7 @@ from gradmerge.errors import (
     ConfigError,
     GradmergeError,
     InputWarning,
+    NonFiniteError,
     NotPositiveDefiniteError,
     ResultOverflowError,
     StepTooLargeError,
@@ -63,6 +66,7 @@ from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_outpu
 from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan
+from gradmerge.kernels import memory, select
 from gradmerge.solvers import solution
 
 UnitFn = Callable[[Unit], dict[str, Tensor]]
@@ -401,6 +405,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas = config.alphas
+    kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
 
     def compute(unit: Unit) -> dict[str, Tensor]:
         keys = unit.keys
@@ -408,7 +413,13 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         fts = [_read(m, keys, device, dtype) for m in models]
         hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
         prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
-        return rule(theta, fts, hs, alphas=alphas, prior=prior, damping=config.damping)
+        unit_inputs = rules.MergeUnit(theta, fts, hs, alphas, prior, config.damping, kernel)
+        try:
+            return rule(unit_inputs)
+        except GradmergeError as err:
+            named = {f"curvatures[{t}]": h for t, h in enumerate(hs)}
+            _raise_non_finite({**named, "prior": prior}, err)
+            raise
 
     rule = cast(rules.MergeRule, spec.rule)
     hint = spec.hint
@@ -468,15 +479,18 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        out = rule(
-            theta,
-            remaining=remaining,
-            alpha=config.alpha,
-            finetuned=finetuned,
-            curvature=_restrict(curv, keys, device, dtype, config),
-            prior=_term_precision(config.prior, prior_files, keys, device, dtype, config),
-            gradient=_read(gradient, keys, device, dtype) if gradient is not None else None,
+        curvature = _restrict(curv, keys, device, dtype, config)
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        grad = _read(gradient, keys, device, dtype) if gradient is not None else None
+        unit_inputs = rules.RemoveUnit(
+            theta, remaining, config.alpha, finetuned, curvature, prior, grad
         )
+        try:
+            out = rule(unit_inputs)
+        except GradmergeError as err:
+            named = {"curvature": curvature, "prior": prior, "remaining": remaining}
+            _raise_non_finite(named, err)
+            raise
         reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
         step.add({k: out[k] - theta[k] for k in keys}, reference)
         return out
@@ -562,6 +576,37 @@ def _term_precision(
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
+def _raise_non_finite(curvatures: Mapping[str, object], err: GradmergeError) -> None:
+    """After a unit's rule failed with ``err``: a :class:`NonFiniteError` naming a NaN/Inf among
+    the unit's diagonal curvature values, if there is one (from ``err``).
+
+    The engine reads curvature files without their NaN/Inf check (:func:`_restrict`), which
+    saves a read of every value: a non-finite value cannot pass unnoticed (the diagonal merge's
+    own pass catches it, and every rule refuses a non-finite result), but the rule that fails
+    may not know which input it came from. This names it, as ``curvatures[t]``, ``prior``,
+    ``curvature`` or ``remaining`` (the rules' argument names)."""
+    for name, curvature in curvatures.items():
+        for values in _diagonal_values(curvature):
+            try:
+                P.check_finite(values, name=name)
+            except NonFiniteError as found:
+                raise found from err
+
+
+def _diagonal_values(curvature: object) -> list[dict[str, Tensor]]:
+    """The values of every diagonal part of ``curvature`` (the unshifted values of a lazy
+    δ·I + s·C, whose finiteness is theirs)."""
+    if isinstance(curvature, ShiftedDiagonal):
+        return _diagonal_values(curvature.unshifted)
+    if isinstance(curvature, Diagonal):
+        return [curvature.values]
+    if isinstance(curvature, Blocks):
+        return [v for block in curvature.blocks for v in _diagonal_values(block)]
+    if isinstance(curvature, Sum):
+        return [v for term in curvature.terms for v in _diagonal_values(term)]
+    return []
+
+
 def _restrict(
     file: CurvatureFile | None,
     keys: Sequence[str],
@@ -570,8 +615,9 @@ def _restrict(
     options: Options,
 ) -> Curvature | None:
     """The unit's part of a curvature file, its K-FAC solves set to ``solver:`` of ``options``;
-    NaN/Inf values are caught by the merge rule that uses them
-    (:meth:`CurvatureFile.restrict` with ``check_finite=False``): one read less."""
+    diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
+    ``check_finite=False``: one read less), which the unit's rule and :func:`_raise_non_finite`
+    make up for."""
     if file is None:
         return None
     part = file.restrict(keys, device=device, dtype=dtype, check_finite=False)
@@ -602,12 +648,10 @@ def _execute(
     plan = job.plan
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
     bar = _progress(progress, plan.out_bytes(), job.command, len(entries))
-    numels = [math.prod(plan.shapes[k]) for k in plan.merged]
     removed, left = remove_stale_stages(target)
     with (
         staged_output(target, overwrite=overwrite) as stage,
-        _fused.job(numels),
-        _memory.recycling(),  # each output is written and dropped before the next is made
+        memory.recycling(),  # each output is written and dropped before the next is made
     ):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:

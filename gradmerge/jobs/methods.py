@@ -139,11 +139,24 @@ def _removal_system(x: SystemInputs) -> Curvature | None:
     return x.remaining
 
 
-_REMOVAL_HINT = (
-    "the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
-    "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
-    "data that stays"
-)
+def _removal(
+    name: str, summary: str, keys: Mapping[str, Need], rule: rules.RemoveRule, step: float
+) -> MergeMethod:
+    """A removal method: every one solves H̄_\\t, damped by ``remaining: {delta: ...}``."""
+    return MergeMethod(
+        name,
+        "remove",
+        summary,
+        keys,
+        rule,
+        system=_removal_system,
+        damping_key="remaining: {delta: ...}",
+        hint="the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
+        "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
+        "data that stays",
+        max_relative_step=step,
+    )
+
 
 REGISTRY: tuple[MergeMethod, ...] = (
     MergeMethod(
@@ -187,27 +200,19 @@ REGISTRY: tuple[MergeMethod, ...] = (
         damping_key="damping",
         hint="set `damping:` ({example}) so that the summed Gram matrices are invertible",
     ),
-    MergeMethod(
-        "remove",
+    _removal(
         "remove",
         "Eq. 13: θ_LLM − α H̄_\\t⁻¹ (H_0 + H_t)(θ_t − θ_LLM)",
         {"model": "required", "curvature": "required", "prior": "required"},
         rules.remove,
-        system=_removal_system,
-        damping_key="remaining: {delta: ...}",
-        hint=_REMOVAL_HINT,
-        max_relative_step=100.0,
+        step=100.0,
     ),
-    MergeMethod(
+    _removal(
         "influence_remove",
-        "remove",
         "Koh & Liang (2017): θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM)",
         {"gradient": "required"},
         rules.influence_remove,
-        system=_removal_system,
-        damping_key="remaining: {delta: ...}",
-        hint=_REMOVAL_HINT,
-        max_relative_step=1.0,
+        step=1.0,
     ),
 )
 """Every method, in the order the help and the error messages list them."""

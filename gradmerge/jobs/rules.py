@@ -3,19 +3,19 @@
 No formula lives here: every rule calls one function of :mod:`gradmerge.merge` with the unit's
 tensors and the unit's restriction of each curvature, so a streamed merge computes, unit by
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
-never couple two units). The merge rules share one signature (:class:`MergeRule`), the removal
-rules another (:class:`RemoveRule`); which method calls which rule is recorded in
-:mod:`gradmerge.jobs.methods`.
+never couple two units). A merge rule takes a :class:`MergeUnit`, a removal rule a
+:class:`RemoveUnit`; which method calls which rule is recorded in :mod:`gradmerge.jobs.methods`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from gradmerge import merge
+from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
@@ -36,135 +36,90 @@ def precision(delta: float, scale: float, curvature: Curvature | None) -> Precis
     return curvature.scaled(scale) + delta
 
 
-def task_arithmetic(
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[Curvature | None],
-    *,
-    alphas: Sequence[float],
-    prior: Precision | None = None,
-    damping: float = 0.0,
-) -> dict[str, Tensor]:
+@dataclass(frozen=True)
+class MergeUnit:
+    """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
+    tensors, the α_t, the prior H_0, the merge's ``damping``, and ``kernel``, the fast elementwise
+    evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges."""
+
+    base: Params
+    finetuned: Sequence[Params]
+    curvatures: Sequence[Curvature | None]
+    alphas: Sequence[float]
+    prior: Precision | None = None
+    damping: float = 0.0
+    kernel: Kernel | None = None
+
+    def hs(self) -> list[Curvature]:
+        """The H_t, every one required."""
+        return [_required(c, t) for t, c in enumerate(self.curvatures)]
+
+
+@dataclass(frozen=True)
+class RemoveUnit:
+    """One unit of a removal: θ_LLM, H̄_\\t (``remaining``), α and, as the method needs them, θ_t,
+    H_t, the prior H_0 and the gradient ∇ℓ̄_t(θ_LLM)."""
+
+    base: Params
+    remaining: Precision
+    alpha: float
+    finetuned: Params | None = None
+    curvature: Curvature | None = None
+    prior: Precision | None = None
+    gradient: Params | None = None
+
+
+def task_arithmetic(u: MergeUnit) -> dict[str, Tensor]:
     """:func:`gm.task_arithmetic` on the unit (curvatures, prior and damping unused)."""
-    return merge.task_arithmetic(base, finetuned, alphas=list(alphas))
+    return merge.task_arithmetic(u.base, u.finetuned, alphas=list(u.alphas), kernel=u.kernel)
 
 
-def fisher_average(
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[Curvature | None],
-    *,
-    alphas: Sequence[float],
-    prior: Precision | None = None,
-    damping: float = 0.0,
-) -> dict[str, Tensor]:
+def fisher_average(u: MergeUnit) -> dict[str, Tensor]:
     """:func:`gm.fisher_average` on the unit with H_t + damping·I (base and prior unused)."""
-    hs = [_required(c, t) for t, c in enumerate(curvatures)]
-    damped = [h + damping if damping else h for h in hs]
-    return merge.fisher_average(finetuned, damped, alphas=list(alphas))
+    damped = [h + u.damping if u.damping else h for h in u.hs()]
+    return merge.fisher_average(u.finetuned, damped, alphas=list(u.alphas), kernel=u.kernel)
 
 
-def gradient_matching(
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[Curvature | None],
-    *,
-    alphas: Sequence[float],
-    prior: Precision | None = None,
-    damping: float = 0.0,
-) -> dict[str, Tensor]:
+def gradient_matching(u: MergeUnit) -> dict[str, Tensor]:
     """:func:`gm.gradient_matching` (Eq. 6) on the unit with ``prior`` H_0 (damping unused)."""
-    hs = [_required(c, t) for t, c in enumerate(curvatures)]
-    if prior is None:
+    hs = u.hs()
+    if u.prior is None:
         raise ArgumentError("gradient matching needs a prior H_0")
-    return merge.gradient_matching(base, finetuned, hs, prior=prior, alphas=list(alphas))
+    return merge.gradient_matching(
+        u.base, u.finetuned, hs, prior=u.prior, alphas=list(u.alphas), kernel=u.kernel
+    )
 
 
-def regmean(
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[Curvature | None],
-    *,
-    alphas: Sequence[float],
-    prior: Precision | None = None,
-    damping: float = 0.0,
-) -> dict[str, Tensor]:
+def regmean(u: MergeUnit) -> dict[str, Tensor]:
     """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
     input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
     ``KFAC.counts``); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
     :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
-    return _regmean(finetuned, curvatures, alphas, damping)
+    return _regmean(u.finetuned, u.curvatures, u.alphas, u.damping)
 
 
-def remove(
-    base: Params,
-    *,
-    remaining: Precision,
-    alpha: float,
-    finetuned: Params | None = None,
-    curvature: Curvature | None = None,
-    prior: Precision | None = None,
-    gradient: Params | None = None,
-) -> dict[str, Tensor]:
+def remove(u: RemoveUnit) -> dict[str, Tensor]:
     """:func:`gm.remove` (Eq. 13) on the unit (gradient unused)."""
-    if finetuned is None or prior is None:
+    if u.finetuned is None or u.prior is None:
         raise ArgumentError("removal by Eq. 13 needs the fine-tuned model θ_t and the prior H_0")
+    h_t = _required(u.curvature, 0)
     return merge.remove(
-        base,
-        finetuned,
-        _required(curvature, 0),
-        remaining=remaining,
-        prior=prior,
-        alpha=alpha,
+        u.base, u.finetuned, h_t, remaining=u.remaining, prior=u.prior, alpha=u.alpha
     )
 
 
-def influence_remove(
-    base: Params,
-    *,
-    remaining: Precision,
-    alpha: float,
-    finetuned: Params | None = None,
-    curvature: Curvature | None = None,
-    prior: Precision | None = None,
-    gradient: Params | None = None,
-) -> dict[str, Tensor]:
+def influence_remove(u: RemoveUnit) -> dict[str, Tensor]:
     """:func:`gm.influence_remove` (Koh & Liang) on the unit (model, curvature, prior unused)."""
-    if gradient is None:
+    if u.gradient is None:
         raise ArgumentError("the influence-function removal needs the gradient ∇ℓ̄_t(θ_LLM)")
-    return merge.influence_remove(base, gradient, remaining=remaining, alpha=alpha)
+    return merge.influence_remove(u.base, u.gradient, remaining=u.remaining, alpha=u.alpha)
 
 
-class MergeRule(Protocol):
-    """The signature of the merge rules above (what :class:`~gradmerge.jobs.methods.MergeMethod`
-    calls for one unit)."""
+MergeRule = Callable[[MergeUnit], dict[str, Tensor]]
+"""The signature of the merge rules above."""
 
-    def __call__(
-        self,
-        base: Params,
-        finetuned: Sequence[Params],
-        curvatures: Sequence[Curvature | None],
-        *,
-        alphas: Sequence[float],
-        prior: Precision | None = None,
-        damping: float = 0.0,
-    ) -> dict[str, Tensor]: ...
-
-
-class RemoveRule(Protocol):
-    """The signature of the removal rules above."""
-
-    def __call__(
-        self,
-        base: Params,
-        *,
-        remaining: Precision,
-        alpha: float,
-        finetuned: Params | None = None,
-        curvature: Curvature | None = None,
-        prior: Precision | None = None,
-        gradient: Params | None = None,
-    ) -> dict[str, Tensor]: ...
+RemoveRule = Callable[[RemoveUnit], dict[str, Tensor]]
+"""The signature of the removal rules above."""
 
 
 def _required(curvature: Curvature | None, t: int) -> Curvature:

@@ -49,8 +49,8 @@ from typing import Any
 from gradmerge.errors import ArgumentError, GradmergeError, OutputExistsError
 from gradmerge.jobs.config import MergeConfig
 
-Score = Callable[[Path], tuple[float, list[dict[str, Any]]]]
-"""A merged model's folder ↦ (criterion J, one dict of figures per task)."""
+Score = Callable[[Path], tuple[float, dict[str, Any]]]
+"""A merged model's folder ↦ (criterion J, figures to report, e.g. ``{"tasks": [...]}``)."""
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,13 @@ def choose(criteria: Sequence[float | None]) -> int | None:
 
 @dataclass
 class Point:
-    """A scored grid point: its setting, criterion J (``None`` when it failed), the figures per
-    task, the error that made it fail, and the seconds the merge and the scoring took."""
+    """A scored grid point: its setting, criterion J (``None`` when it failed), the figures the
+    score reported (per task), the error that made it fail, and the seconds the merge and the
+    scoring took."""
 
     setting: Setting
     criterion: float | None = None
-    tasks: list[dict[str, Any]] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     merge_seconds: float = 0.0
     score_seconds: float = 0.0
@@ -184,7 +185,7 @@ class TuneResult:
                 {
                     **p.setting.describe(config),
                     "criterion": p.criterion,
-                    "tasks": p.tasks,
+                    **p.figures,
                     "error": p.error,
                     "merge_seconds": round(p.merge_seconds, 3),
                     "score_seconds": round(p.score_seconds, 3),
@@ -213,8 +214,8 @@ def tune(
     Args:
         config: the merge (any method).
         points: the settings (:func:`settings`).
-        score: folder ↦ (criterion, per-task figures); a :class:`GradmergeError` it raises, or
-            a non-finite criterion, marks the point failed.
+        score: folder ↦ (criterion, figures to report); a :class:`GradmergeError` it raises,
+            or a non-finite criterion, marks the point failed.
         keep: where to write the chosen merged model; ``None``: nowhere.
         overwrite: replace an existing ``keep``.
         report: called with each point once it is scored (progress lines).
@@ -243,7 +244,7 @@ def tune(
             try:
                 run_merge(setting.apply(config), folder, progress=False)
                 point.merge_seconds = time.perf_counter() - start
-                criterion, point.tasks = score(folder)
+                criterion, point.figures = score(folder)
                 point.score_seconds = time.perf_counter() - start - point.merge_seconds
                 if math.isfinite(criterion):
                     point.criterion = float(criterion)

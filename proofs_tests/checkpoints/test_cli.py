@@ -92,13 +92,20 @@ def test_remove_end_to_end(ws, tmp_path, capsys):
                 "examples:",
                 "method: gradient_matching",
                 "prior: {delta",
-                "passthrough:",
+                "docs/config.md",  # every key is described there, once
                 "--dry-run",
             ],
         ),
         (
             "remove",
-            ["examples:", "method: remove", "method: influence_remove", "gradient:", "remaining:"],
+            [
+                "examples:",
+                "method: remove",
+                "method: influence_remove",
+                "gradient:",
+                "remaining:",
+                "docs/config.md",
+            ],
         ),
     ],
 )

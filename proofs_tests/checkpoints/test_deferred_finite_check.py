@@ -1,9 +1,10 @@
 """NaN/Inf in a diagonal curvature file is still named when the engine defers the check.
 
 The streaming engine reads diagonal curvatures with ``restrict(..., check_finite=False)`` and
-leaves the NaN/Inf check to the merge rule that uses them (the diagonal merge's own pass, or
-``Curvature.verify_finite`` in every other rule), which saves one read of each value. Every
-path must still refuse a bad value, naming it, and write nothing; the public loaders check at once.
+leaves the NaN/Inf check to where they are used (the diagonal merge's own pass; when a unit's
+rule fails, the engine looks for the non-finite value and names it), which saves one read of
+each value. Every path must still refuse a bad value, naming it, and write nothing; the public
+loaders check at once.
 """
 
 import pytest
@@ -84,11 +85,27 @@ def test_public_readers_check_at_once(bad_curvature):
         f.restrict(["2.weight", "2.bias"])
 
 
-def test_deferred_values_carry_the_check_through_the_algebra(bad_curvature):
+def test_the_engine_finds_a_bad_value_through_the_algebra(bad_curvature):
+    """Whatever the algebra made of unchecked values (scaled, shifted, summed, cast, in blocks
+    with a K-FAC part), the engine's search after a failed unit names the input it came from;
+    checked values are left alone."""
+    from gradmerge.jobs.engine import _raise_non_finite
+
     with open_curvature(bad_curvature) as f:
         lazy = f.restrict(["2.weight", "2.bias"], check_finite=False)
-    for derived in (lazy.scaled(2.0), lazy + 1.0, lazy + lazy, lazy.to(dtype=torch.float64)):
-        with pytest.raises(gm.NonFiniteError, match=r"2\.weight"):
-            derived.verify_finite(name="derived")
+    kfac = gm.KFAC({"fc": (torch.eye(2), torch.eye(2))})
+    derived = (
+        lazy.scaled(2.0),
+        lazy + 1.0,
+        lazy + lazy,
+        lazy.to(dtype=torch.float64),
+        lazy.shifted(0.5, 1e-3),
+        gm.Blocks([kfac, lazy]),
+    )
+    cause = gm.NotPositiveDefiniteError("the rule's own error")
+    for curvature in derived:
+        with pytest.raises(gm.NonFiniteError, match=r"curvatures\[1\]\['2\.weight'\]") as e:
+            _raise_non_finite({"curvatures[0]": 0.1, "curvatures[1]": curvature}, cause)
+        assert e.value.__cause__ is cause
     good = gm.Diagonal({"w": torch.ones(3)})
-    good.verify_finite(name="good")  # checked when built: nothing to do
+    _raise_non_finite({"prior": good, "curvatures[0]": None}, cause)  # nothing to name

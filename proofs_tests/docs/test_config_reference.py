@@ -24,7 +24,7 @@ from torch import nn
 
 import gradmerge as gm
 from gradmerge.errors import GradmergeError
-from gradmerge.jobs.config import MERGE_METHODS, REMOVE_METHODS
+from gradmerge.jobs.methods import names
 from gradmerge.jobs.refine import RefineConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -47,7 +47,7 @@ class Tiny(nn.Module):
 def _kind(data: dict) -> str:
     if "start" in data:
         return "refine"
-    return "remove" if data.get("method") in REMOVE_METHODS else "merge"
+    return "remove" if data.get("method") in names("remove") else "merge"
 
 
 def _save_model(weights: dict[str, torch.Tensor], folder: Path) -> None:
@@ -141,7 +141,7 @@ def test_every_example_parses_and_merges_or_removals_run(workspace, number, tmp_
 
 def test_the_page_has_an_example_of_every_method_and_file():
     methods = {yaml.safe_load(text).get("method") for text in EXAMPLES}
-    assert set(MERGE_METHODS) | set(REMOVE_METHODS) <= methods
+    assert {*names("merge"), *names("remove")} <= methods
     assert any(_kind(yaml.safe_load(text)) == "refine" for text in EXAMPLES)
     assert any("solver" in yaml.safe_load(text) for text in EXAMPLES)
 

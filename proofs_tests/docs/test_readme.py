@@ -1,6 +1,6 @@
 """The README stays short and true: at most 250 lines; `.ci/run` runs exactly the README's test
-command; its Python example prints what its comment says; its YAML examples parse (the full
-reference, docs/config.md, is checked by test_config_reference.py)."""
+command; its Python example prints what its comment says; its YAML examples, and docs/guide.md's, parse
+(the full reference, docs/config.md, is checked by test_config_reference.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,11 @@ def test_python_example_prints_what_its_comment_says():
 
 
 def test_yaml_examples_parse():
-    for text in _blocks("yaml"):
+    """The README's and docs/guide.md's YAML examples (both also in docs/config.md)."""
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    texts = _blocks("yaml") + re.findall(r"```yaml\n(.*?)```", guide, flags=re.S)
+    assert len(texts) >= 3
+    for text in texts:
         data = yaml.safe_load(text)
         cls = (
             gm.RemoveConfig if data["method"] in ("remove", "influence_remove") else gm.MergeConfig

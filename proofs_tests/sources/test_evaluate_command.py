@@ -347,3 +347,22 @@ def test_the_json_is_not_clobbered_by_a_failing_run(folders, tmp_path):
     )  # fmt: skip
     assert code == 1 and out.read_text() == first
     assert load_file(str(bad / "model.safetensors"))  # the inputs are untouched
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), examples=st.integers(1, 9))
+def test_in_order_undoes_a_permutation_of_the_examples(seed, examples):
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(3, 4).double()
+    x = torch.randn(examples, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (examples,), generator=g)
+    order = torch.randperm(examples, generator=g).tolist()
+    straight = evaluate(model, [(x, y)])
+    shuffled = evaluate(model, [(x[order], y[order])]).in_order(order)
+    assert shuffled.predictions == straight.predictions
+    assert shuffled.correct_per_example == straight.correct_per_example
+    torch.testing.assert_close(
+        torch.tensor(shuffled.loss_per_example), torch.tensor(straight.loss_per_example)
+    )
+    with pytest.raises(ArgumentError, match="permutation"):
+        straight.in_order([0] * examples if examples > 1 else [1])

@@ -197,6 +197,49 @@ def test_the_training_loss_criterion_and_the_choice(setup, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".gradmerge-tune")]
 
 
+HELD_OUT = {
+    "a": [("a good fun movie", "positive"), ("the dull plot", "negative"), ("a film", "neutral")],
+    "b": [("the big dog ran", "positive"), ("a slow cat", "negative"), ("the mat", "neutral")],
+}
+
+
+def _accuracy(model, root, rows):
+    tok = transformers.AutoTokenizer.from_pretrained(root / "base")
+    with torch.no_grad():
+        hits = [
+            int(model(**tok(t, return_tensors="pt")).logits.argmax()) == LABELS.index(y)
+            for t, y in rows
+        ]
+    return sum(hits) / len(hits)
+
+
+def test_validation_data_are_reported_and_never_used_to_choose(setup, tmp_path):
+    for task, rows in HELD_OUT.items():
+        (tmp_path / f"{task}.val.jsonl").write_text(
+            "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows)
+        )
+    config = _config(setup, "ta.yaml", "task_arithmetic")
+    scales = [0.0, 0.5, 1.0, 1.5]
+    grid = ",".join(map(str, scales))
+    assert _tune(setup, config, "--alphas", grid, "--out", tmp_path / "plain.json") == 0
+    flags = ["--validation", tmp_path / "a.val.jsonl", "--validation", tmp_path / "b.val.jsonl"]
+    assert _tune(setup, config, "--alphas", grid, "--out", tmp_path / "v.json", *flags) == 0
+    plain, report = _report(tmp_path / "plain.json"), _report(tmp_path / "v.json")
+    assert report["chosen_index"] == plain["chosen_index"]  # the choice ignores them
+    assert [p["criterion"] for p in report["points"]] == [p["criterion"] for p in plain["points"]]
+    scores = []
+    for point, scale in zip(report["points"], scales, strict=True):
+        model = _load(setup, _task_arithmetic(setup, scale))
+        accuracies = [_accuracy(model, setup, rows) for rows in HELD_OUT.values()]
+        assert [v["accuracy"] for v in point["validation"]] == accuracies
+        scores.append(sum(accuracies) / 2)
+    best = scores.index(max(scores))  # the first of the highest
+    summary = report["validation"]
+    assert summary["best_index"] == best and summary["best"]["scale"] == scales[best]
+    assert summary["chosen_score"] == scores[report["chosen_index"]]
+    assert summary["regret"] == scores[best] - scores[report["chosen_index"]] >= 0
+
+
 def test_an_alpha_by_delta_grid_for_gradient_matching(setup, tmp_path):
     config = _config(setup, "gm.yaml", "gradient_matching", prior={"delta": 1.0})
     out = tmp_path / "gm.json"
@@ -259,6 +302,12 @@ BAD = [
     ("a zero prior", ("gradient_matching", {"prior": {"delta": 1.0}}),
      ["--alphas", "1", "--deltas", "0"], None, 1, "makes the prior H_0 zero"),
     ("not a grid", ("task_arithmetic", {}), ["--alphas", "a,b"], None, 2, "comma-separated"),
+    ("one --validation for two models", ("task_arithmetic", {}),
+     ["--alphas", "1", "--validation", "@a"], None, 1, "--validation DATA were given"),
+    ("--out-dir inside the base", ("task_arithmetic", {}),
+     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 1, "is, or is inside, the merge's input"),
+    ("a base that is no model folder", ("task_arithmetic", {"base_model": "base/model.safetensors"}),
+     ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
     ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "."], None, 2,
      "exists; pass --overwrite"),
 ]  # fmt: skip
@@ -270,7 +319,8 @@ BAD = [
 def test_bad_input(setup, tmp_path, capsys, name, method, flags, variant, code, message):
     config = _config(setup, "bad.yaml", method[0], **method[1])
     datas = [str(setup / "a.jsonl")] + ([] if variant == "drop-data" else [str(setup / "b.jsonl")])
-    flags = [str(tmp_path) if f == "." else f for f in flags]
+    paths = {".": tmp_path, "@a": setup / "a.jsonl", "@base/tuned": setup / "base" / "tuned"}
+    flags = [str(paths[f]) if f in paths else f for f in flags]
     argv = ["tune", str(config), *datas, *flags, "--no-progress", "--out", str(tmp_path / "o.json")]
     if code == 2:
         with pytest.raises(SystemExit) as exit_:
@@ -280,6 +330,7 @@ def test_bad_input(setup, tmp_path, capsys, name, method, flags, variant, code, 
         assert cli.main(argv) == 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
+    assert not (setup / "base" / "tuned").exists()
 
 
 # ----- the library ----------------------------------------------------------------------------

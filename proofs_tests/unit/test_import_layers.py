@@ -1,19 +1,21 @@
-"""gradmerge's import graph: no cycles, and the library never imports the command line.
+"""gradmerge's import graph: no cycles, and the layers of docs/architecture.md.
 
 The graph is read from the source (every ``import``/``from ... import`` statement of every module
-under ``gradmerge/``, resolved to a gradmerge module), so the test needs no imports and sees
-deferred imports inside functions too. Three rules:
+under ``gradmerge/``, ``__main__`` modules included, resolved to a gradmerge module), so the test
+needs no imports and sees deferred imports inside functions too. The rules:
 
 - at import time (statements at module level, ``if TYPE_CHECKING:`` blocks left out) the modules
   import one another without a cycle;
 - counting deferred imports as well, the parts of the package (``gradmerge.<part>``: a subpackage
   or a top-level module) depend on one another without a cycle; importing the root ``gradmerge``
-  (the public facade, e.g. for ``__version__``) is not counted;
+  (the public facade) is not counted here;
+- the layers (:data:`LAYERS`: every part belongs to exactly one) import only the layers
+  :data:`MAY_IMPORT` allows, deferred imports and ``TYPE_CHECKING`` blocks counted. Among them:
+  core ↛ kernels, io, jobs, estimate (core imports only core); io ↛ jobs, estimate, commands;
+  distributed ↛ commands. Importing the root facade counts as importing what the facade
+  imports, so it is refused where those are;
 - ``gradmerge.distributed`` imports neither ``gradmerge.commands`` nor ``argparse``: the command
   line (:mod:`gradmerge.commands`) uses the distributed library, never the other way round.
-
-``__main__`` modules are scripts (``python -m gradmerge.distributed`` starts the command line),
-not part of the library: they are left out.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ def _modules() -> dict[str, Path]:
     modules = {}
     for file in ROOT.rglob("*.py"):
         parts = list(file.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[-1] == "__main__":
-            continue
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = file
@@ -49,13 +49,14 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _statements(tree: ast.Module, deferred: bool) -> list[ast.stmt]:
-    """Import statements: at module level only, or everywhere (``deferred``)."""
+def _statements(tree: ast.Module, deferred: bool, typing: bool = False) -> list[ast.stmt]:
+    """Import statements: at module level only, or everywhere (``deferred``); ``typing``: also
+    those of ``if TYPE_CHECKING:`` blocks."""
     found: list[ast.stmt] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking(child):
+            if _is_type_checking(child) and not typing:
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 found.append(child)
@@ -66,12 +67,12 @@ def _statements(tree: ast.Module, deferred: bool) -> list[ast.stmt]:
     return found
 
 
-def _imports(module: str, deferred: bool) -> dict[str, set[str]]:
+def _imports(module: str, deferred: bool, typing: bool = False) -> dict[str, set[str]]:
     """External module names (``argparse``) and gradmerge modules that ``module`` imports."""
     file = MODULES[module]
     package = module if file.name == "__init__.py" else module.rpartition(".")[0]
     targets: set[str] = set()
-    for node in _statements(ast.parse(file.read_text()), deferred):
+    for node in _statements(ast.parse(file.read_text()), deferred, typing):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
             continue
@@ -116,12 +117,134 @@ def _part(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
+LAYERS: dict[str, tuple[str, ...]] = {
+    "core": (
+        "gradmerge.errors",
+        "gradmerge.params",
+        "gradmerge.merge",
+        "gradmerge.diagnostics",
+        "gradmerge.curvature",
+        "gradmerge.solvers",
+        "gradmerge._elementwise",
+        "gradmerge._text",
+        "gradmerge._files",
+        "gradmerge._progress",
+        "gradmerge._devices",
+        "gradmerge._weight_sample",
+        "gradmerge._version",
+        "gradmerge._extras",
+        "gradmerge._lazy",
+    ),
+    "kernels": ("gradmerge.kernels",),
+    "estimate": ("gradmerge.estimate", "gradmerge.evaluation"),  # over (model, data, loss)
+    "io": ("gradmerge.io",),
+    "jobs": ("gradmerge.jobs",),
+    "distributed": ("gradmerge.distributed",),
+    "commands": ("gradmerge.commands", "gradmerge.cli", "gradmerge.__main__"),
+    "testbed": ("gradmerge.demo", "gradmerge.theory"),
+    "facade": ("gradmerge",),
+    "deprecated": ("gradmerge.checkpoints",),
+}
+"""The layers of docs/architecture.md, as parts of the package (``gradmerge.<part>``)."""
+
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": {"core"},
+    "kernels": {"core"},
+    "estimate": {"core"},
+    "io": {"core"},
+    "jobs": {"core", "kernels", "estimate", "io"},
+    "distributed": {"core", "kernels", "estimate", "io", "jobs"},
+    "commands": {"core", "kernels", "estimate", "io", "jobs", "distributed", "testbed", "facade"},
+    "testbed": {"core", "estimate", "facade"},
+    "facade": {"core", "kernels", "estimate", "io", "jobs", "distributed", "deprecated"},
+    "deprecated": {"core", "io", "jobs"},
+}
+"""Which layers each layer may import (itself always); the facade counts as what ``import
+gradmerge`` loads (core and estimate)."""
+
+
+def _layer(module: str) -> str:
+    part = "gradmerge" if module == "gradmerge" else _part(module)
+    found = [name for name, parts in LAYERS.items() if part in parts]
+    assert len(found) == 1, f"{part} belongs to {found or 'no layer'}: add it to LAYERS"
+    return found[0]
+
+
+def _layer_imports(module: str) -> set[str]:
+    """The layers ``module`` imports (deferred and TYPE_CHECKING imports counted); importing the
+    root facade counts as importing every layer ``import gradmerge`` loads."""
+    facade = _facade_layers()
+    out: set[str] = set()
+    for target in _imports(module, deferred=True, typing=True)["gradmerge"]:
+        layer = _layer(target)
+        out |= facade if layer == "facade" and _layer(module) != "facade" else {layer}
+    return out
+
+
+def _facade_layers() -> set[str]:
+    """The layers ``import gradmerge`` loads (the facade's other names load on first access)."""
+    return {_layer(t) for t in _imports("gradmerge", deferred=False)["gradmerge"]} | {"facade"}
+
+
 def test_the_walk_sees_the_package():
     assert {"gradmerge.io.sources", "gradmerge.commands.curvature", "gradmerge.distributed"} <= set(
         MODULES
     )
+    assert "gradmerge.distributed.__main__" in MODULES  # scripts are checked too
     deferred = _imports("gradmerge.commands.curvature", deferred=True)["gradmerge"]
     assert "gradmerge.io.sources" in deferred
+    typing = _imports("gradmerge", deferred=False, typing=True)["gradmerge"]
+    assert (
+        "gradmerge.jobs" in typing
+        and "gradmerge.jobs" not in _imports("gradmerge", False)["gradmerge"]
+    )
+
+
+def test_every_part_belongs_to_one_layer():
+    assert {m: _layer(m) for m in MODULES}  # _layer asserts
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_layers_import_only_what_they_may(layer):
+    offenders = {
+        module: sorted(bad)
+        for module in MODULES
+        if _layer(module) == layer and (bad := _layer_imports(module) - MAY_IMPORT[layer] - {layer})
+    }
+    assert offenders == {}, f"{layer} may import only {sorted(MAY_IMPORT[layer])}"
+
+
+@pytest.mark.parametrize(
+    ("layer", "refused"),
+    [
+        ("core", {"kernels", "io", "jobs", "estimate"}),
+        ("io", {"jobs", "estimate", "commands"}),
+        ("distributed", {"commands"}),
+    ],
+)
+def test_the_rules_of_the_issue_are_among_them(layer, refused):
+    """Issue 20 item 7, stated as in docs/architecture.md: these stay refused."""
+    assert not refused & (MAY_IMPORT[layer] | {layer})
+    if "estimate" in refused:  # the facade imports estimate: importing it is refused too
+        assert "estimate" in _facade_layers() and "facade" not in MAY_IMPORT[layer]
+
+
+def test_the_layer_check_catches_an_offender(monkeypatch, tmp_path):
+    """A core module that imports io, and an io module that imports the facade (hence estimate),
+    are both reported: the check is not vacuous."""
+    bad_core = tmp_path / "bad_core.py"
+    bad_core.write_text("def f():\n    from gradmerge.io import reader\n")
+    bad_io = tmp_path / "bad_io.py"
+    bad_io.write_text("import gradmerge\n")
+    monkeypatch.setitem(MODULES, "gradmerge.merge_extra", bad_core)
+    monkeypatch.setitem(MODULES, "gradmerge.io.extra", bad_io)
+    monkeypatch.setitem(LAYERS, "core", (*LAYERS["core"], "gradmerge.merge_extra"))
+    assert "io" in _layer_imports("gradmerge.merge_extra")
+    assert "estimate" in _layer_imports("gradmerge.io.extra")
+    with pytest.raises(AssertionError, match="core may import only"):
+        test_layers_import_only_what_they_may("core")
+    with pytest.raises(AssertionError, match="io may import only"):
+        test_layers_import_only_what_they_may("io")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ HEAVY = (
     "gradmerge.distributed",
     "gradmerge.io",
     "gradmerge.jobs",
+    "gradmerge.kernels",
     "gradmerge.checkpoints",
     "gradmerge.commands",
     "gradmerge.theory",

@@ -68,3 +68,28 @@ def test_python_OO_m_gradmerge_help():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: gradmerge")
+
+
+def test_python_OO_distributed_commands_help():
+    """The torchrun entry (``-m gradmerge.commands.distributed``) and its subcommands."""
+    probe = (
+        "import contextlib, io, json\n"
+        "from gradmerge.commands import distributed\n"
+        "texts = {}\n"
+        "for argv in ([], ['curvature'], ['merge'], ['remove']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try:\n"
+        "            distributed.main([*argv, '--help'])\n"
+        "        except SystemExit as stop:\n"
+        "            texts[' '.join(argv)] = [stop.code, out.getvalue()]\n"
+        "print(json.dumps(texts))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-OO", "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    texts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(texts) == {"", "curvature", "merge", "remove"}
+    for argv, (code, text) in texts.items():
+        assert code == 0 and text.startswith("usage: torchrun"), argv

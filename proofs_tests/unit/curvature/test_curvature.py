@@ -135,12 +135,14 @@ def test_shifted_diagonal_is_the_eager_sum_in_every_operation(dtype, scale, delt
 
 
 def test_shifted_diagonal_keeps_its_checks():
-    """A negative value, NaN/Inf left unchecked by a lazily read file (``_deferred``), and the
+    """A negative value, NaN/Inf left unchecked by a lazily read file (``unchecked``), and the
     PSD check of the formed values, exactly as the eager sum reports them."""
-    deferred = gm.Diagonal._deferred({"w": torch.tensor([1.0, float("nan")])})
-    lazy = deferred.shifted(2.0, 0.5)
+    from gradmerge.curvature.diagonal import unchecked
+
+    lazy = unchecked({"w": torch.tensor([1.0, float("nan")])}).shifted(2.0, 0.5)
+    base, ft = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
     with pytest.raises(gm.NonFiniteError, match=r"prior\['w'\]"):
-        lazy.verify_finite(name="prior")
+        gm.gradient_matching(base, [ft], [gm.Diagonal({"w": torch.ones(2)})], prior=lazy)
     negative = gm.Diagonal({"w": torch.tensor([1.0, -3.0])}).shifted(1.0, 0.5)
     with pytest.raises(gm.NotPositiveDefiniteError, match="prior is not positive semi-definite"):
         negative.check_psd(name="prior")

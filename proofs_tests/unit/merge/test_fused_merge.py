@@ -1,10 +1,10 @@
-"""The compiled single-loop kernels of Eq. 6 (gradmerge._fused) against the chunked path.
+"""The compiled single-loop kernels of Eq. 6 (gradmerge.kernels.fused) against the chunked path.
 
-With ``gm.fused_kernels("on")`` and the size threshold lowered, `gm.gradient_matching` (and task
-arithmetic / Fisher averaging) take a compiled kernel; with ``"off"`` the chunked pass, itself
+Given ``kernel=Fused("on")`` and the size threshold lowered, `gm.gradient_matching` (and task
+arithmetic / Fisher averaging) take a compiled kernel; without a kernel the chunked pass, itself
 bit-identical to the operator algebra (test_elementwise_merge.py). The two must agree bit for
 bit, give the same errors, and the streaming engine must write the same bytes either way. Both
-backends run on a CPU here: "native" (gradmerge._native, the C loop CPU float32/float64 tensors
+backends run on a CPU here: "native" (gradmerge.kernels.native, the C loop CPU float32/float64 tensors
 take) and "inductor" (torch.compile, what GPUs and other dtypes take; CPU tensors are routed to
 it by making the C loop decline them). Each inductor pattern (which curvatures are tensors)
 compiles once per process (~2 s), so the patterns here are few and fixed; hypothesis varies
@@ -24,8 +24,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge import _fused, _memory, _native
+from gradmerge.curvature.diagonal import unchecked
 from gradmerge.jobs import MergeConfig, run_merge
+from gradmerge.kernels import Fused, select
+from gradmerge.kernels import fused as _fused
+from gradmerge.kernels import memory as _memory
+from gradmerge.kernels import native as _native
 
 # every size above 4096: inductor specialises its loops below that (a second compile)
 SHAPES = {"big": (5003,), "mat": (71, 80)}
@@ -37,6 +41,8 @@ def small_threshold(monkeypatch):
 
 
 BACKENDS = ["native", "inductor"]
+KERNELS = {"on": Fused("on"), "off": None}
+"""The in-memory rules' ``kernel=`` for each mode: the compiled loops, or none (chunked pass)."""
 
 
 @contextmanager
@@ -73,11 +79,7 @@ def _diag(gen, shapes=SHAPES, dtype=torch.float32):
 
 
 def _both(fn):
-    with gm.fused_kernels("on"):
-        fused = fn()
-    with gm.fused_kernels("off"):
-        chunked = fn()
-    return fused, chunked
+    return fn(KERNELS["on"]), fn(KERNELS["off"])
 
 
 PATTERNS = {  # (prior, task curvatures): "delta" a float, "diag" a Diagonal
@@ -109,12 +111,13 @@ def test_compiled_kernel_is_bit_identical_to_the_chunked_path(
     prior = 0.37 if prior_kind == "delta" else _diag(gen, dtype=dtype) + 0.1
     hs = [1.7 if k == "delta" else _diag(gen, dtype=dtype) for k in kinds]
     weights = alphas[: len(kinds)]
-    with backend(name), gm.fused_kernels("on"):
-        fused = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights)
+    with backend(name):
+        fused = gm.gradient_matching(
+            base, fts, hs, prior=prior, alphas=weights, kernel=KERNELS["on"]
+        )
     if _fused._failed:
         pytest.skip(f"no compiled kernel here: {_fused._failed}")
-    with gm.fused_kernels("off"):
-        chunked = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights)
+    chunked = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights)
     for k in base:
         assert fused[k].dtype == dtype
         assert torch.equal(fused[k], chunked[k]), k
@@ -143,15 +146,12 @@ def test_a_shifted_prior_formed_in_the_loop_is_bit_identical(
     c = _diag(gen, dtype=dtype)
     hs = [1.7 if k == "delta" else _diag(gen, dtype=dtype) for k in kinds]
     lazy = c.shifted(*shift)
-    with backend(name), gm.fused_kernels("on"):
-        fused = gm.gradient_matching(base, fts, hs, prior=lazy, alphas=0.8)
+    with backend(name):
+        fused = gm.gradient_matching(base, fts, hs, prior=lazy, alphas=0.8, kernel=KERNELS["on"])
     if _fused._failed:
         pytest.skip(f"no compiled kernel here: {_fused._failed}")
     assert lazy.formed is (name == "inductor")  # the C loop never forms the prior's values
-    with gm.fused_kernels("off"):
-        chunked = gm.gradient_matching(
-            base, fts, hs, prior=c.scaled(shift[0]) + shift[1], alphas=0.8
-        )
+    chunked = gm.gradient_matching(base, fts, hs, prior=c.scaled(shift[0]) + shift[1], alphas=0.8)
     for k in base:
         assert torch.equal(fused[k], chunked[k]), k
 
@@ -173,9 +173,9 @@ def test_a_bad_value_in_a_shifted_prior_is_diagnosed_as_on_the_chunked_path(bad,
     c = _diag(gen)
     c.values["big"][4321] = bad
     for mode in ("on", "off"):
-        prior = gm.Diagonal._deferred(c.values).shifted(0.5, 0.1)  # read lazily, as from a file
-        with gm.fused_kernels(mode), pytest.raises(error, match=message):
-            gm.gradient_matching(base, fts, hs, prior=prior)
+        prior = unchecked(c.values).shifted(0.5, 0.1)  # read lazily, as from a file
+        with pytest.raises(error, match=message):
+            gm.gradient_matching(base, fts, hs, prior=prior, kernel=KERNELS[mode])
 
 
 @pytest.mark.usefixtures("compiled")
@@ -184,8 +184,8 @@ def test_task_arithmetic_and_fisher_averaging_take_the_kernel_bit_identically():
     base, fts = _params(gen), [_params(gen), _params(gen)]
     hs = [_diag(gen), _diag(gen)]
     for fn in (
-        lambda: gm.task_arithmetic(base, fts, alphas=[0.3, 0.9]),
-        lambda: gm.fisher_average(fts, hs, alphas=[0.6, 0.4]),
+        lambda kernel: gm.task_arithmetic(base, fts, alphas=[0.3, 0.9], kernel=kernel),
+        lambda kernel: gm.fisher_average(fts, hs, alphas=[0.6, 0.4], kernel=kernel),
     ):
         fused, chunked = _both(fn)
         assert all(torch.equal(fused[k], chunked[k]) for k in base)
@@ -200,11 +200,8 @@ def test_non_finite_inputs_are_named_as_on_the_chunked_path(where, bad):
     target = {"base": base, "finetuned[1]": fts[1], "curvatures[0]": hs[0].values}[where]
     target["big"][4321] = bad
     for mode in ("on", "off"):
-        with (
-            gm.fused_kernels(mode),
-            pytest.raises(gm.NonFiniteError, match=re.escape(f"{where}['big']")),
-        ):
-            gm.gradient_matching(base, fts, hs, prior=0.1)
+        with pytest.raises(gm.NonFiniteError, match=re.escape(f"{where}['big']")):
+            gm.gradient_matching(base, fts, hs, prior=0.1, kernel=KERNELS[mode])
 
 
 @pytest.mark.usefixtures("compiled")
@@ -221,8 +218,8 @@ def test_negative_curvature_and_singular_systems_give_the_same_errors():
     ]
     for hs, prior, message in cases:
         for mode in ("on", "off"):
-            with gm.fused_kernels(mode), pytest.raises(gm.NotPositiveDefiniteError, match=message):
-                gm.gradient_matching(base, fts, hs, prior=prior)
+            with pytest.raises(gm.NotPositiveDefiniteError, match=message):
+                gm.gradient_matching(base, fts, hs, prior=prior, kernel=KERNELS[mode])
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -240,14 +237,13 @@ def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch, na
         monkeypatch.setattr(_native, "supports", lambda *args: False)
     gen = torch.Generator().manual_seed(4)
     base, fts, hs = _params(gen), [_params(gen)], [_diag(gen)]
-    with gm.fused_kernels("on"), pytest.warns(RuntimeWarning, match="no C.. compiler"):
-        fused = gm.gradient_matching(base, fts, hs, prior=0.5)
-    with gm.fused_kernels("off"):
-        chunked = gm.gradient_matching(base, fts, hs, prior=0.5)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        fused = gm.gradient_matching(base, fts, hs, prior=0.5, kernel=KERNELS["on"])
+    chunked = gm.gradient_matching(base, fts, hs, prior=0.5)
     assert all(torch.equal(fused[k], chunked[k]) for k in base)
-    with gm.fused_kernels("on"), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("error")  # the failure is remembered: no second attempt or warning
-        gm.gradient_matching(base, fts, hs, prior=0.5)
+        gm.gradient_matching(base, fts, hs, prior=0.5, kernel=KERNELS["on"])
 
 
 def test_modes_and_the_auto_threshold(monkeypatch):
@@ -255,22 +251,51 @@ def test_modes_and_the_auto_threshold(monkeypatch):
     monkeypatch.setattr(_fused, "AUTO_MIN_WORK", 3 * big)
     monkeypatch.delenv(_fused.ENV, raising=False)
     assert _fused.mode() == "auto"
-    assert not _fused.wanted([big, big, big - 1])  # the small tensor does not count
-    assert _fused.wanted([big, 2 * big])
+    assert not _fused.wanted([big, big, big - 1], "auto")  # the small tensor does not count
+    assert _fused.wanted([big, 2 * big], "auto")
+    assert _fused.wanted([1], "on") and not _fused.wanted([10 * big], "off")
     with gm.fused_kernels("off"):
-        assert not _fused.wanted([10 * big])
-        with _fused.job([10 * big]):  # a job never overrides an explicit "off"
-            assert _fused.mode() == "off"
-    with _fused.job([big] * 3):  # a large job switches "auto" on for its small calls
-        assert _fused.mode() == "on" and _fused.wanted([big])
+        assert select([10 * big]) is None  # a job never overrides an explicit "off"
+        assert _fused.mode() == "off"
+    large_job = select([big] * 3)  # a large job switches "auto" on for its small calls
+    assert large_job is not None and large_job.mode == "on"
+    small_job = select([big])
+    assert small_job is not None and small_job.mode == "auto"
     assert _fused.mode() == "auto"
     monkeypatch.setenv(_fused.ENV, "OFF")
-    assert _fused.mode() == "off"
+    assert _fused.mode() == "off" and select([10 * big]) is None
     monkeypatch.setenv(_fused.ENV, "fast")
     with pytest.raises(gm.ArgumentError, match=r"\$GRADMERGE_FUSED: expected one of auto, on, off"):
         _fused.mode()
     with pytest.raises(gm.ArgumentError, match="got 'yes'"), gm.fused_kernels("yes"):
         pass
+    with pytest.raises(gm.ArgumentError, match="got 'off'"):
+        Fused("off")
+
+
+def test_the_in_memory_rules_compile_nothing_by_default(monkeypatch):
+    """Without ``kernel=``, whatever the mode: no C loop, no torch.compile, no mapped memory."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a kernel was used without kernel=")
+
+    monkeypatch.setattr(_native, "merge_tensor", refused)
+    monkeypatch.setattr(_fused, "merge_tensor", refused)
+    monkeypatch.setattr(_memory, "empty", refused)
+    gen = torch.Generator().manual_seed(6)
+    base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
+    with gm.fused_kernels("on"):  # the engine's mode: not the in-memory rules'
+        merged = gm.gradient_matching(base, fts, hs, prior=0.5)
+        averaged = gm.fisher_average(fts, hs)
+        gm.task_arithmetic(base, fts)
+    for k, b in base.items():  # Eq. 6 in float64 (δ = 0.5, α = 1), and Fisher averaging
+        b64, h64 = b.double(), [h.values[k].double() for h in hs]
+        num = sum((0.5 + h) * (ft[k].double() - b64) for ft, h in zip(fts, h64, strict=True))
+        torch.testing.assert_close(
+            merged[k].double(), b64 + num / (0.5 + sum(h64)), rtol=1e-5, atol=1e-5
+        )
+        fisher = sum(h * ft[k].double() for ft, h in zip(fts, h64, strict=True)) / sum(h64)
+        torch.testing.assert_close(averaged[k].double(), fisher, rtol=1e-5, atol=1e-5)
 
 
 PRIORS = {  # the config's prior, and the in-memory H_0 it stands for (c: the prior's curvature)
@@ -334,8 +359,7 @@ def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(
             run_merge(config, tmp_path / mode, progress=False)
     on, off = (tmp_path / m / "model.safetensors" for m in ("on", "off"))
     assert on.read_bytes() == off.read_bytes()
-    with gm.fused_kernels("off"):
-        in_memory = gm.gradient_matching(base, fts, hs, prior=h0(c), alphas=0.8)
+    in_memory = gm.gradient_matching(base, fts, hs, prior=h0(c), alphas=0.8)
     assert all(torch.equal(v, in_memory[k]) for k, v in load_file(on).items())
     assert any(m is not None for m in reused) is recycled
 
@@ -386,8 +410,7 @@ def test_compiled_kernel_matches_the_closed_form_of_eq6():
     gen = torch.Generator().manual_seed(6)
     base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
     alphas, delta = [0.7, 1.3], 0.25
-    with gm.fused_kernels("on"):
-        merged = gm.gradient_matching(base, fts, hs, prior=delta, alphas=alphas)
+    merged = gm.gradient_matching(base, fts, hs, prior=delta, alphas=alphas, kernel=KERNELS["on"])
     for k, b in base.items():
         b64 = b.double()
         num = sum(
@@ -407,8 +430,9 @@ def test_auto_takes_the_c_loop_for_cpu_floats_from_its_threshold(monkeypatch):
     assert not _fused.takes(f32, [f64], large_call=False)  # mixed dtypes: the chunked path
     half = f32.to(torch.bfloat16)
     assert not _fused.takes(half, [half], large_call=False)  # other dtypes: inductor, if large
+    assert select([f32.numel()]) is not None  # "auto": the engine takes the C loop
     with gm.fused_kernels("off"):
-        assert not _fused.takes(f32, [f32], large_call=False)
+        assert select([f32.numel()]) is None  # "off": the engine takes no kernel
 
 
 def test_strided_inputs_give_the_chunked_result():
@@ -416,7 +440,9 @@ def test_strided_inputs_give_the_chunked_result():
     base = {"w": torch.randn(80, 71, generator=gen).t()}  # not contiguous
     fts = [{"w": torch.randn(71, 80, generator=gen)}, {"w": torch.randn(71, 80, generator=gen)}]
     hs = [gm.Diagonal({"w": torch.rand(80, 71, generator=gen).t()}), 0.5]
-    fused, chunked = _both(lambda: gm.gradient_matching(base, fts, hs, prior=0.2))
+    fused, chunked = _both(
+        lambda kernel: gm.gradient_matching(base, fts, hs, prior=0.2, kernel=kernel)
+    )
     assert fused["w"].shape == (71, 80)
     assert torch.equal(fused["w"], chunked["w"])
 
@@ -448,7 +474,9 @@ def test_the_c_loop_split_over_threads_gives_the_same_bits(monkeypatch, threads)
     try:
         gen = torch.Generator().manual_seed(8)
         base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), 0.3]
-        fused, chunked = _both(lambda: gm.gradient_matching(base, fts, hs, prior=0.1))
+        fused, chunked = _both(
+            lambda kernel: gm.gradient_matching(base, fts, hs, prior=0.1, kernel=kernel)
+        )
         assert all(torch.equal(fused[k], chunked[k]) for k in base)
         hs[0].values["big"][5002] = -1.0  # in the last part
         h = [0.1, hs[0].values["big"], 0.3]

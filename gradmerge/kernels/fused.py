@@ -7,9 +7,9 @@ certifies the result: no NaN/Inf, H̄ positive, every h ≥ 0 (otherwise the cal
 tensor on the chunked path, whose exact checks name the culprit). Two backends build it, for
 each *pattern* (the number of tasks T and which of H_0, H_1..H_T are tensors rather than δ·I):
 
-- float32/float64 tensors on a CPU: :mod:`gradmerge._native`, a C loop built by the system C
+- float32/float64 tensors on a CPU: :mod:`gradmerge.kernels.native`, a C loop built by the system C
   compiler once per machine (cached on disk; far cheaper than ``torch.compile``), for every
-  tensor of :data:`gradmerge._native.MIN_NUMEL` elements or more;
+  tensor of :data:`gradmerge.kernels.native.MIN_NUMEL` elements or more;
 - other devices (Triton on a GPU) and dtypes: ``torch.compile`` (inductor) of a generated
   Python function of the whole tensor, which writes NaN wherever H̄ ≤ 0 or some h < 0 and
   returns the sum of the result (a finite sum certifies the tensor). Compiling costs seconds
@@ -20,11 +20,13 @@ The operations are those of the chunked path in the same order (``(H_0 + α_1 H_
 ``α_t (H_0 τ_t + H_t τ_t)`` added in turn, ``rhs / H̄``, ``θ_LLM + …``), each rounded once, so
 the result is bit-identical to it (and to the operator algebra) on a CPU; tested.
 
-When (``GRADMERGE_FUSED`` / :func:`fused_kernels`):
+Who takes them: a merge given ``kernel=Fused(mode)`` (the in-memory rules take none unless
+given one), and the streaming engine, which picks its kernel with :func:`select` from the mode in
+force (``$GRADMERGE_FUSED``, or :func:`fused_kernels` around the run):
 
 - ``"off"``: never;
 - ``"on"``: every tensor of :data:`MIN_NUMEL` elements or more (the C loop: of
-  :data:`gradmerge._native.MIN_NUMEL` or more);
+  :data:`gradmerge.kernels.native.MIN_NUMEL` or more);
 - ``"auto"`` (default): the C loop as in ``"on"``; ``torch.compile`` only in calls (and
   streamed jobs) whose tensors of :data:`MIN_NUMEL` or more hold :data:`AUTO_MIN_WORK`
   elements in all, where its compile pays off (the measured break-even is in
@@ -47,8 +49,9 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gradmerge import _memory, _native
+from gradmerge._elementwise import Affine, H, tensors
 from gradmerge.errors import ArgumentError
+from gradmerge.kernels import memory, native
 
 MIN_NUMEL = 1 << 22
 """Tensors from this many elements on are merged by a compiled kernel (16 MiB in float32)."""
@@ -74,16 +77,19 @@ def mode() -> str:
 
 @contextmanager
 def fused_kernels(mode: str) -> Iterator[None]:
-    """Choose, within the block, when diagonal merges use compiled single-loop kernels.
+    """Choose, within the block, when streamed merges (``gm.run_merge``, ``gradmerge merge``)
+    use compiled single-loop kernels: the mode :func:`select` reads.
 
-    ``"on"``, ``"off"`` or ``"auto"`` (module docstring). Results are the same either way.
+    ``"on"``, ``"off"`` or ``"auto"`` (module docstring). Results are the same either way. An
+    in-memory rule takes a kernel only as its ``kernel=`` argument (e.g. ``select()``).
 
     Example:
-        >>> import torch, gradmerge as gm
-        >>> base, ft = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
-        >>> with gm.fused_kernels("off"):
-        ...     gm.task_arithmetic(base, [ft])
-        {'w': tensor([1., 1., 1.])}
+        >>> with fused_kernels("off"):
+        ...     select() is None
+        True
+        >>> with fused_kernels("on"):
+        ...     select()
+        Fused('on')
     """
     token = _mode.set(_checked(mode, source="fused_kernels"))
     try:
@@ -92,57 +98,96 @@ def fused_kernels(mode: str) -> Iterator[None]:
         _mode.reset(token)
 
 
-@contextmanager
-def job(numels: Iterable[int]) -> Iterator[None]:
-    """For a streamed job of tensors with these sizes: ``"auto"`` becomes ``"on"`` when the
-    whole job is large enough, though each of its calls (one unit) would not be."""
-    if mode() == "auto" and _work(numels) >= AUTO_MIN_WORK:
-        with fused_kernels("on"):
-            yield
-    else:
-        yield
-
-
-def wanted(numels: Iterable[int]) -> bool:
-    """Whether a call on tensors of these sizes uses compiled kernels (for its large tensors)."""
-    current = mode()
-    return current == "on" or (current == "auto" and _work(numels) >= AUTO_MIN_WORK)
+def wanted(numels: Iterable[int], mode: str) -> bool:
+    """Whether a call on tensors of these sizes, in ``mode``, uses compiled kernels for its
+    large tensors (``"auto"``: when they hold :data:`AUTO_MIN_WORK` elements in all)."""
+    return mode == "on" or (mode == "auto" and _work(numels) >= AUTO_MIN_WORK)
 
 
 def takes(base: Tensor, others: Sequence[Tensor], large_call: bool) -> bool:
     """Whether a compiled loop merges the tensor ``base`` (``others``: the θ_t and tensor h_t
     at its key; ``large_call``: :func:`wanted` for the whole call)."""
-    if _native.supports(base, others):
-        return mode() != "off" and base.numel() >= _native.MIN_NUMEL and "native" not in _failed
+    if native.supports(base, others):
+        return base.numel() >= native.MIN_NUMEL and "native" not in _failed
     return large_call and base.numel() >= MIN_NUMEL
+
+
+class Fused:
+    """The compiled kernels as a :class:`gradmerge._elementwise.Kernel`: give it to a merge
+    (``kernel=``) to take them there.
+
+    ``mode``: ``"on"`` (every tensor large enough, module docstring) or ``"auto"`` (the C loop
+    as in ``"on"``; ``torch.compile`` only in calls whose large tensors hold
+    :data:`AUTO_MIN_WORK` elements). Results are the same as without it, bit for bit.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> base, ft = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
+        >>> gm.task_arithmetic(base, [ft], kernel=Fused("on"))
+        {'w': tensor([1., 1., 1.])}
+    """
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in ("auto", "on"):
+            raise ArgumentError(
+                f"Fused(mode) takes 'auto' or 'on', got {mode!r} (for no kernel pass kernel=None)"
+            )
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        return f"Fused({self.mode!r})"
+
+    def for_call(self, numels: Sequence[int]) -> Callable[..., Tensor | None]:
+        """The per-tensor evaluator of a call on tensors of these sizes."""
+        large_call = wanted(numels, self.mode)
+
+        def merge(
+            base: Tensor, finetuned: Sequence[Tensor], alphas: Sequence[float], h: Sequence[H]
+        ) -> Tensor | None:
+            if not takes(base, [*finetuned, *tensors(h)], large_call):
+                return None
+            return merge_tensor(base, finetuned, alphas, h)
+
+        return merge
+
+
+def select(numels: Iterable[int] = ()) -> Fused | None:
+    """The kernel a streamed job takes, from the mode in force (:func:`mode`): none when
+    ``"off"``; ``Fused("on")`` when ``"on"``, or when ``"auto"`` and the whole job (tensors of
+    these sizes) is large enough that compiling pays off though each of its calls (one unit)
+    would not be; else ``Fused("auto")``."""
+    current = mode()
+    if current == "off":
+        return None
+    return Fused("on" if wanted(numels, current) else "auto")
 
 
 def merge_tensor(
     base: Tensor,
     finetuned: Sequence[Tensor],
     alphas: Sequence[float],
-    h: Sequence[_native.H],
+    h: Sequence[H],
 ) -> Tensor | None:
     """Eq. 6 for one tensor by a compiled kernel, or ``None``: no kernel for this device, or the
     result is not certified (then the caller's chunked path decides what is wrong). An
-    :class:`~gradmerge._native.Affine` h is formed in the C loop; ``torch.compile``'s kernel
+    :class:`~gradmerge._elementwise.Affine` h is formed in the C loop; ``torch.compile``'s kernel
     takes it formed (``form()``)."""
-    if _native.supports(base, [*finetuned, *_native.tensors(h)]):
+    if native.supports(base, [*finetuned, *tensors(h)]):
         if "native" in _failed:
             return None
         try:
-            return _native.merge_tensor(base, finetuned, alphas, h)
+            return native.merge_tensor(base, finetuned, alphas, h)
         except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
             _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
             return None
-    formed = [x.form() if isinstance(x, _native.Affine) else x for x in h]
+    formed = [x.form() if isinstance(x, Affine) else x for x in h]
     pattern = tuple(isinstance(x, Tensor) for x in formed)
     if not any(pattern) and _scalar_denominator(alphas, formed) <= 0:
         return None  # H̄ = c·I with c ≤ 0: the chunked path raises
     key = (pattern, base.dtype, base.device.type)
     if key in _failed:
         return None
-    out = _memory.empty(base.shape, like=base)
+    out = memory.empty(base.shape, like=base)
     flat = [x.reshape(-1) if isinstance(x, Tensor) else float(x) for x in formed]
     args = [out.reshape(-1), base.reshape(-1), *(f.reshape(-1) for f in finetuned), *flat]
     try:
@@ -212,6 +257,6 @@ def _kernel(pattern: tuple[bool, ...]) -> Callable[..., Tensor]:
     source = f"def {name}({', '.join(['out', 'b', *thetas, *hs, *alphas])}):\n"
     source += "".join(f"    {line}\n" for line in lines)
     namespace: dict[str, object] = {"torch": torch}
-    exec(compile(source, f"<gradmerge._fused {name}>", "exec"), namespace)
+    exec(compile(source, f"<gradmerge.kernels.fused {name}>", "exec"), namespace)
     function = cast(Callable[..., Tensor], namespace[name])
     return torch.compile(function, dynamic=True, fullgraph=True)

@@ -1,6 +1,6 @@
 """Eq. 6 for elementwise curvatures as one C loop, built by the system C compiler and cached.
 
-The CPU backend of :mod:`gradmerge._fused`: for float32 and float64 tensors on a CPU it writes,
+The CPU backend of :mod:`gradmerge.kernels.fused`: for float32 and float64 tensors on a CPU it writes,
 for each *pattern* (the number of tasks T and whether each of H_0, H_1..H_T is δ·I, a tensor h_i,
 or an :class:`Affine` tensor c_i·s_i + δ_i formed in the loop), a C function whose loop reads
 θ_LLM, every θ_t and h_t (or c_t) once and writes θ once,
@@ -48,12 +48,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from gradmerge import _memory
+from gradmerge._elementwise import Affine, H, tensors
+from gradmerge.kernels import memory
 
 MIN_NUMEL = 1 << 12
 """Tensors from this many elements on take the C loop (below, the call costs more than it saves)."""
@@ -67,32 +67,9 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c1
 CACHE_ENV = "GRADMERGE_CACHE_DIR"
 
 
-class Affine(NamedTuple):
-    """A curvature's values formed elementwise inside the loop: h = (c·scale) + delta, each
-    operation rounded to c's type, as ``Diagonal.scaled(scale) + delta`` rounds it.
-
-    ``form`` returns h as the operator algebra forms it (the tensor), for every path that does
-    not take the C loop (the chunked pass, its diagnosis, other devices).
-    """
-
-    values: Tensor
-    scale: float
-    delta: float
-    form: Callable[[], Tensor]
-
-
-H = float | Tensor | Affine
-"""One curvature at one tensor: δ (δ·I), the tensor h, or an :class:`Affine` h."""
-
-
 def kind(h: H) -> str:
     """A curvature's letter in a pattern: ``d`` (δ·I), ``h`` (a tensor), ``a`` (an Affine)."""
     return "a" if isinstance(h, Affine) else "h" if isinstance(h, Tensor) else "d"
-
-
-def tensors(h: Sequence[H]) -> list[Tensor]:
-    """The tensors the loop reads for ``h`` (an Affine's ``values``)."""
-    return [x.values if isinstance(x, Affine) else x for x in h if isinstance(x, (Tensor, Affine))]
 
 
 def supports(base: Tensor, others: Sequence[Tensor]) -> bool:
@@ -118,7 +95,7 @@ def merge_tensor(
     if scalar_den is not None and scalar_den <= 0:
         return None  # H̄ = c·I with c ≤ 0: the chunked path raises
     function = _function(pattern, DTYPES[base.dtype])
-    out = _memory.empty(base.shape, like=base)
+    out = memory.empty(base.shape, like=base)
     flat = [x.reshape(-1).contiguous() for x in [out, base, *finetuned, *tensors(h)]]
     array = (ctypes.c_double * len(consts))(*consts)
     n, size = base.numel(), base.element_size()

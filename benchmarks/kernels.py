@@ -1,0 +1,214 @@
+"""Does the generated C loop earn its place? End-to-end streamed diagonal merges, C loop against
+``torch.compile``, interleaved.
+
+Issue 20 item 4: the fast diagonal path of the streaming engine (``gradmerge.kernels``) builds a C
+loop with the system compiler (``gradmerge.kernels.native``) for CPU float32/float64 tensors, and
+uses ``torch.compile`` (inductor) everywhere else. If ``torch.compile`` comes within 10% end to
+end, the maintained JIT should be preferred and the generator deleted. Two variants of the same
+``gradmerge merge CONFIG OUT`` command, each a fresh process (start-up, loading or compiling the
+kernels, reading, merging and writing all counted), alternated ``--repeats`` times so that the
+machine's load weighs on both alike:
+
+- ``c_loop``: the default (``$GRADMERGE_FUSED`` unset: the C loop takes every CPU float tensor of
+  4096 elements or more; its shared library is cached on disk, built before the timed runs);
+- ``torch_compile``: the C loop declines every tensor and ``torch.compile`` takes the same tensors
+  (its size threshold lowered to the C loop's, mode ``on``; inductor's on-disk caches warm from a
+  run before the timed ones).
+
+Workloads (float32 safetensors in the page cache, Eq. 6 with diagonal curvatures, T = 2, prior
+δ = 1e-3, and task arithmetic for GPT-2):
+
+- ``gpt2``: GPT-2-124M (random weights from ``transformers.GPT2Config()``), as in
+  ``benchmarks/merge.py``'s ``cli`` section;
+- ``llama7b_blocks``: tensors of Llama-7B's shapes (hidden 4096, MLP 11008: q/k/v/o 4096×4096,
+  gate/up 11008×4096, down 4096×11008, two RMSNorm weights) for ``--blocks`` decoder blocks — the
+  full 32 blocks (27 GB per file) do not fit this machine's disk five times over.
+
+Both variants' outputs are compared byte for byte. Results go to
+``benchmarks/results/kernels-cpu.json`` with the command line and ``os.getloadavg()`` before and
+after each run.
+
+    python benchmarks/kernels.py --repeats 5 --blocks 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge import build_gpt2, machine, run_measured
+
+import gradmerge as gm
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+PRELUDE = {
+    "c_loop": "",
+    "torch_compile": (
+        "from gradmerge.kernels import fused, native\n"
+        "native.supports = lambda *args: False\n"
+        "fused.MIN_NUMEL = native.MIN_NUMEL\n"
+        "import os; os.environ['GRADMERGE_FUSED'] = 'on'\n"
+    ),
+}
+"""Code run before the command in each variant's process."""
+
+
+def command(variant: str, config: Path, out: Path) -> list[str]:
+    code = (
+        "import sys\n" + PRELUDE[variant] + "from gradmerge.cli import main\n"
+        f"sys.exit(main(['merge', {str(config)!r}, {str(out)!r}, '--no-progress']))\n"
+    )
+    return [sys.executable, "-c", code]
+
+
+def llama_blocks(folder: Path, blocks: int, tasks: int = 2) -> dict[str, Any]:
+    """Base, ``tasks`` fine-tunes and their diagonal curvatures with Llama-7B's tensor shapes."""
+    hidden, mlp = 4096, 11008
+    shapes: dict[str, tuple[int, ...]] = {}
+    for b in range(blocks):
+        p = f"model.layers.{b}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"{p}self_attn.{name}.weight"] = (hidden, hidden)
+        shapes[f"{p}mlp.gate_proj.weight"] = (mlp, hidden)
+        shapes[f"{p}mlp.up_proj.weight"] = (mlp, hidden)
+        shapes[f"{p}mlp.down_proj.weight"] = (hidden, mlp)
+        shapes[f"{p}input_layernorm.weight"] = (hidden,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
+    g = torch.Generator().manual_seed(0)
+    base = {k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}
+    save_file(base, str(folder / "base.safetensors"))
+    paths: dict[str, Any] = {"base": folder / "base.safetensors", "models": [], "curvatures": []}
+    for t in range(tasks):
+        ft = {k: v + 0.001 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+        save_file(ft, str(folder / f"ft{t}.safetensors"))
+        del ft
+        h = {k: torch.rand(s, generator=g) for k, s in shapes.items()}
+        paths["models"].append(folder / f"ft{t}.safetensors")
+        paths["curvatures"].append(gm.Diagonal(h).save(folder / f"ft{t}.curvature.safetensors"))
+        del h
+    paths["parameters"] = sum(v.numel() for v in base.values())
+    return paths
+
+
+def config(folder: Path, paths: dict[str, Any], method: str) -> Path:
+    spec: dict[str, Any] = {"method": method, "base_model": str(paths["base"])}
+    if method == "task_arithmetic":
+        spec["models"] = [{"model": str(m)} for m in paths["models"]]
+    else:
+        spec["models"] = [
+            {"model": str(m), "curvature": str(c)}
+            for m, c in zip(paths["models"], paths["curvatures"], strict=True)
+        ]
+        spec["prior"] = {"delta": 1e-3}
+    path = folder / f"{method}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def compare(
+    name: str, config_path: Path, folder: Path, repeats: int, parameters: int
+) -> dict[str, Any]:
+    """The two variants alternated; one untimed run of each first (warm caches)."""
+    walls: dict[str, list[float]] = {v: [] for v in PRELUDE}
+    loads: list[tuple[float, float]] = []
+    outputs: dict[str, Path] = {}
+    for i in range(repeats + 1):
+        for variant in PRELUDE:
+            out = folder / f"out-{variant}-{i}"
+            before = os.getloadavg()[0]
+            r = run_measured(command(variant, config_path, out))
+            loads.append((before, os.getloadavg()[0]))
+            if r["returncode"]:
+                raise RuntimeError(f"{name} {variant} failed: {r.get('error')}")
+            if i == 0:
+                outputs[variant] = out  # the warm-up run's output is kept for the comparison
+            else:
+                walls[variant].append(r["wall_seconds"])
+                shutil.rmtree(out)
+            print(f"  {name} {variant:14s} round {i}: {r['wall_seconds']:.2f} s", flush=True)
+    same = all(
+        (outputs["c_loop"] / f.name).read_bytes() == f.read_bytes()
+        for f in sorted(outputs["torch_compile"].glob("*.safetensors"))
+    )
+    for out in outputs.values():
+        shutil.rmtree(out)
+    med = {v: statistics.median(w) for v, w in walls.items()}
+    ratios = [t / c for t, c in zip(walls["torch_compile"], walls["c_loop"], strict=True)]
+    result = {
+        "parameters": parameters,
+        "repeats": repeats,
+        "wall_seconds": walls,
+        "median_wall_seconds": med,
+        "torch_compile_over_c_loop_median": med["torch_compile"] / med["c_loop"],
+        "torch_compile_over_c_loop_per_round": ratios,
+        "outputs_identical": same,
+        "load_average_1min_before_after": loads,
+    }
+    print(
+        f"  {name}: C loop {med['c_loop']:.2f} s, torch.compile {med['torch_compile']:.2f} s "
+        f"(median ratio {result['torch_compile_over_c_loop_median']:.3f}; per round "
+        f"{', '.join(f'{x:.2f}' for x in ratios)}); identical outputs: {same}",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=1, help="Llama-7B decoder blocks")
+    parser.add_argument("--workloads", nargs="+", default=["gpt2", "llama7b_blocks"])
+    parser.add_argument("--out", type=Path, default=RESULTS / "kernels-cpu.json")
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workloads": {},
+    }
+    with tempfile.TemporaryDirectory(dir=os.environ.get("GRADMERGE_BENCH_DIR")) as tmp:
+        root = Path(tmp)
+        if "gpt2" in args.workloads:
+            folder = root / "gpt2"
+            folder.mkdir()
+            paths = build_gpt2(folder)
+            for method in ("gradient_matching", "task_arithmetic"):
+                name = f"gpt2-124m {method}"
+                report["workloads"][name] = compare(
+                    name, config(folder, paths, method), folder, args.repeats, paths["parameters"]
+                )
+            shutil.rmtree(folder)
+        if "llama7b_blocks" in args.workloads:
+            folder = root / "llama"
+            folder.mkdir()
+            paths = llama_blocks(folder, args.blocks)
+            name = f"llama-7b shapes, {args.blocks} block(s), gradient_matching"
+            report["workloads"][name] = compare(
+                name,
+                config(folder, paths, "gradient_matching"),
+                folder,
+                args.repeats,
+                paths["parameters"],
+            )
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
