@@ -670,6 +670,8 @@ class Merges:
                     "method": "gradient_matching",
                     "models": self.models_of("a", structure),
                     "prior": official_prior | {"curvature": str(study.base_curv[structure])},
+                    # δ = 1e-12 leaves K-FAC's H̄ at the edge of positive definiteness
+                    **({"compute_dtype": "float64"} if structure == "kfac" else {}),
                 },
                 "a",
             )
@@ -801,8 +803,13 @@ class Merges:
         study.stage("label-free α (gradmerge tune)", start)
         # gradient matching and the other baselines
         start = time.perf_counter()
+        failed: dict[str, str] = {}
         for name, (config, recipe) in self.gm_merges().items():
-            self.merge(name, config, recipe=recipe)
+            try:
+                self.merge(name, config, recipe=recipe)
+            except RuntimeError as err:  # e.g. a K-FAC H̄ not positive definite: recorded
+                failed[name] = str(err).splitlines()[-1][-700:]
+                print(f"    {name}: FAILED {failed[name]}", flush=True)
         for name, (config, recipe) in self.mergekit_merges(chosen["a"]["chosen α"]).items():
             self.merge(name, config, recipe=recipe, tool="mergekit")
         aliases = {}  # a label-free row whose α is that of another row: the same model
@@ -854,6 +861,8 @@ class Merges:
                 facts |= parity
             facts |= self.label_free_facts.get(name, {})
             rows.append(row(name, test[name], kind=kind, **facts))
+        for name, error in failed.items():
+            rows.append({"method": name, "kind": "merge", "failed": error})
         for name, same in aliases.items():
             facts = self.merged[same][1] | self.label_free_facts[name] | {"same model as": same}
             rows.append(row(name, test[same], kind="label-free", **facts))
@@ -930,14 +939,16 @@ class Merges:
             official = base.double() + update / hbar
             diff = (official - merged[k].double()).abs()
             worst = max(worst, float(diff.max()))
-            scale = torch.maximum(official.abs(), base.double().abs()).clamp_min(1e-30)
+            scale = official.abs() + base.double().abs()  # float32's rounding of the terms
+            scale = scale + sum((thetas[t][k].double() - base.double()).abs() for t in self.tasks)
+            scale = scale.clamp_min(1e-30)
             ulps = max(ulps, float((diff / (eps * scale)).max()))
             num += float(diff.square().sum())
             den += float((official - base.double()).square().sum())
         return {
             "parity: max |official − gradmerge|": worst,
             "parity: ‖official − gradmerge‖ / ‖official − θ_0‖": math.sqrt(num / den),
-            "parity: max |official − gradmerge| / (float32 eps · max(|official|, |θ_0|))": ulps,
+            "parity: max |official − gradmerge| / (float32 eps · (|official| + |θ_0| + Σ_t |θ_t − θ_0|))": ulps,
         }
 
 
@@ -1000,7 +1011,7 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
             rows = {r["method"].split(" α=")[0]: r for r in s["rows"]}
             ta = next(r for r in s["rows"] if r["method"].startswith(f"task arithmetic ({recipe})"))
             gm_row = rows.get(method)
-            if gm_row is None:
+            if gm_row is None or "failed" in gm_row:
                 continue
             per_seed.append(
                 {t: (gm_row["correct"][t], ta["correct"][t]) for t in gm_row["correct"]}
@@ -1009,6 +1020,8 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
         entry["per seed"] = [
             paired_bootstrap([p], resamples, seed=i) for i, p in enumerate(per_seed)
         ]
+        if not per_seed:
+            continue
         entry["pooled"] = paired_bootstrap(per_seed, resamples, seed=99)
         out.append(entry)
     return out
@@ -1022,7 +1035,11 @@ def summarise(seeds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             key = r["method"].split(" α=")[0]
             groups.setdefault(key, []).append(r)
     out = []
-    for method, rows in groups.items():
+    for method, every in groups.items():
+        rows = [r for r in every if "failed" not in r]
+        if not rows:
+            out.append({"method": method, "seeds": 0, "failed": [r["failed"] for r in every]})
+            continue
         tasks = list(rows[0]["accuracy"])
         entry: dict[str, Any] = {"method": method, "seeds": len(rows), "n": rows[0]["n"]}
         for t in tasks:
@@ -1037,12 +1054,15 @@ def summarise(seeds: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(summary: list[dict[str, Any]], tasks: list[str]) -> str:
-    n = summary[0]["n"] if summary else {}
+    n = next((e["n"] for e in summary if "n" in e), {})
     head = f"{'method':<46s}" + "".join(
         f"{t + ' (n=' + str(n.get(t, '?')) + ')':>20s}" for t in tasks
     )
     lines = ["Test accuracy, mean ± std over seeds", "", head + f"{'mean':>16s}"]
     for e in summary:
+        if not e["seeds"]:
+            lines.append(f"{e['method']:<46s}  FAILED: {e['failed'][0][:160]}")
+            continue
         cells = "".join(
             f"{e['accuracy'][t]['mean']:13.3f} ± {e['accuracy'][t]['std']:.3f}"
             for t in [*tasks, "mean"]
@@ -1054,7 +1074,7 @@ def table(summary: list[dict[str, Any]], tasks: list[str]) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
-    summary = report["summary"]
+    summary = [e for e in report["summary"] if e["seeds"]]
     tasks = report["tasks"]
     fig = Figure(figsize=(12, 5.2), layout="constrained")
     ax, bx = fig.subplots(1, 2, width_ratios=[2.2, 1])
@@ -1170,6 +1190,10 @@ def combine(paths: list[Path], out: Path, stem: str) -> Path:
         ]
     }
     base = next((q["base"] for q in parts if "base-task test accuracy" in q["base"]), first["base"])
+    scored = Path(first["config"]["work"]) / "base-eval.json"  # the base run's evaluate output
+    if "base-task test accuracy" not in base and scored.exists():
+        (row,) = json.loads(scored.read_text())["models"]
+        base = base | {"base-task test accuracy": row["accuracy"], "n": row["examples"]}
     report = report_of(seeds, base, first["tasks"], first["config"], extra)
     report["config"]["seeds"] = [s["seed"] for s in seeds]
     path = write(report, out, stem)
