@@ -77,6 +77,9 @@ Encoded = list[tuple[list[int], int]]
 HEAD = ("classifier.weight", "classifier.bias")
 OFFICIAL_DELTA = 1e-12
 OFFICIAL = "official script (a) via convert-curvature"
+KFAC_DELTA = 1e-6
+"""δ of the official K-FAC variant: with the official 1e-12, K-FAC's H̄ is not positive definite
+(an eigenvalue of about −5e-7 in the factors' eigenbasis; gradmerge merge suggests 1e-6)."""
 
 
 # ----- data ---------------------------------------------------------------------------------------
@@ -675,6 +678,16 @@ class Merges:
                 },
                 "a",
             )
+            if structure == "kfac":  # δ = 1e-12 fails there (recorded): the least δ that works
+                out[f"grad. matching (a) official but δ={KFAC_DELTA:g}, kfac"] = (
+                    {
+                        "method": "gradient_matching",
+                        "models": self.models_of("a", structure),
+                        "prior": official_prior
+                        | {"delta": KFAC_DELTA, "curvature": str(study.base_curv[structure])},
+                    },
+                    "a",
+                )
             out[f"grad. matching (b) H_0=δI, {structure}"] = (
                 {
                     "method": "gradient_matching",
