@@ -16,8 +16,10 @@ gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from gradmerge.commands import (
     convert_curvature,
@@ -71,10 +73,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:
             check(parser, args)
-        return int(args.run(args))
+        with one_line_warnings():
+            return int(args.run(args))
     except MissingExtraError as err:  # an optional feature without its extra installed
         print(f"gradmerge {args.command}: error: {err}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While the block runs, an :class:`~gradmerge.errors.InputWarning` is printed as one line,
+    ``gradmerge: warning: MESSAGE``, without the file, line and Python source that Python's
+    format adds (they name gradmerge's code, not the user's input). Other warnings, and the
+    filters (``warnings.simplefilter("ignore", gm.InputWarning)``), are unchanged."""
+    from gradmerge.errors import InputWarning
+
+    default = warnings.formatwarning
+
+    def one_line(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        line: str | None = None,
+    ) -> str:
+        if issubclass(category, InputWarning):
+            return f"gradmerge: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = default
 
 
 if __name__ == "__main__":

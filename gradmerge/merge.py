@@ -21,6 +21,12 @@ inputs; they are implemented as exactly that, so every method shares one code pa
 The functions are pure: parameter dicts and curvatures in, a new parameter dict out; no I/O, no
 device moves. Inputs are validated (keys, shapes, dtypes, devices, finiteness, PSD curvatures);
 errors are typed (:mod:`gradmerge.errors`).
+
+The rules that solve a system (:func:`gradient_matching`, :func:`remove`,
+:func:`influence_remove`) take the solver settings explicitly (``solver=``, a
+:class:`gradmerge.SolverSpec`) and, with ``return_solution=True``, return ``(params, Solution)``:
+the solve's report (method, iterations, certified residual per block) travels with the result,
+not through any global state.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast, overload
 
 import torch
 from torch import Tensor
@@ -42,7 +48,8 @@ from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
 from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Params
-from gradmerge.solvers import solution
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 CurvatureLike = Curvature | float
 """A curvature operator, or a float δ meaning δ·I."""
@@ -369,6 +376,30 @@ def _off_diagonal_scaled(gram: Tensor, r: float) -> Tensor:
     return scaled
 
 
+@overload
+def gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[CurvatureLike],
+    *,
+    prior: CurvatureLike,
+    alphas: float | Sequence[float] = ...,
+    kernel: Kernel | None = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[False] = ...,
+) -> dict[str, Tensor]: ...
+@overload
+def gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[CurvatureLike],
+    *,
+    prior: CurvatureLike,
+    alphas: float | Sequence[float] = ...,
+    kernel: Kernel | None = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[True],
+) -> tuple[dict[str, Tensor], Solution]: ...
 def gradient_matching(
     base: Params,
     finetuned: Sequence[Params],
@@ -377,7 +408,9 @@ def gradient_matching(
     prior: CurvatureLike,
     alphas: float | Sequence[float] = 1.0,
     kernel: Kernel | None = None,
-) -> dict[str, Tensor]:
+    solver: SolverSpec | None = None,
+    return_solution: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
     r"""The uncertainty-based gradient-matching merge (Eq. 6).
 
     .. math::
@@ -399,9 +432,17 @@ def gradient_matching(
             merge to use for the tensors it takes (:class:`gradmerge.kernels.Fused`: one
             compiled loop per tensor, bit-identical); ``None`` (default): the chunked torch
             pass of :mod:`gradmerge._elementwise`, which compiles nothing.
+        solver: how H̄⁻¹ is applied where it is iterative (K-FAC, sums, matrix-free):
+            :class:`gradmerge.SolverSpec`; ``None``: each operator's defaults. With
+            ``warm_start``, K-FAC layers may start from the task-arithmetic solution Σ_t α_t τ_t.
+        return_solution: also return the solve's report.
 
     Returns:
-        The merged parameters, a new dict with the keys of ``base``.
+        The merged parameters, a new dict with the keys of ``base``; with ``return_solution``,
+        ``(merged, solution)``, ``solution`` the :class:`gradmerge.Solution` of H̄ x = rhs
+        (per K-FAC layer: method, iterations, certified residual). The fused elementwise path
+        (diagonal and δ·I curvatures) solves exactly in the same pass as the merge: its report
+        has the method only and an empty ``value``.
 
     Raises:
         StructureError, DTypeError, DeviceError, NonFiniteError: inputs that do not fit together.
@@ -439,7 +480,7 @@ def gradient_matching(
                 P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
             prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
             precisions = [h.coarsest_dtype for h in (h0, *hs)]
-            return _elementwise.merge(
+            merged = _elementwise.merge(
                 base,
                 finetuned,
                 weights,
@@ -449,7 +490,10 @@ def gradient_matching(
                 precisions=precisions,
                 kernel=kernel,
             )
-        return _generic_merge(base, finetuned, weights, h0, hs, names)
+            report = Solution({}, "exact (elementwise, fused with the merge)")
+        else:
+            merged, report = _generic_merge(base, finetuned, weights, h0, hs, names, solver)
+    return (merged, report) if return_solution else merged
 
 
 def _generic_merge(
@@ -459,7 +503,8 @@ def _generic_merge(
     h0: Curvature,
     hs: Sequence[Curvature],
     names: Sequence[str],
-) -> dict[str, Tensor]:
+    solver: SolverSpec | None,
+) -> tuple[dict[str, Tensor], Solution]:
     """Eq. 6 through the operator algebra (any structure); inputs checked here."""
     P.check_finite(base, name="base")
     task_vectors = [
@@ -475,11 +520,41 @@ def _generic_merge(
         # α_t times the term, then added (two roundings, not the fused y + α·x of P.axpy): the
         # elementwise paths (_elementwise, _fused) round the same way, so all agree bit for bit
         rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
-    merged = P.add(base, _solve(merged_precision, rhs))  # Eq. 6
+    guess = None  # the task-arithmetic solution Σ_t α_t τ_t, where a warm start may use it
+    if solver is None or solver.warm_start:
+        guess = P.zeros_like(base)
+        for alpha, tau in zip(weights, task_vectors, strict=True):
+            guess = P.axpy(alpha, tau, guess)
+    x, report = _solve(merged_precision, rhs, solver, guess)
+    merged = P.add(base, x)  # Eq. 6
     P.check_result_finite(merged, what="merged", alphas=weights)
-    return merged
+    return merged, report
 
 
+@overload
+def remove(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    *,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[False] = ...,
+) -> dict[str, Tensor]: ...
+@overload
+def remove(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    *,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[True],
+) -> tuple[dict[str, Tensor], Solution]: ...
 def remove(
     base: Params,
     finetuned: Params,
@@ -488,7 +563,9 @@ def remove(
     remaining: CurvatureLike,
     prior: CurvatureLike,
     alpha: float = 1.0,
-) -> dict[str, Tensor]:
+    solver: SolverSpec | None = None,
+    return_solution: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
     r"""Remove data (or a task) D_t from a model by gradient matching (Eq. 13).
 
     .. math::
@@ -508,6 +585,8 @@ def remove(
             INCLUDING the base model's own regulariser δ·I (``C_remaining + delta``).
         prior: H_0 used when fine-tuning θ_t.
         alpha: α_t.
+        solver: how H̄_\t⁻¹ is applied where it is iterative (:class:`gradmerge.SolverSpec`).
+        return_solution: return ``(removed, solution)``, the solve's report with the result.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -519,17 +598,17 @@ def remove(
     base, finetuned = P.detached(base), P.detached(finetuned)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     fast = _remove_elementwise(base, finetuned, curvature, remaining, prior, weight)
-    if fast is not None:
-        return fast
+    if fast is not None:  # an elementwise division: exact, nothing to measure
+        return (fast, Solution(fast, "exact (diagonal)")) if return_solution else fast
     P.check_params(base, name="base")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")
     ht = _curvature(curvature, base, name="curvature")
     rest = _curvature(remaining, base, name="remaining")
-    correction = _solve(rest, P.add(h0.mv(tau), ht.mv(tau)))
+    correction, report = _solve(rest, P.add(h0.mv(tau), ht.mv(tau)), solver)
     removed = P.axpy(-weight, correction, base)  # Eq. 13
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return removed
+    return (removed, report) if return_solution else removed
 
 
 def _remove_elementwise(
@@ -554,9 +633,35 @@ def _remove_elementwise(
     return _removal.remove(base, finetuned, *terms, alpha=alpha)
 
 
+@overload
 def influence_remove(
-    base: Params, gradient: Params, *, remaining: CurvatureLike, alpha: float = 1.0
-) -> dict[str, Tensor]:
+    base: Params,
+    gradient: Params,
+    *,
+    remaining: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[False] = ...,
+) -> dict[str, Tensor]: ...
+@overload
+def influence_remove(
+    base: Params,
+    gradient: Params,
+    *,
+    remaining: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[True],
+) -> tuple[dict[str, Tensor], Solution]: ...
+def influence_remove(
+    base: Params,
+    gradient: Params,
+    *,
+    remaining: CurvatureLike,
+    alpha: float = 1.0,
+    solver: SolverSpec | None = None,
+    return_solution: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
     r"""Remove data D_t with the influence-function step of Koh & Liang (2017) (Sec. 1.4).
 
     .. math::
@@ -565,7 +670,8 @@ def influence_remove(
         \qquad g_t = \nabla \bar\ell_t(\theta_{LLM}).
 
     The appendix prints it without α_t (the case α_t = 1); the α_t follows from Eq. 11 without
-    the Taylor step of Eq. 12 (see ERRATA.md). Exact for linear regression.
+    the Taylor step of Eq. 12 (see ERRATA.md). Exact for linear regression. ``solver`` and
+    ``return_solution`` as in :func:`remove`.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -578,17 +684,19 @@ def influence_remove(
     base, gradient = P.detached(base), P.detached(gradient)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     rest = _curvature(remaining, base, name="remaining")
-    removed = P.axpy(weight, _solve(rest, gradient), base)
+    x, report = _solve(rest, gradient, solver)
+    removed = P.axpy(weight, x, base)
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return removed
+    return (removed, report) if return_solution else removed
 
 
 # ----- input handling shared by the rules ------------------------------------------------------
-def _solve(precision: Curvature, rhs: Params) -> dict[str, Tensor]:
-    """precision⁻¹ rhs, its report handed to :func:`gradmerge.solvers.solution.collect`."""
-    solved = precision.solve_info(rhs)
-    solution.publish(solved)
-    return solved.value
+def _solve(
+    precision: Curvature, rhs: Params, solver: SolverSpec | None, guess: Params | None = None
+) -> tuple[dict[str, Tensor], Solution]:
+    """(precision⁻¹ rhs, the solve's report), run as ``solver`` says."""
+    solved = precision.solve_info(rhs, solver, guess=guess)
+    return solved.value, solved
 
 
 def _alphas(

@@ -40,6 +40,7 @@ import torch
 from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
+from gradmerge.solvers.spec import PRECISIONS, Precision
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -61,7 +62,12 @@ _REQUIRED: Any = object()
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t."""
+    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t.
+
+    ``adapter_base``: when ``model`` is a LoRA adapter, the base it was trained on, if its
+    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.io.sources.adapter_base`); it
+    must hold the merge's ``base_model`` weights.
+    """
 
     model: Path
     curvature: Path | None = None
@@ -69,6 +75,7 @@ class ModelInput:
     scale: float = 1.0
     """Multiplies H_t (not α_t): a curvature summed over n of the task's N examples, or a mean
     Fisher, stands for the task's N_t·F_t at ``scale: N/n`` (or N)."""
+    adapter_base: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,8 @@ class Options(FromYaml):
     solver_tol: float | None = None
     solver_maxiter: int = 1000
     solver_approximate: bool = False
+    solver_precision: Precision = "working"
+    solver_warm_start: bool = True
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -157,7 +166,11 @@ class Options(FromYaml):
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON values (paths absolute), for the run's record."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "source" and not _unused(self, f.name)
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +290,7 @@ class RemoveConfig(Options):
     curvature: Path | None = None
     prior: CurvatureTerm | None = None
     gradient: Path | None = None
+    adapter_base: Path | None = None
     step_check: str = "refuse"
     max_relative_step: float = 100.0
     rounding_check: str = "refuse"
@@ -297,6 +311,7 @@ class RemoveConfig(Options):
             "method",
             "base_model",
             "model",
+            "adapter_base",
             "curvature",
             "prior",
             "gradient",
@@ -310,6 +325,7 @@ class RemoveConfig(Options):
         )
         uses = spec.uses
         model = r.path("model", default=_wanted(spec, "model")) if "model" in uses else None
+        adapter_base = r.path("adapter_base", default=None) if "model" in uses else None
         curvature = None
         if "curvature" in uses:
             curvature = r.path("curvature", kind="file", default=_wanted(spec, "curvature"))
@@ -322,6 +338,8 @@ class RemoveConfig(Options):
         for key in methods.KEYS["remove"]:
             if key not in spec.uses:
                 r.forbid(key, method, spec.refusal(key))
+        if "model" not in uses:
+            r.forbid("adapter_base", method, spec.refusal("model"))
         assert spec.max_relative_step is not None  # every removal method has one
         remaining = _term(r, "remaining", required=True)
         assert remaining is not None  # required=True
@@ -331,6 +349,7 @@ class RemoveConfig(Options):
             model=model,
             curvature=curvature,
             gradient=gradient,
+            adapter_base=adapter_base,
             prior=prior,
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
@@ -446,15 +465,18 @@ def _options(r: _Reader) -> dict[str, Any]:
 
 
 def _solver(r: _Reader) -> dict[str, Any]:
-    """``solver: {tol, maxiter, approximate}``: the certified relative residual of every K-FAC
+    """``solver: {tol, maxiter, approximate, precision, warm_start}``, the fields of
+    :class:`gradmerge.SolverSpec` one to one: the certified relative residual of every K-FAC
     layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
-    1000) and, with ``approximate: true`` (never the default), accepting each layer after at
+    1000), with ``approximate: true`` (never the default) accepting each layer after at
     most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
-    measured residual instead of an error."""
+    measured residual instead of an error, ``precision`` (working | bfloat16: the dtype of the
+    CG's inner Kronecker products; the certificate is the same) and ``warm_start`` (default
+    true)."""
     if r.data.get("solver") is None:
         return {}
     s = r.sub(r.data["solver"], "solver")
-    s.allow("tol", "maxiter", "approximate")
+    s.allow("tol", "maxiter", "approximate", "precision", "warm_start")
     out: dict[str, Any] = {}
     if s.data.get("tol") is not None:
         tol = s.number("tol")
@@ -465,6 +487,11 @@ def _solver(r: _Reader) -> dict[str, Any]:
             )
         out["solver_tol"] = tol
     approximate = s.flag("approximate", default=False)
+    if isinstance(s.data.get("maxiter"), str):
+        raise ConfigError(
+            f"`solver.maxiter` must be a whole number, got the text {_shown(s.data['maxiter'])}: "
+            "write it without quotes (maxiter: 10)"
+        )
     maxiter = s.number("maxiter", default=0 if approximate else 1000, minimum=0)
     if maxiter != int(maxiter) or (maxiter == 0 and not approximate):
         raise ConfigError(
@@ -473,13 +500,15 @@ def _solver(r: _Reader) -> dict[str, Any]:
         )
     out["solver_maxiter"] = int(maxiter)
     out["solver_approximate"] = approximate
+    out["solver_precision"] = s.choice("precision", PRECISIONS, default="working")
+    out["solver_warm_start"] = s.flag("warm_start", default=True)
     return out
 
 
 def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
-    m.allow("model", "curvature", "alpha", "scale")
+    m.allow("model", "curvature", "alpha", "scale", "adapter_base")
     if spec.need("curvature") == "forbidden":
         m.forbid("curvature", spec.name, spec.refusal("curvature"))
         m.forbid("scale", spec.name, "it multiplies the model's curvature, and there is none")
@@ -493,27 +522,43 @@ def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInp
             f"over n of the task's N examples): it must be > 0, got {_shown(scale)}"
         )
     return ModelInput(
-        model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0), scale=scale
+        model=m.path("model"),
+        curvature=curvature,
+        alpha=m.number("alpha", 1.0),
+        scale=scale,
+        adapter_base=m.path("adapter_base", default=None),
     )
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
-    """Warn when one checkpoint is listed as two models: it is then merged twice, as one model
-    with the sum of their weights — rarely what was meant."""
-    seen: dict[Path, int] = {}
+    """Warn, once, when a checkpoint is listed as several models: it is then merged as many
+    times, as one model with the sum of their weights — rarely what was meant. One warning
+    names every repeated checkpoint with its count (not one per repetition)."""
+    listed: dict[Path, list[int]] = {}
     for i, m in enumerate(models):
-        where = m.model.resolve() if check_files else m.model
-        if where in seen:
-            j = seen[where]
-            warnings.warn(
-                f"models[{j}].model and models[{i}].model are the same checkpoint ({m.model}): it "
-                f"is merged twice, as if listed once with alpha {models[j].alpha:g} + "
-                f"{m.alpha:g}; list it once (with the summed `alpha` if that is meant)",
-                InputWarning,
-                stacklevel=4,
-            )
-        else:
-            seen[where] = i
+        listed.setdefault(m.model.resolve() if check_files else m.model, []).append(i)
+    repeated = [indices for indices in listed.values() if len(indices) > 1]
+    if not repeated:
+        return
+    parts = []
+    for indices in repeated[:3]:
+        names = [f"models[{i}].model" for i in indices]
+        shown = " and ".join(names) if len(names) == 2 else ", ".join(names[:3])
+        if len(names) > 3:
+            shown += f", ... ({len(names) - 3} more)"
+        alpha = sum(models[i].alpha for i in indices)
+        parts.append(
+            f"{shown} are the same checkpoint ({models[indices[0]].model}), "
+            f"listed {len(indices)} times: it is merged {len(indices)} times, as if listed once "
+            f"with alpha {alpha:g}"
+        )
+    more = f"; and {len(repeated) - 3} more repeated checkpoint(s)" if len(repeated) > 3 else ""
+    warnings.warn(
+        "; ".join(parts) + more + ". List each checkpoint once (with the summed `alpha` if that "
+        "is meant)",
+        InputWarning,
+        stacklevel=4,
+    )
 
 
 def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
@@ -768,11 +813,21 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
     return short.repr(value)
 
 
+def _unused(value: Any, name: str) -> bool:
+    """An optional key left out of records when not given (records of runs without it stay as
+    they were)."""
+    return name == "adapter_base" and getattr(value, name) is None
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, (ModelInput, CurvatureTerm)):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in fields(value)
+            if not _unused(value, f.name)
+        }
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value

@@ -48,7 +48,7 @@ from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge._version import __version__
-from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, Sum
+from gradmerge.curvature import Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
@@ -70,9 +70,11 @@ from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan
 from gradmerge.kernels import memory, select
-from gradmerge.solvers import solution
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
-UnitFn = Callable[[Unit], dict[str, Tensor]]
+UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
+"""A unit's computation: its tensors, and the report of its solve (``None``: none ran)."""
 
 
 @dataclass(frozen=True)
@@ -408,9 +410,8 @@ class Job:
         """
         if not unit.merged:
             return _copy_unit(self, unit)
-        with solution.collect() as solved:
-            out = _run_unit(self, unit)
-        for report in solved:
+        out, report = _run_unit(self, unit)
+        if report is not None:
             for name, part in (report.parts or {key_list(unit.keys, 3): report}).items():
                 if part.residual == part.residual:  # measured solves only
                     self.solves[name] = part.summary()
@@ -461,7 +462,7 @@ def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
 
 def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    models = [stack.enter_context(open_model(m.model, base)) for m in config.models]
+    models = [stack.enter_context(open_model(m.model, base, m.adapter_base)) for m in config.models]
     curvs = [
         stack.enter_context(open_curvature(m.curvature)) if m.curvature is not None else None
         for m in config.models
@@ -487,15 +488,15 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     pairs += [(name, f, [("base_model", base)]) for name, f in prior_files.items()]
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
-    alphas = config.alphas
+    alphas, solver = config.alphas, solver_spec(config)
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
 
-    def compute(unit: Unit) -> dict[str, Tensor]:
+    def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
         theta = _read(base, keys, device, dtype)
         fts = [_read(m, keys, device, dtype) for m in models]
-        hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        hs = [_restrict(c, keys, device, dtype) for c in curvs]
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
         unit_inputs = rules.MergeUnit(
             theta,
             fts,
@@ -504,6 +505,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             prior,
             config.damping,
             kernel,
+            solver=solver,
             off_diagonal=config.off_diagonal,
             curvature_scales=config.curvature_scales,
         )
@@ -538,7 +540,11 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    model = stack.enter_context(open_model(config.model, base)) if config.model else None
+    model = (
+        stack.enter_context(open_model(config.model, base, config.adapter_base))
+        if config.model
+        else None
+    )
     gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
     curv = stack.enter_context(open_curvature(config.curvature)) if config.curvature else None
     prior_files = _open_term(config.prior, "prior", stack)
@@ -564,23 +570,24 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     device, dtype = resolve_device(config.device), config.math_dtype
     spec = methods.get(config.method)
     rule = cast(rules.RemoveRule, spec.rule)
+    solver = solver_spec(config)
 
-    def compute(unit: Unit) -> dict[str, Tensor]:
+    def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
 
-        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype, config)
+        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype)
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        curvature = _restrict(curv, keys, device, dtype, config)
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        curvature = _restrict(curv, keys, device, dtype)
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
         grad = _read(gradient, keys, device, dtype) if gradient is not None else None
         unit_inputs = rules.RemoveUnit(
-            theta, remaining, config.alpha, finetuned, curvature, prior, grad
+            theta, remaining, config.alpha, finetuned, curvature, prior, grad, solver
         )
         try:
             with _removal.collect() as measured:
-                out = rule(unit_inputs)
+                out, report = rule(unit_inputs)
         except GradmergeError as err:
             named = {"curvature": curvature, "prior": prior, "remaining": remaining}
             _raise_non_finite(named, err)
@@ -591,11 +598,11 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             step.reference_sq += stats.reference_sq
             assert model is not None
             rounding.add(stats, [base.dtype(k) for k in keys] + [model.dtype(k) for k in keys])
-            return out
+            return out, report
         reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
         step.add({k: out[k] - theta[k] for k in keys}, reference)
         rounding.unmeasured += 1
-        return out
+        return out, report
 
     step = StepSize("the weights ‖θ_LLM‖" if model is None else "the task vector ‖θ_t − θ_LLM‖")
     rounding = Rounding(dtype)
@@ -669,14 +676,11 @@ def _term_precision(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
-    options: Options,
 ) -> rules.Precision | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts)."""
     if term is None:
         return None
-    parts = [
-        c for f in files.values() if (c := _restrict(f, keys, device, dtype, options)) is not None
-    ]
+    parts = [c for f in files.values() if (c := _restrict(f, keys, device, dtype)) is not None]
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
@@ -716,20 +720,25 @@ def _restrict(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
-    options: Options,
 ) -> Curvature | None:
-    """The unit's part of a curvature file, its K-FAC solves set to ``solver:`` of ``options``;
-    diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
+    """The unit's part of a curvature file, as loaded (the ``solver:`` settings go to each
+    solve: :func:`solver_spec`); diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
     ``check_finite=False``: one read less), which the unit's rule and :func:`_raise_non_finite`
     make up for."""
     if file is None:
         return None
-    part = file.restrict(keys, device=device, dtype=dtype, check_finite=False)
-    for kfac in [part] if isinstance(part, KFAC) else getattr(part, "blocks", ()):
-        if isinstance(kfac, KFAC):  # sums made from it inherit these (KFAC algebra)
-            kfac.cg_tol, kfac.cg_maxiter = options.solver_tol, options.solver_maxiter
-            kfac.cg_approximate = options.solver_approximate
-    return part
+    return file.restrict(keys, device=device, dtype=dtype, check_finite=False)
+
+
+def solver_spec(options: Options) -> SolverSpec:
+    """The :class:`SolverSpec` of a config's ``solver:`` block (its keys map one to one)."""
+    return SolverSpec(
+        tol=options.solver_tol,
+        maxiter=options.solver_maxiter,
+        approximate=options.solver_approximate,
+        precision=options.solver_precision,
+        warm_start=options.solver_warm_start,
+    )
 
 
 def _read(
@@ -815,9 +824,9 @@ def _execute(
     )
 
 
-def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
+def _run_unit(job: Job, unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
     try:
-        merged = job.compute(unit)
+        merged, report = job.compute(unit)
     except NotPositiveDefiniteError as err:
         delta = err.suggested_delta
         example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
@@ -865,7 +874,7 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
                 f"a wider dtype (`dtype: {wider}`), or use smaller `alpha`/`scale`"
             )
         out[k] = value
-    return out
+    return out, report
 
 
 def _all_singular(

@@ -5,6 +5,9 @@ tensors and the unit's restriction of each curvature, so a streamed merge comput
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
 never couple two units). A merge rule takes a :class:`MergeUnit`, a removal rule a
 :class:`RemoveUnit`; which method calls which rule is recorded in :mod:`gradmerge.jobs.methods`.
+Each unit carries the job's solver settings (``solver``, a :class:`gradmerge.SolverSpec` from
+its ``solver:`` block), passed to the solve; each rule returns the unit's tensors with the
+report of its solve (``None`` where nothing is solved).
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentit
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.kronecker import eye_like
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 Precision = Curvature | float
+
+Solved = tuple[dict[str, Tensor], Solution | None]
+"""A rule's result: the unit's tensors, and the report of its solve (``None``: none ran)."""
 
 
 def precision(delta: float, scale: float, curvature: Curvature | None) -> Precision:
@@ -57,6 +65,7 @@ class MergeUnit:
     def scales(self) -> list[float]:
         """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
         return list(self.curvature_scales or [1.0] * len(self.curvatures))
+    solver: SolverSpec | None = None
 
     def hs(self) -> list[Curvature]:
         """The H_t, every one required, each times its model's ``scale``."""
@@ -80,30 +89,38 @@ class RemoveUnit:
     curvature: Curvature | None = None
     prior: Precision | None = None
     gradient: Params | None = None
+    solver: SolverSpec | None = None
 
 
-def task_arithmetic(u: MergeUnit) -> dict[str, Tensor]:
+def task_arithmetic(u: MergeUnit) -> Solved:
     """:func:`gm.task_arithmetic` on the unit (curvatures, prior and damping unused)."""
-    return merge.task_arithmetic(u.base, u.finetuned, alphas=list(u.alphas), kernel=u.kernel)
+    return merge.task_arithmetic(u.base, u.finetuned, alphas=list(u.alphas), kernel=u.kernel), None
 
 
-def fisher_average(u: MergeUnit) -> dict[str, Tensor]:
+def fisher_average(u: MergeUnit) -> Solved:
     """:func:`gm.fisher_average` on the unit with H_t + damping·I (base and prior unused)."""
     damped = [h + u.damping if u.damping else h for h in u.hs()]
-    return merge.fisher_average(u.finetuned, damped, alphas=list(u.alphas), kernel=u.kernel)
+    return merge.fisher_average(u.finetuned, damped, alphas=list(u.alphas), kernel=u.kernel), None
 
 
-def gradient_matching(u: MergeUnit) -> dict[str, Tensor]:
+def gradient_matching(u: MergeUnit) -> Solved:
     """:func:`gm.gradient_matching` (Eq. 6) on the unit with ``prior`` H_0 (damping unused)."""
     hs = u.hs()
     if u.prior is None:
         raise ArgumentError("gradient matching needs a prior H_0")
     return merge.gradient_matching(
-        u.base, u.finetuned, hs, prior=u.prior, alphas=list(u.alphas), kernel=u.kernel
+        u.base,
+        u.finetuned,
+        hs,
+        prior=u.prior,
+        alphas=list(u.alphas),
+        kernel=u.kernel,
+        solver=u.solver,
+        return_solution=True,
     )
 
 
-def regmean(u: MergeUnit) -> dict[str, Tensor]:
+def regmean(u: MergeUnit) -> Solved:
     """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
     input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
     ``KFAC.counts``), times the model's ``scale``, off-diagonal entries times ``off_diagonal``
@@ -112,9 +129,9 @@ def regmean(u: MergeUnit) -> dict[str, Tensor]:
     found = regmean_grams(u.curvatures, u.damping, keys=sorted(u.finetuned[0]), scales=u.scales())
     if found is None:
         ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
-        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas))
+        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas)), None
     grams, kfac = found
-    return merge.regmean(
+    merged = merge.regmean(
         u.finetuned,
         grams,
         alphas=list(u.alphas),
@@ -122,29 +139,44 @@ def regmean(u: MergeUnit) -> dict[str, Tensor]:
         transposed=sorted(kfac.transposed),
         off_diagonal=u.off_diagonal,
     )
+    return merged, None
 
 
-def remove(u: RemoveUnit) -> dict[str, Tensor]:
+def remove(u: RemoveUnit) -> Solved:
     """:func:`gm.remove` (Eq. 13) on the unit (gradient unused)."""
     if u.finetuned is None or u.prior is None:
         raise ArgumentError("removal by Eq. 13 needs the fine-tuned model θ_t and the prior H_0")
     h_t = _required(u.curvature, 0)
     return merge.remove(
-        u.base, u.finetuned, h_t, remaining=u.remaining, prior=u.prior, alpha=u.alpha
+        u.base,
+        u.finetuned,
+        h_t,
+        remaining=u.remaining,
+        prior=u.prior,
+        alpha=u.alpha,
+        solver=u.solver,
+        return_solution=True,
     )
 
 
-def influence_remove(u: RemoveUnit) -> dict[str, Tensor]:
+def influence_remove(u: RemoveUnit) -> Solved:
     """:func:`gm.influence_remove` (Koh & Liang) on the unit (model, curvature, prior unused)."""
     if u.gradient is None:
         raise ArgumentError("the influence-function removal needs the gradient ∇ℓ̄_t(θ_LLM)")
-    return merge.influence_remove(u.base, u.gradient, remaining=u.remaining, alpha=u.alpha)
+    return merge.influence_remove(
+        u.base,
+        u.gradient,
+        remaining=u.remaining,
+        alpha=u.alpha,
+        solver=u.solver,
+        return_solution=True,
+    )
 
 
-MergeRule = Callable[[MergeUnit], dict[str, Tensor]]
+MergeRule = Callable[[MergeUnit], Solved]
 """The signature of the merge rules above."""
 
-RemoveRule = Callable[[RemoveUnit], dict[str, Tensor]]
+RemoveRule = Callable[[RemoveUnit], Solved]
 """The signature of the removal rules above."""
 
 
