@@ -706,7 +706,9 @@ class Merges:
         )
         if "kfac" in structures:
             out["RegMean (a)"] = (
-                {"method": "regmean", "models": self.models_of("a", "kfac")},
+                # damping: the token-type embedding's Gram (one-hot inputs, one type used) is
+                # singular; 1e-3 is above float32's eigenvalue uncertainty that merge reports
+                {"method": "regmean", "models": self.models_of("a", "kfac"), "damping": 1e-3},
                 "a",
             )
         return out
