@@ -47,8 +47,10 @@ def precision(delta: float, scale: float, curvature: Curvature | None) -> Precis
 @dataclass(frozen=True)
 class MergeUnit:
     """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
-    tensors, the α_t, the prior H_0, the merge's ``damping``, and ``kernel``, the fast elementwise
-    evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges."""
+    tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
+    evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
+    RegMean's ``off_diagonal`` factor and the models' ``scale`` (``curvature_scales``, the factor
+    on each H_t; RegMean: on each Gram)."""
 
     base: Params
     finetuned: Sequence[Params]
@@ -57,11 +59,22 @@ class MergeUnit:
     prior: Precision | None = None
     damping: float = 0.0
     kernel: Kernel | None = None
+    off_diagonal: float = 1.0
+    curvature_scales: Sequence[float] | None = None
+
+    def scales(self) -> list[float]:
+        """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
+        return list(self.curvature_scales or [1.0] * len(self.curvatures))
     solver: SolverSpec | None = None
 
     def hs(self) -> list[Curvature]:
-        """The H_t, every one required."""
-        return [_required(c, t) for t, c in enumerate(self.curvatures)]
+        """The H_t, every one required, each times its model's ``scale``."""
+        return [
+            h if s == 1.0 else h.scaled(s)
+            for h, s in zip(
+                (_required(c, t) for t, c in enumerate(self.curvatures)), self.scales(), strict=True
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -110,9 +123,23 @@ def gradient_matching(u: MergeUnit) -> Solved:
 def regmean(u: MergeUnit) -> Solved:
     """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
     input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
-    ``KFAC.counts``); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
+    ``KFAC.counts``), times the model's ``scale``, off-diagonal entries times ``off_diagonal``
+    (Jin et al.'s r); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
     :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
-    return _regmean(u.finetuned, u.curvatures, u.alphas, u.damping), None
+    found = regmean_grams(u.curvatures, u.damping, keys=sorted(u.finetuned[0]), scales=u.scales())
+    if found is None:
+        ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
+        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas)), None
+    grams, kfac = found
+    merged = merge.regmean(
+        u.finetuned,
+        grams,
+        alphas=list(u.alphas),
+        bias=sorted(kfac.bias),
+        transposed=sorted(kfac.transposed),
+        off_diagonal=u.off_diagonal,
+    )
+    return merged, None
 
 
 def remove(u: RemoveUnit) -> Solved:
@@ -159,22 +186,29 @@ def _required(curvature: Curvature | None, t: int) -> Curvature:
     return curvature
 
 
-def _regmean(
-    finetuned: Sequence[Params],
+def regmean_grams(
     curvatures: Sequence[Curvature | None],
-    alphas: Sequence[float],
     damping: float,
-) -> dict[str, Tensor]:
+    *,
+    keys: Sequence[str] = (),
+    scales: Sequence[float] | None = None,
+) -> tuple[list[dict[str, Tensor]], KFAC] | None:
+    """RegMean's Gram matrices of one unit, per model: s_t·M_t·A_t (+ damping·I) from each
+    curvature's K-FAC input factor (in the factor's own dtype), and one of the K-FACs (for its
+    bias and transposed layers); None when no curvature has K-FAC factors here (the unit is
+    α-averaged). Shared by the merge and its ``--dry-run`` check. ``keys`` name the unit in
+    errors."""
     layers = [_kfac_of(c) for c in curvatures]
     if all(k is None for k in layers):
-        ones = [ScaledIdentity(1.0)] * len(finetuned)  # RegMean averages non-linear parameters
-        return merge.fisher_average(finetuned, ones, alphas=list(alphas))
+        return None
     grams: list[dict[str, Tensor]] = []
     kfac: KFAC | None = None
+    factors = list(scales or [1.0] * len(curvatures))
     for t, (k, c) in enumerate(zip(layers, curvatures, strict=True)):
         if k is None or c is None:
-            keys = sorted(finetuned[t])[:2]
-            raise StructureError(f"model {t} has no K-FAC factors for {keys}, the others have")
+            raise StructureError(
+                f"model {t} has no K-FAC factors for {list(keys)[:2]}, the others have"
+            )
         kfac = k
         if k.weight_shapes:
             raise ArgumentError(
@@ -187,19 +221,14 @@ def _regmean(
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            a = _rows(k, name, t, len(finetuned)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
+            rows = _rows(k, name, t, len(curvatures)) * factors[t]
+            a = rows * terms[0][0]  # s·M·A = s·Σ a aᵀ, the raw Gram
             damped = a + damping * eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
         grams.append(gram)
     assert kfac is not None  # at least one layer (checked above)
-    return merge.regmean(
-        finetuned,
-        grams,
-        alphas=list(alphas),
-        bias=sorted(kfac.bias),
-        transposed=sorted(kfac.transposed),
-    )
+    return grams, kfac
 
 
 def _rows(kfac: KFAC, name: str, t: int, tasks: int) -> float:
