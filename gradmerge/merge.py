@@ -521,7 +521,7 @@ def _generic_merge(
         # elementwise paths (_elementwise, _fused) round the same way, so all agree bit for bit
         rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
     guess = None  # the task-arithmetic solution Σ_t α_t τ_t, where a warm start may use it
-    if solver is None or solver.warm_start:
+    if solver is not None and solver.warm_start:
         guess = P.zeros_like(base)
         for alpha, tau in zip(weights, task_vectors, strict=True):
             guess = P.axpy(alpha, tau, guess)

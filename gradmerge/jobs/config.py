@@ -151,7 +151,7 @@ class Options(FromYaml):
     solver_maxiter: int = 1000
     solver_approximate: bool = False
     solver_precision: Precision = "working"
-    solver_warm_start: bool = True
+    solver_warm_start: bool = False
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -472,7 +472,7 @@ def _solver(r: _Reader) -> dict[str, Any]:
     most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
     measured residual instead of an error, ``precision`` (working | bfloat16: the dtype of the
     CG's inner Kronecker products; the certificate is the same) and ``warm_start`` (default
-    true)."""
+    false)."""
     if r.data.get("solver") is None:
         return {}
     s = r.sub(r.data["solver"], "solver")
@@ -501,7 +501,7 @@ def _solver(r: _Reader) -> dict[str, Any]:
     out["solver_maxiter"] = int(maxiter)
     out["solver_approximate"] = approximate
     out["solver_precision"] = s.choice("precision", PRECISIONS, default="working")
-    out["solver_warm_start"] = s.flag("warm_start", default=True)
+    out["solver_warm_start"] = s.flag("warm_start", default=False)
     return out
 
 

@@ -34,12 +34,12 @@ class SolverSpec:
             certified residual and its tolerance are the same either way).
         warm_start: start each K-FAC layer's CG from the best of the caller's guess (the
             task-arithmetic solution for a merge) and the eigenbasis preconditioner's solve,
-            judged by their residuals; ``False``: the preconditioner's solve alone.
+            judged by their residuals; ``False`` (default): the preconditioner's solve alone.
 
     Example:
         >>> import gradmerge as gm
         >>> gm.SolverSpec(tol=1e-4, maxiter=200)
-        SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='working', warm_start=True)
+        SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='working', warm_start=False)
         >>> gm.SolverSpec(tol=2.0)
         Traceback (most recent call last):
         ...
@@ -50,7 +50,7 @@ class SolverSpec:
     maxiter: int = 1000
     approximate: bool = False
     precision: Precision = "working"
-    warm_start: bool = True
+    warm_start: bool = False
 
     def __post_init__(self) -> None:
         tol = self.tol

@@ -108,10 +108,11 @@ def test_warm_start_from_any_guess_gives_the_certified_solution(seed, tasks, ble
     exact = torch.linalg.solve(_dense(delta, terms), b.to(DT).reshape(-1)).reshape(5, 6)
     noise = torch.randn(5, 6, dtype=DT, generator=gen) * float(exact.norm())
     x0 = (blend * exact + (1 - blend) * noise).to(dtype)
-    solved = kfac_cg.solve("m", delta, terms, b, gm.SolverSpec(tol=tol), x0=x0)
+    solved = kfac_cg.solve("m", delta, terms, b, gm.SolverSpec(tol=tol, warm_start=True), x0=x0)
     _check(delta, terms, b, solved, tol)
     if dtype == torch.float64:
-        at_solution = kfac_cg.solve("m", delta, terms, b, gm.SolverSpec(tol=1e-8), x0=exact)
+        warm = gm.SolverSpec(tol=1e-8, warm_start=True)
+        at_solution = kfac_cg.solve("m", delta, terms, b, warm, x0=exact)
         assert at_solution.iterations == 0
 
 
