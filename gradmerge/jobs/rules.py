@@ -49,8 +49,8 @@ class MergeUnit:
     """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
     tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
     evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
-    RegMean's ``off_diagonal`` factor and the models' ``scale`` (``curvature_scales``, the factor
-    on each H_t; RegMean: on each Gram)."""
+    RegMean's ``off_diagonal`` factor, the models' ``scale`` (``curvature_scales``, the factor
+    on each H_t; RegMean: on each Gram) and the job's ``solver`` settings."""
 
     base: Params
     finetuned: Sequence[Params]
@@ -61,12 +61,11 @@ class MergeUnit:
     kernel: Kernel | None = None
     off_diagonal: float = 1.0
     curvature_scales: Sequence[float] | None = None
+    solver: SolverSpec | None = None
 
     def scales(self) -> list[float]:
         """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
         return list(self.curvature_scales or [1.0] * len(self.curvatures))
-
-    solver: SolverSpec | None = None
 
     def hs(self) -> list[Curvature]:
         """The H_t, every one required, each times its model's ``scale``."""
