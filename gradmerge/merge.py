@@ -599,7 +599,8 @@ def remove(
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     fast = _remove_elementwise(base, finetuned, curvature, remaining, prior, weight)
     if fast is not None:  # an elementwise division: exact, nothing to measure
-        return (fast, Solution(fast, "exact (diagonal)")) if return_solution else fast
+        report = Solution({}, "exact (elementwise, fused with the removal)")
+        return (fast, report) if return_solution else fast
     P.check_params(base, name="base")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")

@@ -49,8 +49,8 @@ class MergeUnit:
     """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
     tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
     evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
-    RegMean's ``off_diagonal`` factor and the models' ``scale`` (``curvature_scales``, the factor
-    on each H_t; RegMean: on each Gram)."""
+    RegMean's ``off_diagonal`` factor, the models' ``scale`` (``curvature_scales``, the factor
+    on each H_t; RegMean: on each Gram) and the job's ``solver`` settings."""
 
     base: Params
     finetuned: Sequence[Params]

@@ -126,6 +126,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge.curvature",
         "gradmerge.solvers",
         "gradmerge._elementwise",
+        "gradmerge._removal",
         "gradmerge._text",
         "gradmerge._files",
         "gradmerge._progress",
