@@ -36,6 +36,10 @@ training data's labels are. The grid point of least criterion is chosen (gradmer
 and accuracy per point); --out-dir DIR keeps the chosen merged model (with its
 gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
 their error and skipped.
+
+Tasks with their own heads over one merged body (--task-heads 'classifier.*'): task t is
+scored with the parameters matching the globs taken from CONFIG's t-th model, the rest from the
+merged model (give CONFIG passthrough: [classifier.*] so the heads are not merged).
 """
 EXAMPLES = """\
 examples:
@@ -45,6 +49,8 @@ examples:
   # gradient matching: α × δ, by Eq. 2's gradient mismatch
   gradmerge tune gm.yaml train_a.jsonl train_b.jsonl --alphas 0.5,1 --deltas 1e-4,1e-2,1 \\
       --criterion mismatch --out gm_tune.json
+  # tasks with their own classifier heads over one merged encoder
+  gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --alphas 0.3,0.6,1 --task-heads 'classifier.*'
 """
 
 
@@ -95,6 +101,15 @@ def add_parser(sub: Any) -> None:
         help="values of prior.scale (the prior curvature's factor)",
     )
     p.add_argument("--criterion", choices=["loss", "mismatch"], default="loss")
+    p.add_argument(
+        "--task-heads",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="task-specific heads: parameters matching GLOB (fnmatch, e.g. 'classifier.*'; "
+        "repeatable) are, for task t, those of CONFIG's t-th model, not the merged ones (merge "
+        "them with passthrough in CONFIG); the rest is the merged body",
+    )
     p.add_argument(
         "--validation",
         action="append",
@@ -249,6 +264,7 @@ class Scorer:
         self.data: list[Iterable[Any]] | None = None
         self.validation: list[Iterable[Any]] = []
         self.references: dict[int, dict[str, torch.Tensor]] = {}
+        self.heads: dict[int, dict[str, torch.Tensor]] = {}
 
     def __call__(self, folder: Path) -> tuple[float, dict[str, Any]]:
         from gradmerge import params as P
@@ -265,6 +281,8 @@ class Scorer:
         tasks: list[dict[str, Any]] = []
         total = 0.0
         for t, (spec, data) in enumerate(zip(args.datas, self.data, strict=True)):
+            if args.task_heads:
+                self._use_head(t, model)
             result = evaluate(
                 model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
             )
@@ -287,7 +305,9 @@ class Scorer:
         figures: dict[str, Any] = {"tasks": tasks}
         if args.validation:  # reported only: the criterion above never reads these labels
             figures["validation"] = []
-            for spec, data in zip(args.validation, self.validation, strict=True):
+            for t, (spec, data) in enumerate(zip(args.validation, self.validation, strict=True)):
+                if args.task_heads:
+                    self._use_head(t, model)
                 held_out = evaluate(
                     model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
                 )
@@ -300,6 +320,30 @@ class Scorer:
                     }
                 )
         return total, figures
+
+    def _use_head(self, t: int, model: torch.nn.Module) -> None:
+        """Copy task t's head (the parameters matching ``--task-heads``, read from CONFIG's t-th
+        model) into the merged ``model``."""
+        from fnmatch import fnmatchcase
+
+        from gradmerge.errors import StructureError
+
+        if t not in self.heads:
+            like = {
+                name: p.detach()
+                for name, p in model.named_parameters()
+                if any(fnmatchcase(name, glob) for glob in self.args.task_heads)
+            }
+            if not like:
+                raise StructureError(
+                    f"--task-heads {' '.join(self.args.task_heads)} matches no parameter of the "
+                    "merged model; give globs of its head's names, e.g. 'classifier.*'"
+                )
+            spec = str(self.config.models[t].model)
+            self.heads[t] = fine_tuned_weights(spec, like, self.args.allow_new_weights)
+        with torch.no_grad():
+            for name, value in self.heads[t].items():
+                model.get_parameter(name).copy_(value)
 
     def _load(
         self, model: torch.nn.Module, folder: Path, spec: str, max_examples: int | None
