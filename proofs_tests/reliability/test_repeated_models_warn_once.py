@@ -1,7 +1,7 @@
 """Issue 21, item 11: one model listed 1,000 times warned 999 times, each with a Python source
 line. Now one :class:`InputWarning` names each repeated checkpoint with its count; the command
 line prints it as one line (``gradmerge merge: warning: ...``) without a source line; the class is kept
-(InputWarning, checked above).
+(InputWarning: the first test).
 """
 
 from __future__ import annotations
