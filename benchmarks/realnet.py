@@ -66,6 +66,7 @@ from torch import Tensor, nn
 
 import gradmerge as gm
 from gradmerge import params as P
+from gradmerge.kernels import select  # the compiled loops for the diagonal merges, as before
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -393,7 +394,7 @@ def run_seed(
         measure(
             "Fisher averaging",
             None,
-            lambda: gm.fisher_average(finetuned, [c + damping for c in diag]),
+            lambda: gm.fisher_average(finetuned, [c + damping for c in diag], kernel=select()),
         )
         r = args.regmean_scale  # Jin et al.: off-diagonals scaled by r (a singular Σ G_t else)
         scaled = [
@@ -404,13 +405,13 @@ def run_seed(
             measure(
                 "task arithmetic",
                 alpha,
-                lambda a=alpha: gm.task_arithmetic(theta_llm, finetuned, alphas=a),
+                lambda a=alpha: gm.task_arithmetic(theta_llm, finetuned, alphas=a, kernel=select()),
             )
             measure(
                 "grad. matching, diag",
                 alpha,
                 lambda a=alpha: gm.gradient_matching(
-                    theta_llm, finetuned, diag, prior=args.delta, alphas=a
+                    theta_llm, finetuned, diag, prior=args.delta, alphas=a, kernel=select()
                 ),
             )
             if alpha in args.kfac_alphas:

@@ -55,7 +55,7 @@ from gradmerge.merge import (
     remove,
     task_arithmetic,
 )
-from gradmerge.solvers import Solution
+from gradmerge.solvers import Solution, SolverSpec
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge import distributed, io, jobs, kernels
@@ -101,6 +101,7 @@ __all__ = [
     "Sum",
     "MatrixFree",
     "Solution",
+    "SolverSpec",
     "load_curvature",
     # curvature estimation (SUMS over examples)
     "estimate_curvature",

@@ -4,6 +4,7 @@ gradmerge verify              check every derivation of the appendix; exit 1 if 
 gradmerge curvature MODEL DATA OUT  estimate a curvature (a SUM over examples) and save it
 gradmerge gradient MODEL DATA OUT   the SUM of per-example loss gradients (Koh & Liang)
 gradmerge convert-curvature SRC OUT convert a diagonal Fisher of the paper's official code
+gradmerge inspect CURVATURE...      scale of curvature files and the δ window of gradient matching
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
@@ -15,8 +16,10 @@ gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from gradmerge.commands import (
     convert_curvature,
@@ -24,6 +27,7 @@ from gradmerge.commands import (
     demo,
     evaluate,
     gradient,
+    inspect,
     merge,
     refine,
     remove,
@@ -38,6 +42,7 @@ COMMANDS = [
     curvature,
     gradient,
     convert_curvature,
+    inspect,
     merge,
     remove,
     refine,
@@ -68,10 +73,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:
             check(parser, args)
-        return int(args.run(args))
+        with one_line_warnings():
+            return int(args.run(args))
     except MissingExtraError as err:  # an optional feature without its extra installed
         print(f"gradmerge {args.command}: error: {err}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While the block runs, an :class:`~gradmerge.errors.InputWarning` is printed as one line,
+    ``gradmerge: warning: MESSAGE``, without the file, line and Python source that Python's
+    format adds (they name gradmerge's code, not the user's input). Other warnings, and the
+    filters (``warnings.simplefilter("ignore", gm.InputWarning)``), are unchanged."""
+    from gradmerge.errors import InputWarning
+
+    default = warnings.formatwarning
+
+    def one_line(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        line: str | None = None,
+    ) -> str:
+        if issubclass(category, InputWarning):
+            return f"gradmerge: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = default
 
 
 if __name__ == "__main__":

@@ -41,6 +41,18 @@ class ArgumentError(GradmergeError, ValueError):
     """An argument of the right type but an unusable value (e.g. a wrong number of alphas)."""
 
 
+class AdapterBaseError(ArgumentError):
+    """A LoRA adapter whose base model cannot be told for certain: a relative
+    ``base_model_name_or_path`` that names another model relative to the current directory than
+    beside the adapter (name the base explicitly)."""
+
+
+class EntryPointsNotAllowedError(ArgumentError):
+    """A configuration file that names Python entry points (code it would run) read without
+    the opt-in that says to trust it as a script (``--allow-entry-points``,
+    ``GRADMERGE_ALLOW_ENTRY_POINTS=1``)."""
+
+
 class DeviceUnavailableError(DeviceError, ArgumentError):
     """A device asked for that this machine does not have (a CUDA device without CUDA, or a
     CUDA index beyond the devices there are)."""

@@ -21,6 +21,12 @@ inputs; they are implemented as exactly that, so every method shares one code pa
 The functions are pure: parameter dicts and curvatures in, a new parameter dict out; no I/O, no
 device moves. Inputs are validated (keys, shapes, dtypes, devices, finiteness, PSD curvatures);
 errors are typed (:mod:`gradmerge.errors`).
+
+The rules that solve a system (:func:`gradient_matching`, :func:`remove`,
+:func:`influence_remove`) take the solver settings explicitly (``solver=``, a
+:class:`gradmerge.SolverSpec`) and, with ``return_solution=True``, return ``(params, Solution)``:
+the solve's report (method, iterations, certified residual per block) travels with the result,
+not through any global state.
 """
 
 from __future__ import annotations
@@ -29,19 +35,21 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import cast
+from dataclasses import dataclass
+from typing import Literal, cast, overload
 
 import torch
 from torch import Tensor
 
-from gradmerge import _elementwise
+from gradmerge import _elementwise, _removal
 from gradmerge import params as P
 from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
-from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError, not_pd
+from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Params
-from gradmerge.solvers import solution
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 CurvatureLike = Curvature | float
 """A curvature operator, or a float δ meaning δ·I."""
@@ -109,6 +117,7 @@ def regmean(
     alphas: float | Sequence[float] = 1.0,
     bias: Sequence[str] = (),
     transposed: Sequence[str] = (),
+    off_diagonal: float = 1.0,
 ) -> dict[str, Tensor]:
     r"""RegMean (Jin et al., 2023): the K-FAC special case of the merge rule with G = I, H_0 = 0.
 
@@ -120,7 +129,18 @@ def regmean(
         [W \mid b]^\star = \Big(\sum_t \alpha_t [W_t \mid b_t]\, G_t\Big)
             \Big(\sum_t \alpha_t G_t\Big)^{-1},
 
-    and every other parameter is the α-weighted average. Implemented as :func:`fisher_average`
+    and every other parameter is the α-weighted average. Jin et al. scale the off-diagonal
+    entries of every Gram by a factor r ∈ [0, 1] (their α; ``off_diagonal``; the official code's
+    ``reduce_non_diag``), i.e. each G_t is replaced by
+
+    .. math::
+
+        \tilde G_t = r\, G_t + (1 - r)\, \mathrm{diag}(G_t),
+
+    which leaves the diagonal and shrinks the merge towards the per-input-weighted average:
+    r = 1 is the plain closed form, r = 0 uses diag(G_t) only. For r < 1, Σ_t α_t G̃_t ⪰
+    (1 − r) Σ_t α_t diag(G_t) is positive definite whenever every input has a nonzero mean square
+    in some task (α_t > 0), so no damping is needed. Implemented as :func:`fisher_average`
     (Eq. 6 with H_0 = 0) with curvatures ``KFAC({m: (G_t, I)})`` per layer, so the sum
     Σ_t α_t G_t ⊗ I is formed exactly and solved in one eigendecomposition, and with H_t = I on
     the other parameters.
@@ -133,7 +153,10 @@ def regmean(
     S = Σ_t α_t G_t is known only up to τ = (ε/2) Σ_t |α_t| ‖G_t‖_F. If λ_min(S) > τ the system
     the Grams were rounded from is certainly positive definite and the solve goes ahead
     (relative error about κ(S)·ε in the result); otherwise :class:`NotPositiveDefiniteError`
-    says so — damp the Grams, G_t + δ·I with δ above τ.
+    names EVERY layer where it fails, each with λ_min and τ, and suggests the damping δ (added
+    to every G_t) that lifts the worst of them: S + δ·Σα_t·I must clear τ + (ε/2)·Σ|α_t|·δ·√n
+    (the damped Grams' own rounding), so δ = 2·(τ − λ_min)/(Σα_t − (ε/2)·Σ|α_t|·√n), above
+    every threshold printed (:func:`regmean_systems` gives these numbers without merging).
 
     Args:
         finetuned: θ_1, …, θ_T.
@@ -142,9 +165,13 @@ def regmean(
         alphas: α_t.
         bias: modules whose weight has a bias (their Grams include the constant input column).
         transposed: modules whose weight is stored (in, out) (GPT-2 ``Conv1D``).
+        off_diagonal: r, the factor on the Grams' off-diagonal entries (1: the plain closed
+            form; Jin et al. tune r ∈ [0, 1]; ``gradmerge merge`` defaults to
+            :data:`REGMEAN_OFF_DIAGONAL`).
 
     Raises:
-        NotPositiveDefiniteError: Σ_t α_t G_t of a layer is singular at the Grams' precision.
+        NotPositiveDefiniteError: Σ_t α_t G̃_t of some layers is singular at the Grams'
+            precision (all of them named).
         StructureError: Grams for modules the models lack, or for different modules per task.
         ArgumentError: a wrong number of Gram sets or alphas.
 
@@ -164,9 +191,10 @@ def regmean(
         P.check_params(ft, name=f"finetuned[{t}]")
         P.check_compatible(finetuned[0], ft, ref_name="finetuned[0]", name=f"finetuned[{t}]")
     layers = _regmean_layers(finetuned, grams)
+    raise_unresolved(regmean_systems(grams, weights, off_diagonal=off_diagonal))
     merged: dict[str, Tensor] = {}
     for name in layers:  # one layer at a time: float64 copies of one layer's weights only
-        layer = [g[name] for g in grams]
+        layer = [_off_diagonal_scaled(g[name], off_diagonal) for g in grams]
         curvatures = [
             _regmean_curvature(name, g, ft, bias=bias, transposed=transposed)
             for g, ft in zip(layer, finetuned, strict=True)
@@ -178,7 +206,6 @@ def regmean(
                 f"grams name {name!r} with a bias, but the models have no {missing[0]!r}: "
                 f"leave {name!r} out of `bias`, or pass models with that parameter"
             )
-        _regmean_check_resolved(name, layer, weights)
         wide = [{k: ft[k].to(torch.float64) for k in keys} for ft in finetuned]
         solved = fisher_average(wide, curvatures, alphas=weights)
         merged.update({k: solved[k].to(finetuned[0][k].dtype) for k in keys})
@@ -230,29 +257,149 @@ def _regmean_curvature(
     return kfac.to(dtype=torch.float64)
 
 
-def _regmean_check_resolved(name: str, grams: Sequence[Tensor], alphas: Sequence[float]) -> None:
-    """Refuse S = Σ_t α_t G_t unless λ_min(S) > τ = (ε/2) Σ_t |α_t| ‖G_t‖_F (see :func:`regmean`).
+REGMEAN_OFF_DIAGONAL = 0.9
+"""Jin et al.'s off-diagonal factor r as ``gradmerge merge`` applies it by default (YAML
+``off_diagonal``): the value of their experiments on encoder models, and the default of
+``benchmarks/realnet.py``. :func:`regmean` itself defaults to r = 1, the plain closed form."""
 
-    ε is the machine epsilon of the coarsest dtype the Grams were given in; S and its spectrum
-    are computed in float64, where their own round-off (≈ n ε₆₄ ‖S‖) is far below τ for Grams
-    given in float32 or coarser.
+
+@dataclass(frozen=True)
+class RegmeanSystem:
+    """One layer's RegMean system S = Σ_t α_t G̃_t, judged as :func:`regmean` judges it.
+
+    Attributes:
+        name: the module.
+        min_eigenvalue: λ_min(S), computed in float64.
+        threshold: τ = (ε/2)·Σ_t |α_t|·‖G_t‖_F, the uncertainty of S's eigenvalues from the
+            rounding of Grams given in a dtype of machine epsilon ε (``dtype``).
+        damping: 0 when λ_min > τ; else the δ (added to every G_t) that lifts λ_min clear of
+            the damped threshold with a factor 2 to spare, or ``inf`` when Σ α_t ≤ 0.
+        dtype: the coarsest dtype the Grams were given in.
     """
-    given = coarsest_dtype(*(g.dtype for g in grams))
-    eps = torch.finfo(given if given is not None else torch.float64).eps
-    wide = [g.to(torch.float64) for g in grams]
-    total = sum((a * g for a, g in zip(alphas, wide, strict=True)), torch.zeros_like(wide[0]))
-    lam = float(torch.linalg.eigvalsh((total + total.T) / 2)[0])
-    frobenius = [float(torch.linalg.matrix_norm(g)) for g in wide]
-    tau = eps / 2 * sum(abs(a) * f for a, f in zip(alphas, frobenius, strict=True))
-    if not lam > tau:
-        raise not_pd(
-            f"RegMean system Σ_t α_t G_t of {name!r}",
-            f"smallest eigenvalue {lam:.3e}, not above {tau:.3e}, the uncertainty of the "
-            f"eigenvalues of Grams given in {str(given).removeprefix('torch.')}; damp the Grams: "
-            "G_t + δ·I with δ above that",
+
+    name: str
+    min_eigenvalue: float
+    threshold: float
+    damping: float
+    dtype: torch.dtype
+
+    @property
+    def ok(self) -> bool:
+        """Whether :func:`regmean` solves this layer."""
+        return self.damping == 0.0
+
+    def describe(self) -> str:
+        """One line: the layer, λ_min, τ and the damping it needs."""
+        need = "" if self.ok else f"; needs damping ≥ {self.damping:.2e}"
+        return (
+            f"{self.name!r}: λ_min = {self.min_eigenvalue:.3e}, threshold {self.threshold:.3e}"
+            f"{need}"
         )
 
 
+def regmean_systems(
+    grams: Sequence[Mapping[str, Tensor]],
+    alphas: Sequence[float],
+    *,
+    off_diagonal: float = 1.0,
+) -> list[RegmeanSystem]:
+    r"""Every layer's RegMean system, judged without merging (the check :func:`regmean` runs).
+
+    Refuses S = Σ_t α_t G̃_t unless λ_min(S) > τ = (ε/2) Σ_t |α_t| ‖G_t‖_F (see
+    :func:`regmean`): ε is the machine epsilon of the coarsest dtype the Grams were given in;
+    G̃_t's rounding error r·E + (1 − r)·diag(E) has ‖·‖_F ≤ ‖E‖_F, so τ bounds it too. S and its
+    spectrum are computed in float64, where their own round-off (≈ n ε₆₄ ‖S‖) is far below τ
+    for Grams given in float32 or coarser.
+
+    Example:
+        >>> import torch
+        >>> g = {"fc": torch.tensor([[1.0, 1.0], [1.0, 1.0]])}  # rank 1: singular
+        >>> [s.ok for s in regmean_systems([g], [1.0])], [s.ok for s in regmean_systems([g], [1.0], off_diagonal=0.9)]
+        ([False], [True])
+    """
+    if not 0.0 <= off_diagonal <= 1.0 or isinstance(off_diagonal, bool):
+        raise ArgumentError(
+            f"off_diagonal (Jin et al.'s factor on the Grams' off-diagonal entries) must be in "
+            f"[0, 1], got {off_diagonal!r}"
+        )
+    out = []
+    for name in grams[0]:
+        layer = [g[name] for g in grams]
+        given = coarsest_dtype(*(g.dtype for g in layer))
+        eps = torch.finfo(given if given is not None else torch.float64).eps
+        wide = [g.to(torch.float64) for g in layer]
+        scaled = [_off_diagonal_scaled(g, off_diagonal) for g in wide]
+        total = sum((a * g for a, g in zip(alphas, scaled, strict=True)), torch.zeros_like(wide[0]))
+        lam = float(torch.linalg.eigvalsh((total + total.T) / 2)[0])
+        frobenius = [float(torch.linalg.matrix_norm(g)) for g in wide]
+        tau = eps / 2 * sum(abs(a) * f for a, f in zip(alphas, frobenius, strict=True))
+        damping = 0.0
+        if not lam > tau:
+            lift = sum(alphas) - eps / 2 * sum(abs(a) for a in alphas) * math.sqrt(total.shape[0])
+            damping = 2 * (tau - lam) / lift if lift > 0 else math.inf
+            damping = max(damping, math.ulp(tau) if tau > 0 else torch.finfo(torch.float64).tiny)
+        out.append(RegmeanSystem(name, lam, tau, damping, given or torch.float64))
+    return out
+
+
+def raise_unresolved(systems: Sequence[RegmeanSystem]) -> None:
+    """Raise one :class:`NotPositiveDefiniteError` naming every layer of ``systems`` that
+    :func:`regmean` cannot solve, with the damping that lifts them all (its
+    ``suggested_delta``); nothing when all are fine."""
+    bad = [s for s in systems if not s.ok]
+    if not bad:
+        return
+    needed = max(s.damping for s in bad)
+    given = str(bad[0].dtype).removeprefix("torch.")
+    fix = (
+        f"damp the Grams, G_t + δ·I with δ ≥ {needed:.2e} (above every threshold listed), or "
+        "scale their off-diagonal entries (off_diagonal < 1, Jin et al.)"
+        if math.isfinite(needed)
+        else "the α_t sum to ≤ 0, so no damping lifts them: use positive alphas"
+    )
+    err = NotPositiveDefiniteError(
+        f"RegMean system Σ_t α_t G_t is singular in {len(bad)} of {len(systems)} layers ("
+        + "; ".join(s.describe() for s in bad)
+        + f") at the precision of the Grams, given in {given}: λ_min is not above the "
+        f"threshold, the uncertainty of the eigenvalues. Fix: {fix}."
+    )
+    err.suggested_delta = needed if math.isfinite(needed) else None
+    raise err
+
+
+def _off_diagonal_scaled(gram: Tensor, r: float) -> Tensor:
+    """r·G + (1 − r)·diag(G): Jin et al.'s reduced off-diagonal Gram (G itself for r = 1)."""
+    if r == 1.0:
+        return gram
+    scaled = r * gram  # one rounding of each off-diagonal entry; the diagonal is copied exactly
+    scaled.diagonal().copy_(gram.diagonal())
+    return scaled
+
+
+@overload
+def gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[CurvatureLike],
+    *,
+    prior: CurvatureLike,
+    alphas: float | Sequence[float] = ...,
+    kernel: Kernel | None = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[False] = ...,
+) -> dict[str, Tensor]: ...
+@overload
+def gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[CurvatureLike],
+    *,
+    prior: CurvatureLike,
+    alphas: float | Sequence[float] = ...,
+    kernel: Kernel | None = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[True],
+) -> tuple[dict[str, Tensor], Solution]: ...
 def gradient_matching(
     base: Params,
     finetuned: Sequence[Params],
@@ -261,7 +408,9 @@ def gradient_matching(
     prior: CurvatureLike,
     alphas: float | Sequence[float] = 1.0,
     kernel: Kernel | None = None,
-) -> dict[str, Tensor]:
+    solver: SolverSpec | None = None,
+    return_solution: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
     r"""The uncertainty-based gradient-matching merge (Eq. 6).
 
     .. math::
@@ -283,9 +432,17 @@ def gradient_matching(
             merge to use for the tensors it takes (:class:`gradmerge.kernels.Fused`: one
             compiled loop per tensor, bit-identical); ``None`` (default): the chunked torch
             pass of :mod:`gradmerge._elementwise`, which compiles nothing.
+        solver: how H̄⁻¹ is applied where it is iterative (K-FAC, sums, matrix-free):
+            :class:`gradmerge.SolverSpec`; ``None``: each operator's defaults. With
+            ``warm_start``, K-FAC layers may start from the task-arithmetic solution Σ_t α_t τ_t.
+        return_solution: also return the solve's report.
 
     Returns:
-        The merged parameters, a new dict with the keys of ``base``.
+        The merged parameters, a new dict with the keys of ``base``; with ``return_solution``,
+        ``(merged, solution)``, ``solution`` the :class:`gradmerge.Solution` of H̄ x = rhs
+        (per K-FAC layer: method, iterations, certified residual). The fused elementwise path
+        (diagonal and δ·I curvatures) solves exactly in the same pass as the merge: its report
+        has the method only and an empty ``value``.
 
     Raises:
         StructureError, DTypeError, DeviceError, NonFiniteError: inputs that do not fit together.
@@ -323,7 +480,7 @@ def gradient_matching(
                 P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
             prior_part, *task_parts = cast(list[_elementwise.Part], elementwise)
             precisions = [h.coarsest_dtype for h in (h0, *hs)]
-            return _elementwise.merge(
+            merged = _elementwise.merge(
                 base,
                 finetuned,
                 weights,
@@ -333,7 +490,10 @@ def gradient_matching(
                 precisions=precisions,
                 kernel=kernel,
             )
-        return _generic_merge(base, finetuned, weights, h0, hs, names)
+            report = Solution({}, "exact (elementwise, fused with the merge)")
+        else:
+            merged, report = _generic_merge(base, finetuned, weights, h0, hs, names, solver)
+    return (merged, report) if return_solution else merged
 
 
 def _generic_merge(
@@ -343,7 +503,8 @@ def _generic_merge(
     h0: Curvature,
     hs: Sequence[Curvature],
     names: Sequence[str],
-) -> dict[str, Tensor]:
+    solver: SolverSpec | None,
+) -> tuple[dict[str, Tensor], Solution]:
     """Eq. 6 through the operator algebra (any structure); inputs checked here."""
     P.check_finite(base, name="base")
     task_vectors = [
@@ -359,11 +520,41 @@ def _generic_merge(
         # α_t times the term, then added (two roundings, not the fused y + α·x of P.axpy): the
         # elementwise paths (_elementwise, _fused) round the same way, so all agree bit for bit
         rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
-    merged = P.add(base, _solve(merged_precision, rhs))  # Eq. 6
+    guess = None  # the task-arithmetic solution Σ_t α_t τ_t, where a warm start may use it
+    if solver is not None and solver.warm_start:
+        guess = P.zeros_like(base)
+        for alpha, tau in zip(weights, task_vectors, strict=True):
+            guess = P.axpy(alpha, tau, guess)
+    x, report = _solve(merged_precision, rhs, solver, guess)
+    merged = P.add(base, x)  # Eq. 6
     P.check_result_finite(merged, what="merged", alphas=weights)
-    return merged
+    return merged, report
 
 
+@overload
+def remove(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    *,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[False] = ...,
+) -> dict[str, Tensor]: ...
+@overload
+def remove(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    *,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[True],
+) -> tuple[dict[str, Tensor], Solution]: ...
 def remove(
     base: Params,
     finetuned: Params,
@@ -372,7 +563,9 @@ def remove(
     remaining: CurvatureLike,
     prior: CurvatureLike,
     alpha: float = 1.0,
-) -> dict[str, Tensor]:
+    solver: SolverSpec | None = None,
+    return_solution: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
     r"""Remove data (or a task) D_t from a model by gradient matching (Eq. 13).
 
     .. math::
@@ -392,6 +585,8 @@ def remove(
             INCLUDING the base model's own regulariser δ·I (``C_remaining + delta``).
         prior: H_0 used when fine-tuning θ_t.
         alpha: α_t.
+        solver: how H̄_\t⁻¹ is applied where it is iterative (:class:`gradmerge.SolverSpec`).
+        return_solution: return ``(removed, solution)``, the solve's report with the result.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -399,22 +594,74 @@ def remove(
         >>> gm.remove(base, ft, gm.Diagonal({"w": torch.tensor([1.0])}), remaining=4.0, prior=1.0)
         {'w': tensor([0.5000])}
     """
-    P.check_params(base, name="base")
+    P.check_params(base, name="base", finite=False)
     base, finetuned = P.detached(base), P.detached(finetuned)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
+    fast = _remove_elementwise(base, finetuned, curvature, remaining, prior, weight)
+    if fast is not None:  # an elementwise division: exact, nothing to measure
+        return (fast, Solution(fast, "exact (diagonal)")) if return_solution else fast
+    P.check_params(base, name="base")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")
     ht = _curvature(curvature, base, name="curvature")
     rest = _curvature(remaining, base, name="remaining")
-    correction = _solve(rest, P.add(h0.mv(tau), ht.mv(tau)))
+    correction, report = _solve(rest, P.add(h0.mv(tau), ht.mv(tau)), solver)
     removed = P.axpy(-weight, correction, base)  # Eq. 13
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return removed
+    return (removed, report) if return_solution else removed
 
 
+def _remove_elementwise(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float,
+) -> dict[str, Tensor] | None:
+    """Eq. 13 in one fused pass (:mod:`gradmerge._removal`) when every curvature is diagonal or
+    δ·I; None otherwise, or when a value check fails (the generic path then names the cause)."""
+    P.check_params(finetuned, name="finetuned", finite=False)
+    P.check_compatible(base, finetuned, ref_name="base", name="finetuned")
+    terms = []
+    for value, name in ((prior, "prior"), (curvature, "curvature"), (remaining, "remaining")):
+        c = _curvature(value, base, name=name, psd=False)
+        part = _elementwise.parts(c)
+        if part is None:
+            return None
+        terms.append(part)
+    return _removal.remove(base, finetuned, *terms, alpha=alpha)
+
+
+@overload
 def influence_remove(
-    base: Params, gradient: Params, *, remaining: CurvatureLike, alpha: float = 1.0
-) -> dict[str, Tensor]:
+    base: Params,
+    gradient: Params,
+    *,
+    remaining: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[False] = ...,
+) -> dict[str, Tensor]: ...
+@overload
+def influence_remove(
+    base: Params,
+    gradient: Params,
+    *,
+    remaining: CurvatureLike,
+    alpha: float = ...,
+    solver: SolverSpec | None = ...,
+    return_solution: Literal[True],
+) -> tuple[dict[str, Tensor], Solution]: ...
+def influence_remove(
+    base: Params,
+    gradient: Params,
+    *,
+    remaining: CurvatureLike,
+    alpha: float = 1.0,
+    solver: SolverSpec | None = None,
+    return_solution: bool = False,
+) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
     r"""Remove data D_t with the influence-function step of Koh & Liang (2017) (Sec. 1.4).
 
     .. math::
@@ -423,7 +670,8 @@ def influence_remove(
         \qquad g_t = \nabla \bar\ell_t(\theta_{LLM}).
 
     The appendix prints it without α_t (the case α_t = 1); the α_t follows from Eq. 11 without
-    the Taylor step of Eq. 12 (see ERRATA.md). Exact for linear regression.
+    the Taylor step of Eq. 12 (see ERRATA.md). Exact for linear regression. ``solver`` and
+    ``return_solution`` as in :func:`remove`.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -436,17 +684,19 @@ def influence_remove(
     base, gradient = P.detached(base), P.detached(gradient)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     rest = _curvature(remaining, base, name="remaining")
-    removed = P.axpy(weight, _solve(rest, gradient), base)
+    x, report = _solve(rest, gradient, solver)
+    removed = P.axpy(weight, x, base)
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return removed
+    return (removed, report) if return_solution else removed
 
 
 # ----- input handling shared by the rules ------------------------------------------------------
-def _solve(precision: Curvature, rhs: Params) -> dict[str, Tensor]:
-    """precision⁻¹ rhs, its report handed to :func:`gradmerge.solvers.solution.collect`."""
-    solved = precision.solve_info(rhs)
-    solution.publish(solved)
-    return solved.value
+def _solve(
+    precision: Curvature, rhs: Params, solver: SolverSpec | None, guess: Params | None = None
+) -> tuple[dict[str, Tensor], Solution]:
+    """(precision⁻¹ rhs, the solve's report), run as ``solver`` says."""
+    solved = precision.solve_info(rhs, solver, guess=guess)
+    return solved.value, solved
 
 
 def _alphas(

@@ -21,11 +21,16 @@ from torch import nn
 
 from gradmerge.errors import ArgumentError
 from gradmerge.io import sources
+from gradmerge.io.lora import is_adapter
 from gradmerge.io.text_data import TextBatches, TextOptions
 
-MODEL_HELP = "Hugging Face folder (or LoRA adapter folder) or module:function"
+MODEL_HELP = (
+    "Hugging Face folder (or LoRA adapter folder) or module:function (an entry point RUNS that "
+    "code)"
+)
 DATA_HELP = (
-    "text (.jsonl/.csv/.tsv/.txt, datasets folder), tensors (.safetensors/.pt) or module:function"
+    "text (.jsonl/.csv/.tsv/.txt, datasets folder), tensors (.safetensors/.pt) or module:function "
+    "(an entry point RUNS that code)"
 )
 
 
@@ -69,21 +74,24 @@ def add_reading_arguments(p: argparse.ArgumentParser) -> None:
         "--max-examples",
         type=int,
         default=None,
-        help="use the first N examples of a text or tensor file",
+        help="use the first N examples of DATA (an entry point: default at most "
+        f"{sources.MAX_ENTRY_POINT_EXAMPLES:,}, beyond which it stops with an error)",
     )
     p.add_argument(
         "--model-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="keyword argument of a MODEL entry point (repeatable; VALUE read as JSON if it is)",
+        help="keyword argument of a MODEL entry point (repeatable; VALUE read as JSON if it "
+        "is); the entry point is imported and called: it runs code, like a Python import",
     )
     p.add_argument(
         "--data-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable)",
+        help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable); the "
+        "entry point is imported and called: it runs code, like a Python import",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--ignore-index", type=int, default=-100, help="label of ignored positions")
@@ -92,6 +100,15 @@ def add_reading_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="labels follow Hugging Face's causal-LM convention (labels = input_ids): shift "
         "them left by one and ignore the last position",
+    )
+    p.add_argument(
+        "--adapter-base",
+        default=None,
+        metavar="FOLDER",
+        help="MODEL is a LoRA adapter: the base model folder it applies to (default: its "
+        "adapter_config.json's base_model_name_or_path; a relative one is read relative to the "
+        "folder holding the adapter, and refused when it names another model relative to the "
+        "current directory)",
     )
     p.add_argument(
         "--allow-new-weights",
@@ -126,13 +143,8 @@ def check_reading(
         data_kind = sources.data_kind(args.data)
     except ArgumentError as err:
         parser.error(str(err))
-    if data_kind == "entry point":
-        for flag, value in (
-            ("--batch-size", args.batch_size),
-            ("--max-examples", args.max_examples),
-        ):
-            if value is not None:
-                parser.error(f"{flag} applies to files; an entry point yields its own batches")
+    if data_kind == "entry point" and args.batch_size is not None:
+        parser.error("--batch-size applies to files; an entry point yields its own batches")
     if data_kind != "tensor file" and args.shift_labels:
         parser.error(
             "--shift-labels applies to tensor files (text is shifted already; an entry point "
@@ -157,6 +169,10 @@ def check_reading(
                 sources.parse_argument(value)
     except ArgumentError as err:
         parser.error(str(err))
+    if args.adapter_base is not None and not any(
+        kind == "hugging face folder" and is_adapter(spec) for spec, kind in model_kinds
+    ):
+        parser.error("--adapter-base applies to a LoRA adapter MODEL; none is given")
     return model_kinds, data_kind
 
 
@@ -198,8 +214,9 @@ def input_paths(
                 inputs.append((flag, Path(module)))
         else:
             inputs.append((flag, Path(spec)))
-    if args.tokenizer:
-        inputs.append(("--tokenizer", Path(args.tokenizer)))
+    for flag, value in (("--tokenizer", args.tokenizer), ("--adapter-base", args.adapter_base)):
+        if value:
+            inputs.append((flag, Path(value)))
     return inputs
 
 
@@ -229,7 +246,10 @@ def load(
     ``model_spec``: the MODEL to load instead of ``args.model`` (commands taking several)."""
     spec = args.model if model_spec is None else model_spec
     model_arguments = dict(map(sources.parse_argument, args.model_arg))
-    model = sources.load_model(spec, model_arguments, allow_new_weights=args.allow_new_weights)
+    base = _adapter_base(args, spec)
+    model = sources.load_model(
+        spec, model_arguments, allow_new_weights=args.allow_new_weights, base=base
+    )
     model = model.to(device).eval()
     data = sources.load_data(
         args.data,
@@ -239,7 +259,7 @@ def load(
         arguments=dict(map(sources.parse_argument, args.data_arg)),
         max_examples=args.max_examples,
         model=model,
-        tokenizer=args.tokenizer or sources.tokenizer_folder(spec),
+        tokenizer=args.tokenizer or sources.tokenizer_folder(spec, base),
         text=TextOptions(**{key: value for key, _, value in _text_options(args)}),
     )
     if announce:
@@ -247,6 +267,13 @@ def load(
             print(f"{args.data}: {data.summary()}", file=sys.stderr)
         sources.warn_unshifted(model, data, shift_labels=args.shift_labels)
     return model, data
+
+
+def _adapter_base(args: argparse.Namespace, spec: str) -> str | None:
+    """``--adapter-base`` for MODEL ``spec`` when it is a LoRA adapter folder, else ``None``."""
+    if args.adapter_base is None or (":" in spec and not Path(spec).is_dir()):
+        return None
+    return str(args.adapter_base) if is_adapter(spec) else None
 
 
 def _text_options(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
@@ -291,12 +318,13 @@ def provenance(
         max_examples=args.max_examples,
         seed=getattr(args, "seed", None),  # gradmerge curvature's Monte-Carlo options
         mc_samples=getattr(args, "mc_samples", None),
+        base=_adapter_base(args, spec),
     )
     if isinstance(data, TextBatches):
         meta.update(data.metadata())
         options = {key: value for key, _, value in _text_options(args) if value is not None}
         meta["source.text_options"] = json.dumps(options, sort_keys=True)
-        tokenizer = args.tokenizer or sources.tokenizer_folder(spec)
+        tokenizer = args.tokenizer or sources.tokenizer_folder(spec, _adapter_base(args, spec))
         meta["source.tokenizer"] = str(Path(tokenizer).resolve())
     return meta
 
@@ -327,9 +355,10 @@ class _Passes:
 
 
 def _examples(data: Iterable[Any]) -> int | None:
-    """How many examples ``data`` holds, when it knows (tensor and text files)."""
+    """How many examples ``data`` holds, when it knows (tensor and text files; an entry point's
+    ``--max-examples``, at most)."""
     if isinstance(data, TextBatches):
-        return len(data.examples)
+        return data.examples
     rows = getattr(data, "rows", None)
     return rows if isinstance(rows, int) else None
 

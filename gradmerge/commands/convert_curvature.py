@@ -83,6 +83,11 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"OUT {out} must be a .safetensors file name")
     if out.is_dir():
         parser.error(f"OUT {out} is a folder; give a file name such as task.curvature.safetensors")
+    from gradmerge.io.official import output_in_source
+
+    problem = output_in_source(args.src, out)
+    if problem:
+        parser.error(problem)
     if out.exists() and not args.overwrite:
         parser.error(f"OUT {out} exists; pass --overwrite to replace it")
 

@@ -20,7 +20,7 @@ configuration (YAML; relative paths are relative to the YAML file), for example:
   prior: {delta: 1.0e-6}          # H_0 = δI (+ s·C from curvature files)
 
 Every key (dtype, compute_dtype, device, passthrough, max_shard_size, allow_mixed_dtypes,
-curvature_weights, solver, scale, damping, ...) is described once, with examples, in
+curvature_weights, solver, scale, damping, off_diagonal, models[].scale, ...) is described once, with examples, in
 docs/config.md of the gradmerge repository.
 
 methods:
@@ -79,7 +79,34 @@ def run_command(
     plan: Callable[[Any], Any],
     execute: Callable[..., Any],
 ) -> int:
-    """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr."""
+    """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr.
+    Each :class:`InputWarning` is printed once, as ``gradmerge COMMAND: warning: ...`` (the
+    dry run opens the inputs more than once; Python would attribute them to this module)."""
+    import warnings
+
+    from gradmerge.errors import InputWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputWarning)
+        try:
+            return _run_command(args, command, load, plan, execute)
+        finally:
+            seen: set[str] = set()
+            for w in caught:
+                if not issubclass(w.category, InputWarning):
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                elif str(w.message) not in seen:
+                    seen.add(str(w.message))
+                    print(f"gradmerge {command}: warning: {w.message}", file=sys.stderr)
+
+
+def _run_command(
+    args: argparse.Namespace,
+    command: str,
+    load: Callable[[str], Any],
+    plan: Callable[[Any], Any],
+    execute: Callable[..., Any],
+) -> int:
     from gradmerge.errors import GradmergeError
 
     try:
@@ -128,7 +155,7 @@ def describe_systems(config: Any) -> int:
     """``--dry-run``: check every unit's linear system (:mod:`gradmerge.jobs.conditioning`)
     and, for gradient matching, δ against the curvatures; print what needs damping. 1 if a solve
     would fail, else 0."""
-    from gradmerge.jobs import MergeConfig
+    from gradmerge.jobs import MergeConfig, RemoveConfig
     from gradmerge.jobs.conditioning import check_systems, delta_note
 
     checks = check_systems(config)
@@ -140,10 +167,33 @@ def describe_systems(config: Any) -> int:
     if bad:
         needed = max(c.needed for c in bad)
         print(f"set `{bad[0].key}` to at least {needed:.2g} (the largest above) and run again")
+    elif isinstance(config, RemoveConfig):
+        return _removal_verdict(config)
     note = delta_note(config) if isinstance(config, MergeConfig) else None
     if note:
-        print(f"warning: {note}", file=sys.stderr)
+        print(f"gradmerge merge: warning: {note}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _removal_verdict(config: Any) -> int:
+    """``--dry-run`` of a diagonal ``remove``: the step and rounding checks the real run makes
+    before writing, on the same computed result; 1 where the real run would refuse."""
+    from gradmerge.errors import StepTooLargeError
+    from gradmerge.jobs.conditioning import removal_checks
+
+    found = removal_checks(config)
+    if found is None:
+        return 0
+    step, rounding = found
+    print(step.describe())
+    print(rounding.describe())
+    try:
+        step.check(config.step_check, config.max_relative_step)
+        rounding.check(config.rounding_check, config.max_rounding)
+    except StepTooLargeError as err:
+        print(f"the real run would refuse it: {err}")
+        return 1
+    return 0
 
 
 def describe_plan(plan: Any, config: Any) -> str:

@@ -17,7 +17,7 @@ configuration (YAML; relative paths are relative to the YAML file):
       alpha: 1.0                  # α_t (default 1.0)
     - {model: path/to/finetuned_b, data: mypkg.data:task_b}
   prior: {delta: 1.0e-3}          # H_0 = δI (+ scale · curvature file), the fine-tunes' prior
-  steps: 2                        # k ≥ 1 refinement steps
+  steps: 2                        # 1 ≤ k ≤ 100 refinement steps
   structure: kfac                 # curvature re-estimated at every iterate: diag | kfac | full
   fisher: empirical               # empirical | mc | ggn | hessian (structure full only)
   loss: cross_entropy             # cross_entropy | mse
@@ -35,6 +35,10 @@ backtracking on the norm of the bracket, R), H_t and ∇ℓ̄_t SUMS over D_t at
 streamed: θ, θ_LLM and every θ_t are held in memory. OUT_DIR appears only when the run
 succeeded: the refined model saved as the start was, and gradmerge_refine.json with the
 gradient mismatch Σ_t ‖∇ℓ̄_t(θ^k) − ∇ℓ̄_t(θ_t)‖ (per task and summed) and ‖R(θ^k)‖ of every step.
+
+An entry point (module:function, path/to/file.py:function) is imported and called: it RUNS CODE,
+with your permissions. A YAML file naming one is refused unless --allow-entry-points (or
+GRADMERGE_ALLOW_ENTRY_POINTS=1) says to trust it as you would a script (docs/trust.md).
 
 examples:
   gradmerge merge merge.yaml merged/ && gradmerge refine refine.yaml refined/
@@ -56,6 +60,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("config", metavar="CONFIG.yaml", help="the configuration (see below)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output folder (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument(
+        "--allow-entry-points",
+        action="store_true",
+        help="let CONFIG name Python entry points (module:function), which RUN CODE: only for "
+        "a file you trust as a script (also: GRADMERGE_ALLOW_ENTRY_POINTS=1)",
+    )
     p.set_defaults(run=run)
 
 
@@ -65,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from gradmerge.jobs.refine import RefineConfig, run_refine
 
     try:
-        config = RefineConfig.from_yaml(args.config)
+        config = RefineConfig.from_yaml(
+            args.config, allow_entry_points=args.allow_entry_points or None
+        )
         report = run_refine(config, args.out_dir, overwrite=args.overwrite, log=print)
     except (GradmergeError, OSError) as err:
         print(f"gradmerge refine: error: {err}", file=sys.stderr)

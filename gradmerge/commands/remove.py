@@ -46,7 +46,13 @@ H̄_\\t must be positive definite: a removal that fails with "not positive defin
 `remaining: {delta: ...}` (the base model's prior precision). OUT_DIR appears only when the
 removal succeeded, with the base's config/tokenizer files and gradmerge_remove.json.
 
-remove a task from a merge (tasks a, b, c merged by gradient_matching into merged/):
+remove a task from a merge, exactly: merge the tasks that stay again (Eq. 6 without task t)
+  method: remerge
+  merge: merge.yaml                  # the merge that included the task
+  without: [1]                       # its models to leave out: indices (0-based) or paths
+  Writes what `gradmerge merge` writes for that merge without them (gradmerge_merge.json).
+
+remove a task from a merge by Eq. 13 (tasks a, b, c merged by gradient_matching into merged/):
   method: remove
   base_model: merged/
   model: ft_b/
@@ -54,7 +60,11 @@ remove a task from a merge (tasks a, b, c merged by gradient_matching into merge
   prior: {delta: δ}
   remaining: {delta: δ, curvature: [a.curvature.safetensors, c.curvature.safetensors]}
   This is Eq. 13 from the merged weights; it differs from merging a and c again by
-  H̄_\\b⁻¹ H_0 (θ_merged − θ_base of the merge), small when δ is small next to the curvatures.
+  H̄_\\b⁻¹ H_0 (θ_merged − θ_base of the merge), small when δ is small next to the curvatures,
+  and it multiplies the rounding of the stored merge by (H_0 + H_b)/H̄_\\b: where only b
+  trained (H̄_\\b ≈ δ) that exceeds the step, and the removal is refused (`rounding_check`,
+  `max_rounding`, default 1e-2 × ‖θ_b − θ_merged‖; --dry-run computes the same bound). Use
+  `method: remerge` then.
 
 examples:
   gradmerge remove remove.yaml unlearned/
@@ -80,6 +90,27 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gradmerge remove``; 0 on success, 1 on bad input (the message goes to stderr)."""
-    from gradmerge.jobs import RemoveConfig, plan_remove, run_remove
+    from gradmerge.jobs import plan_merge, plan_remove, run_merge, run_remove
+    from gradmerge.jobs.config import MergeConfig
 
-    return run_command(args, "remove", RemoveConfig.from_yaml, plan_remove, run_remove)
+    def plan(config: Any) -> Any:
+        return plan_merge(config) if isinstance(config, MergeConfig) else plan_remove(config)
+
+    def execute(config: Any, *a: Any, **k: Any) -> Any:
+        return (run_merge if isinstance(config, MergeConfig) else run_remove)(config, *a, **k)
+
+    return run_command(args, "remove", load, plan, execute)
+
+
+def load(path: str) -> Any:
+    """The configuration at ``path``: a :class:`RemoveConfig`, or for ``method: remerge`` the
+    :class:`MergeConfig` of the tasks that stay (:func:`remerge_config`)."""
+    from pathlib import Path
+
+    from gradmerge.jobs import RemoveConfig
+    from gradmerge.jobs.config import _load_yaml, remerge_config
+
+    data, root = _load_yaml(path)
+    if isinstance(data, dict) and data.get("method") == "remerge":
+        return remerge_config(data, root=root, source=Path(path))
+    return RemoveConfig.from_dict(data, root=root, source=Path(path))

@@ -35,6 +35,7 @@ from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 
 class IncompatibleStructures(TypeError):
@@ -85,10 +86,15 @@ class Curvature(ABC):
             NotPositiveDefiniteError: ``C`` is singular or not positive definite.
         """
 
-    def solve_info(self, v: Params) -> Solution:
+    def solve_info(
+        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+    ) -> Solution:
         """:meth:`solve` with its report (:class:`gradmerge.Solution`): method, iterations,
         residual and per-block parts. Direct solves of elementwise and dense structures report
-        the method only (their residual is round-off); K-FAC and CG solves measure theirs."""
+        the method only (their residual is round-off) and need no ``spec``; K-FAC and CG solves
+        run as ``spec`` says (:class:`gradmerge.SolverSpec`; ``None``: the operator's own
+        defaults) and measure their residual; ``guess`` (an estimate of x) may start an
+        iterative solve (K-FAC) and is otherwise unused."""
         return Solution(self.solve(v), f"exact ({type(self).__name__})")
 
     @abstractmethod

@@ -18,6 +18,7 @@ from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 
 class Blocks(Curvature):
@@ -82,13 +83,18 @@ class Blocks(Curvature):
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value
 
-    def solve_info(self, v: Params) -> Solution:
+    def solve_info(
+        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+    ) -> Solution:
         """Each block's :meth:`solve_info`; the parts are the blocks' own parts (e.g. K-FAC
         layers), or the block itself under its index."""
         out: dict[str, Tensor] = {}
         parts: dict[str, Solution] = {}
-        for i, (block, part) in enumerate(zip(self.blocks, self._parts(v), strict=True)):
-            solution = block.solve_info(part)
+        guesses = self._parts(guess) if guess is not None else [None] * len(self.blocks)
+        for i, (block, part, start) in enumerate(
+            zip(self.blocks, self._parts(v), guesses, strict=True)
+        ):
+            solution = block.solve_info(part, spec, guess=start)
             out.update(solution.value)
             parts.update(solution.parts or {f"block{i}": solution})
         return Solution(

@@ -39,6 +39,7 @@ from gradmerge.solvers import kfac_cg, kronecker
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eye_like, identity_multiple
 from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 EXACT_EIG_MAX_SIZE = 4096
 """Layers with several Kronecker terms and at most this many parameters get their exact
@@ -176,28 +177,38 @@ class KFAC(Curvature):
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value
 
-    def solve_info(self, v: Params) -> Solution:
+    @property
+    def spec(self) -> SolverSpec:
+        """The solver settings of :meth:`solve` and of ``solve_info`` without a ``spec``
+        (from ``cg_tol``, ``cg_maxiter``, ``cg_approximate``)."""
+        return SolverSpec(self.cg_tol, self.cg_maxiter, self.cg_approximate)
+
+    def solve_info(
+        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+    ) -> Solution:
         """The solution of K x = v with, per layer, the method, CG iterations and the relative
         residual ‖b − Kx‖/‖b‖ (recomputed in float64 for coarser dtypes); raises
-        :class:`NotConvergedError` where a layer misses ``cg_tol``."""
+        :class:`NotConvergedError` where a layer misses ``spec.tol``.
+
+        Args:
+            v: the right-hand side.
+            spec: how to solve (:class:`gradmerge.SolverSpec`); ``None``: :attr:`spec`.
+            guess: an estimate of x (e.g. the task-arithmetic solution of a merge), a starting
+                point of the layers' CG where ``spec.warm_start`` and its residual is the
+                smaller one (:func:`gradmerge.solvers.kfac_cg.solve`).
+        """
         self.check_covers(v, name="the vector", ref_name="the vector")
+        spec = self.spec if spec is None else spec
         out: dict[str, Tensor] = {}
         parts: dict[str, Solution] = {}
         for name, terms in self.terms.items():
             b = self._matrix(name, v)
             delta, rest = kfac_cg.split_identity(terms)
             if delta == 0 and len(rest) <= 2:
-                layer = self._direct(name, rest, b)
+                layer = self._direct(name, rest, b, spec.tol)
             else:
-                layer = kfac_cg.solve(
-                    name,
-                    delta,
-                    rest,
-                    b,
-                    tol=self.cg_tol,
-                    maxiter=self.cg_maxiter,
-                    approximate=self.cg_approximate,
-                )
+                x0 = self._matrix(name, guess) if guess is not None and spec.warm_start else None
+                layer = kfac_cg.solve(name, delta, rest, b, spec=spec, x0=x0)
             values: dict[str, Tensor] = {}
             self._split(name, layer.x, values)
             out.update(values)
@@ -213,7 +224,9 @@ class KFAC(Curvature):
             parts=parts,
         )
 
-    def _direct(self, name: str, terms: list[Term], b: Tensor) -> kfac_cg.LayerSolve:
+    def _direct(
+        self, name: str, terms: list[Term], b: Tensor, tol: float | None
+    ) -> kfac_cg.LayerSolve:
         """One or two Kronecker terms, exactly (:func:`kronecker.factorise`, kept per layer)."""
         key = f"{name}:direct"
         if key not in self._cache:
@@ -222,7 +235,7 @@ class KFAC(Curvature):
         bnorm = float(torch.linalg.norm(b.to(torch.float64)))
         r = float(torch.linalg.norm(kfac_cg.residual(0.0, terms, b, x)))
         residual = r / bnorm if bnorm > 0 else 0.0
-        tol = default_tol(b.dtype) if self.cg_tol is None else self.cg_tol
+        tol = default_tol(b.dtype) if tol is None else tol
         if residual > tol:
             raise kfac_cg.not_converged(name, residual, tol, b.dtype, "an exact solve")
         return kfac_cg.LayerSolve(x, f"{len(terms)}-term eigendecomposition", 0, residual)

@@ -18,6 +18,7 @@ from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.cg import solve_or_raise
 from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 
 class Sum(Curvature):
@@ -74,15 +75,16 @@ class Sum(Curvature):
             out = P.add(out, term.mv(v))
         return out
 
-    def solve_info(self, v: Params) -> Solution:
+    def solve_info(
+        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+    ) -> Solution:
         """CG on Σ_k C_k x = v (unpreconditioned); raises :class:`NotConvergedError` if it fails.
 
         ``tol=None`` (default) aims for 1e-10 in float64 and 1e-5 in float32.
         """
         self.check_covers(v, name="the vector", ref_name="the vector")
-        return solve_or_raise(
-            self.mv, v, tol=self.tol, maxiter=self.maxiter, what="a sum of curvatures"
-        )
+        tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)
+        return solve_or_raise(self.mv, v, tol=tol, maxiter=maxiter, what="a sum of curvatures")
 
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value

@@ -26,6 +26,7 @@ from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.cg import solve_or_raise
 from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 
 class MatrixFree(Curvature):
@@ -114,11 +115,12 @@ class MatrixFree(Curvature):
         pullback = vjp(lambda p: self._outputs(p, inputs), self.params)[1]
         return pullback(OutputHessian(out, targets, self.loss).mv(jv))[0]  # Jᵀ Λ J v
 
-    def solve_info(self, v: Params) -> Solution:
+    def solve_info(
+        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+    ) -> Solution:
         """CG on this operator; raises :class:`NotConvergedError` if it does not converge."""
-        return solve_or_raise(
-            self.mv, v, tol=self.tol, maxiter=self.maxiter, what=f"the {self.kind}"
-        )
+        tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)
+        return solve_or_raise(self.mv, v, tol=tol, maxiter=maxiter, what=f"the {self.kind}")
 
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmerge.errors import FileFormatError, StructureError
+from gradmerge._text import key_list
+from gradmerge._weight_sample import sample_hash_from
+from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 
 CONFIG = "adapter_config.json"
@@ -76,6 +79,12 @@ class LoraUpdate:
     b: Tensor
     scale: float
     transpose: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it updates: (out, in), or (in, out) with ``transpose``."""
+        shape = (int(self.b.shape[0]), int(self.a.shape[1]))
+        return shape[::-1] if self.transpose else shape
 
     def delta(self, dtype: torch.dtype) -> Tensor:
         """s·B·A in ``dtype`` (at least float32 for the product)."""
@@ -113,6 +122,7 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraUpdate], dict[str, Tensor]
         else:
             saved[name] = value  # modules_to_save (or a head): replaces the base's tensor
     scale_of = _scales(config, folder)
+    _check_targets(config, sorted(updates), folder)
     out = {}
     for module, pair in updates.items():
         if set(pair) != {"lora_A", "lora_B"}:
@@ -123,6 +133,13 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraUpdate], dict[str, Tensor]
                 f"{folder}: {module!r} has LoRA factors A {tuple(a.shape)} and B "
                 f"{tuple(b.shape)}; expected 2-d A (r × in) and B (out × r) of one rank r "
                 "(convolution LoRA is not supported: merge it with peft's merge_and_unload())"
+            )
+        if int(a.shape[0]) != _rank(config, module):
+            raise StructureError(
+                f"{folder}: {module!r} has LoRA factors of rank {a.shape[0]}, but "
+                f"{CONFIG} gives it r = {_rank(config, module)} (r or rank_pattern): the "
+                "scale lora_alpha / r would be wrong; the config is not this adapter's (peft "
+                "refuses it too)"
             )
         out[f"{module}.weight"] = LoraUpdate(
             a, b, scale_of(int(a.shape[0])), bool(config.get("fan_in_fan_out"))
@@ -156,11 +173,48 @@ def _config(folder: Path) -> dict[str, Any]:
             )
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
             raise FileFormatError(
-                f"{folder / CONFIG}: `{key}` must be a positive number, got {value!r}"
+                f"{folder / CONFIG}: `{key}` must be a positive number, got {value!r} (finite, above 0)"
             )
     return config
+
+
+def _rank(config: Mapping[str, Any], module: str) -> int:
+    """The rank the config gives ``module``: ``r``, or a ``rank_pattern`` entry that matches
+    its name (peft's rule: the pattern matches the name's end, after a dot)."""
+    rank = config["r"]
+    for pattern, value in (config.get("rank_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?({pattern})", module):
+            rank = value
+    return int(rank)
+
+
+def _check_targets(config: Mapping[str, Any], modules: list[str], folder: Path) -> None:
+    """Every ``target_modules`` name must have LoRA factors in the weights (peft matches a name
+    to a module's last parts; a string is a regular expression over the whole name)."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        if targets != "all-linear" and not any(re.fullmatch(targets, m) for m in modules):
+            raise StructureError(
+                f"{folder / CONFIG}: target_modules {targets!r} matches none of the adapter's "
+                f"LoRA modules ({key_list(modules, limit=4)}): the config and the weights do not "
+                "belong together"
+            )
+        return
+    missing = [t for t in targets or () if not any(m == t or m.endswith(f".{t}") for m in modules)]
+    if missing:
+        raise StructureError(
+            f"{folder / CONFIG}: target_modules {key_list(missing, limit=4)} have no LoRA "
+            f"factors in the adapter's weights (modules with factors: "
+            f"{key_list(modules, limit=4)}): the weights file is incomplete, or the config is "
+            "not this adapter's"
+        )
 
 
 def _scales(config: Mapping[str, Any], folder: Path) -> Any:
@@ -198,12 +252,25 @@ def _weights(folder: Path) -> dict[str, Tensor]:
 
 def merged_state_dict(folder: Path, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the base model's tensors) with the adapter in ``folder`` applied: what
-    ``gradmerge curvature`` loads into the base model for an adapter MODEL."""
+    ``gradmerge curvature`` loads into the base model for an adapter MODEL.
+
+    Raises:
+        StructureError: an update or saved tensor whose name or shape the base does not have.
+    """
     updates, saved = read_adapter(folder)
     out = dict(state)
     for key in [*updates, *saved]:
         if key not in out:
             raise StructureError(f"{folder}: {key!r} is not a tensor of the base model")
+    shapes = {k: u.shape for k, u in updates.items()}
+    shapes.update({k: tuple(v.shape) for k, v in saved.items()})
+    for key, shape in shapes.items():
+        if tuple(out[key].shape) != tuple(shape):
+            what = "a LoRA target" if key in updates else "a saved module's tensor"
+            raise StructureError(
+                f"{folder}: {what} {key!r} has shape {tuple(shape)}, the base's is "
+                f"{tuple(out[key].shape)}: the adapter was trained on another model"
+            )
     for key, update in updates.items():
         out[key] = out[key] + update.delta(out[key].dtype)
     for key, value in saved.items():
@@ -327,8 +394,54 @@ class LoraCheckpoint(Checkpoint):
         return tensor if not indices else tensor[indices]
 
 
-def open_model(path: str | Path, base: Checkpoint) -> Checkpoint:
-    """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder)."""
+def open_model(
+    path: str | Path, base: Checkpoint, adapter_base: str | Path | None = None
+) -> Checkpoint:
+    """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder).
+
+    An adapter's own base (``adapter_base`` when given, else its ``base_model_name_or_path``
+    resolved as :func:`gradmerge.io.sources.adapter_base` does) must hold ``base``'s weights
+    (:func:`check_adapter_base`).
+    """
     if is_adapter(path):
+        check_adapter_base(Path(path), base, adapter_base)
         return LoraCheckpoint(Path(path), base)
+    if adapter_base is not None:
+        raise ArgumentError(f"{path} is not a LoRA adapter; `adapter_base` applies to one")
     return open_checkpoint(path)
+
+
+def check_adapter_base(
+    folder: Path, base: Checkpoint, adapter_base: str | Path | None = None
+) -> None:
+    """Refuse an adapter whose own base is another model than the merge's ``base``.
+
+    Its own base (:func:`gradmerge.io.sources.adapter_base`) is the same path as ``base``, or a
+    checkpoint of the same weights (the same :func:`gradmerge._weight_sample.sample_hash`). A
+    base named by a hub name only (not a local path) cannot be checked and is taken to be
+    ``base``; an ambiguous relative name is refused as in ``gradmerge curvature``.
+
+    Raises:
+        AdapterBaseError: an ambiguous relative ``base_model_name_or_path``.
+        StructureError: an own base whose weights differ from ``base``'s.
+    """
+    from gradmerge.errors import AdapterBaseError
+    from gradmerge.io.sources import adapter_base as resolve
+    from gradmerge.io.sources import base_fingerprint
+
+    try:
+        own = resolve(folder, adapter_base)
+    except ArgumentError as err:
+        if adapter_base is not None or isinstance(err, AdapterBaseError):
+            raise
+        return  # a hub name: nothing local to compare with
+    if own.resolve() == Path(base.path).resolve():
+        return
+    keys = [k for k in base if base.dtype(k).is_floating_point]
+    if base_fingerprint(own) != sample_hash_from(keys, base.shape, base.rows):
+        raise StructureError(
+            f"{folder} is a LoRA adapter over {own}, whose weights differ from base_model "
+            f"{base.path}: applied to base_model it would give another model than the one "
+            "trained. Use the adapter's own base as base_model, or name the right base with "
+            "`adapter_base:` if its recorded base_model_name_or_path is wrong"
+        )

@@ -22,9 +22,13 @@ Example:
     >>> with tempfile.TemporaryDirectory() as d:
     ...     save_file({"w": torch.tensor([1.0, 0.5]), "pos.position_ids": torch.arange(2)},
     ...               f"{d}/model.safetensors")
-    ...     C = convert_curvature(d, f"{d}/F.curvature.safetensors", scale=4.0)
+    ...     C = convert_curvature(d, f"{d}.F.curvature.safetensors", scale=4.0)
     ...     print(C.values, C.meta["source.scale"])
     {'w': tensor([4., 2.])} 4.0
+
+OUT may not be SRC nor lie inside it (it would replace the Fisher, or be read as part of it by
+the next conversion: safetensors win over ``.bin``), and a gradmerge curvature file is refused
+as SRC (it is converted already).
 """
 
 from __future__ import annotations
@@ -68,9 +72,11 @@ def convert_curvature(
             values are means over batches: gradmerge's sums over N examples are N × those).
 
     Raises:
-        ArgumentError: a scale that is not a positive finite number, num_examples below 1.
+        ArgumentError: a scale that is not a positive finite number, num_examples below 1;
+            ``out`` that is ``src`` or lies inside it (:func:`output_in_source`).
         MissingInputError: no such file or folder, or a shard that the index names is missing.
-        FileFormatError: no weights, an unreadable file, negative values, no float tensor.
+        FileFormatError: no weights, an unreadable file, negative values, no float tensor; a
+            gradmerge curvature file as (or inside) ``src``.
         NonFiniteError: NaN or ±Inf values, or values that overflow once scaled.
     """
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -79,7 +85,11 @@ def convert_curvature(
         raise ArgumentError(f"scale must be a positive finite number, got {scale}")
     if num_examples is not None and num_examples < 1:
         raise ArgumentError(f"num_examples must be at least 1, got {num_examples}")
+    problem = output_in_source(src, out)
+    if problem:
+        raise ArgumentError(problem)
     source = _resolve(Path(src))
+    _refuse_converted(source)
     values: dict[str, Tensor] = {}
     for name, tensor in read_state_dict(source):
         if not tensor.is_floating_point() or any(part in name for part in SKIPPED):
@@ -102,6 +112,41 @@ def convert_curvature(
         curvature.meta["num_examples"] = str(num_examples)
     curvature.save(out)
     return curvature
+
+
+def output_in_source(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> str | None:
+    """Why ``out`` may not be written: it is ``src`` or lies inside it (as the other commands
+    refuse an output that is or holds an input); ``None`` when it may."""
+    target, source = Path(out).resolve(), Path(src).resolve()
+    if target == source or source in target.parents:
+        return (
+            f"OUT {out} is, or is inside, SRC ({src}): writing it would replace the Fisher or "
+            "be read as part of it by the next conversion; write it elsewhere"
+        )
+    return None
+
+
+def _refuse_converted(source: Path) -> None:
+    """A gradmerge curvature file as SRC, or among SRC's files, is an error (module docstring)."""
+    from safetensors import safe_open
+
+    from gradmerge.curvature.io import FORMAT
+
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as handle:
+                meta = handle.metadata() or {}
+        except Exception:  # not safetensors, or damaged: reading it reports that
+            continue
+        if meta.get("format") == FORMAT:
+            inside = "" if file == source else f" {source} holds {file.name}, which is"
+            raise FileFormatError(
+                f"SRC{inside or f' {file} is'} a gradmerge curvature file ({FORMAT}, "
+                f"{meta.get('structure', '?')}), not a Fisher of the official code: it is "
+                "converted already, use it as `curvature:` in a merge YAML"
+                + (f"; move it out of {source} to convert the folder" if inside else "")
+            )
 
 
 def _resolve(src: Path) -> Path:

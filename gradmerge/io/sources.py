@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from gradmerge._extras import require
 from gradmerge._version import __version__
-from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
 from gradmerge.io.lora import is_adapter, merged_state_dict
 from gradmerge.io.text_data import (
     TEXT_SUFFIXES,
@@ -70,7 +70,16 @@ DATA is one of
 - an entry point returning an iterable of batches, as gradmerge.estimate_curvature
   accepts: (inputs, targets) pairs or Hugging Face dicts with "labels", called with the
   keyword arguments given as --data-arg KEY=VALUE, so that one function serves several tasks
-  (--data-arg task=sentiment).
+  (--data-arg task=sentiment); its first --max-examples examples, and at most 10,000,000
+  without it (an iterator that does not end stops with an error).
+
+An entry point RUNS CODE: its module is imported and its function called, with your
+permissions, as python -c "import module" would. Name only code you trust, and trust a YAML
+file that names one (gradmerge refine) as you would a script: gradmerge refuses entry points in
+YAML files unless --allow-entry-points or GRADMERGE_ALLOW_ENTRY_POINTS=1 says so
+(docs/trust.md). Folders and files are only read, never run: weights through safetensors (or
+torch.load(weights_only=True)), models by the transformers class their config names (no remote
+code), YAML with a safe loader.
 """
 """The forms of MODEL and DATA, as ``gradmerge curvature --help`` shows them."""
 
@@ -93,14 +102,19 @@ def model_kind(spec: str) -> str:
 
 
 def load_model(
-    spec: str, arguments: Mapping[str, Any] | None = None, *, allow_new_weights: bool = False
+    spec: str,
+    arguments: Mapping[str, Any] | None = None,
+    *,
+    allow_new_weights: bool = False,
+    base: str | None = None,
 ) -> nn.Module:
     """The ``nn.Module`` MODEL names: a Hugging Face folder or an entry point (module docstring),
     the latter called with the keyword ``arguments`` (``--model-arg``).
 
     ``allow_new_weights``: let a folder's model have parameters its weights files lack (randomly
     initialised: an intentionally new head) or hold tensors it does not use
-    (``--allow-new-weights``); see :func:`hugging_face_model`.
+    (``--allow-new-weights``); see :func:`hugging_face_model`. ``base``: the base model
+    folder of a LoRA adapter MODEL (``--adapter-base``; default: :func:`adapter_base`).
 
     Raises:
         ArgumentError: neither a folder nor ``module:function``; an entry point that cannot be
@@ -112,9 +126,13 @@ def load_model(
     if model_kind(spec) == "hugging face folder":
         if arguments:
             raise ArgumentError(f"MODEL {spec} is a folder; arguments apply to entry points")
+        if base is not None and not is_adapter(spec):
+            raise ArgumentError(
+                f"MODEL {spec} is not a LoRA adapter; --adapter-base applies to one"
+            )
         if is_adapter(spec):  # a PEFT LoRA folder: its base with the adapter applied
             model = hugging_face_model(
-                adapter_base(Path(spec)), allow_new_weights=allow_new_weights
+                adapter_base(Path(spec), base), allow_new_weights=allow_new_weights
             )
             model.load_state_dict(merged_state_dict(Path(spec), model.state_dict()))
             return model
@@ -127,36 +145,87 @@ def load_model(
     return model
 
 
-def adapter_base(folder: Path) -> Path:
-    """The base model folder of a PEFT adapter folder: its config's ``base_model_name_or_path``,
-    as given or relative to the adapter folder's parent.
+def adapter_base(folder: Path, base: str | os.PathLike[str] | None = None) -> Path:
+    """The base model of a PEFT adapter folder: ``base`` when given (``--adapter-base``, a YAML
+    ``adapter_base:``), else its config's ``base_model_name_or_path``.
+
+    An absolute ``base_model_name_or_path`` is taken as it is. A relative one (peft records the
+    name the base was loaded by, e.g. ``base``) is read relative to the folder that holds the
+    adapter folder; it is refused when it also names another existing path relative to the
+    current directory, or names one only there: which model the adapter was trained on cannot
+    be told then, and a wrong base gives a silently wrong model.
+
+    Example:
+        >>> import json, tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     (Path(d) / "base").mkdir(); (Path(d) / "ad").mkdir()
+        ...     _ = (Path(d) / "ad/adapter_config.json").write_text(
+        ...         json.dumps({"base_model_name_or_path": "base"}))
+        ...     adapter_base(Path(d) / "ad") == Path(d) / "base"
+        True
 
     Raises:
-        ArgumentError: no such local folder (a hub name: gradmerge loads offline).
+        AdapterBaseError: a relative base that exists relative to the current directory and is
+            not the one beside the adapter (or is not there at all).
+        ArgumentError: no such local path (a hub name: gradmerge loads offline); a given
+            ``base`` that does not exist.
+        FileFormatError: an unreadable ``adapter_config.json``.
     """
+    if base is not None:
+        if not Path(base).exists():
+            raise ArgumentError(f"the adapter base {base} of {folder} does not exist")
+        return Path(base)
     try:
         named = json.loads((folder / "adapter_config.json").read_text()).get(
             "base_model_name_or_path"
         )
     except (OSError, json.JSONDecodeError, AttributeError) as err:
         raise FileFormatError(f"{folder}/adapter_config.json is not readable JSON ({err})") from err
-    for candidate in (Path(str(named)), folder.parent / str(named)) if named else ():
-        if (candidate / "config.json").is_file():
-            return candidate
+    fix = (
+        "name the base model with --adapter-base FOLDER (gradmerge curvature/gradient) or "
+        "`adapter_base:` beside the adapter's `model:` in a merge or remove YAML"
+    )
+    if named and Path(str(named)).is_absolute() and Path(str(named)).exists():
+        return Path(str(named))
+    if named and not Path(str(named)).is_absolute():
+        beside, here = folder.parent / str(named), Path.cwd() / str(named)
+        same = beside.exists() and here.exists() and beside.resolve() == here.resolve()
+        if here.exists() and not same:
+            where = f"{beside} beside the adapter" if beside.exists() else "nothing beside it"
+            raise AdapterBaseError(
+                f"MODEL {folder} is a LoRA adapter over the relative base_model_name_or_path "
+                f"{named!r}, which names {here.resolve()} relative to the current directory and "
+                f"{where}: which model it was trained on cannot be told; {fix}"
+            )
+        if beside.exists():
+            return beside
     raise ArgumentError(
-        f"MODEL {folder} is a LoRA adapter over {named!r}, which is not a local model folder; "
-        "set base_model_name_or_path in its adapter_config.json to the base model's folder"
+        f"MODEL {folder} is a LoRA adapter over {named!r}, which is not a local model folder "
+        f"(a relative name is read relative to {folder.parent}); {fix}, or set "
+        "base_model_name_or_path in its adapter_config.json"
     )
 
 
-def tokenizer_folder(spec: str) -> str:
-    """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder when the
-    adapter folder holds no tokenizer files."""
+def base_fingerprint(path: Path) -> str:
+    """:func:`gradmerge._weight_sample.sample_hash` of the floating-point weights of a model
+    folder or checkpoint file (a few rows per tensor are read): which base an adapter was
+    applied to, recorded in a curvature's metadata."""
+    from gradmerge._weight_sample import sample_hash_from
+    from gradmerge.io.reader import open_checkpoint
+
+    with open_checkpoint(path) as checkpoint:
+        keys = [k for k in checkpoint if checkpoint.dtype(k).is_floating_point]
+        return sample_hash_from(keys, checkpoint.shape, checkpoint.rows)
+
+
+def tokenizer_folder(spec: str, base: str | None = None) -> str:
+    """Where text DATA's tokenizer is: MODEL's folder, or an adapter's base folder
+    (:func:`adapter_base`, ``base`` if given) when the adapter folder holds no tokenizer files."""
     from gradmerge.io.text_data import TOKENIZER_FILES
 
     folder = Path(spec)
     if is_adapter(spec) and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return str(adapter_base(folder))
+        return str(adapter_base(folder, base))
     return spec
 
 
@@ -279,7 +348,8 @@ def load_data(
         shift_labels: a tensor file's labels follow Hugging Face's causal-LM convention.
         ignore_index: the label of positions that count for nothing.
         arguments: keyword arguments of a DATA entry point (``--data-arg``).
-        max_examples: keep the first examples of a tensor or text file only.
+        max_examples: keep the first examples only (of an entry point: at most
+            :data:`MAX_ENTRY_POINT_EXAMPLES` without it, :func:`bounded`).
         model: the model the data are for; needed by text, whose task, labels, vocabulary and
             positions it gives (:class:`gradmerge.io.text_data.TextBatches`).
         tokenizer: the Hugging Face folder whose tokenizer tokenises text (MODEL's folder).
@@ -296,15 +366,13 @@ def load_data(
     if arguments and kind != "entry point":
         raise ArgumentError(f"DATA {spec} is a {kind}; arguments apply to entry points")
     if kind == "entry point":
-        if max_examples is not None:
-            raise ArgumentError("max_examples applies to files; an entry point yields its batches")
         data = call_entry_point(spec, "DATA", arguments)
         if not isinstance(data, Iterable) or isinstance(data, (Tensor, str, bytes, Mapping)):
             raise ArgumentError(
                 f"DATA entry point {spec} returned {type(data).__name__}; expected an iterable "
                 "of batches, e.g. a list of (inputs, targets) or a DataLoader"
             )
-        return data
+        return bounded(data, spec, max_examples)
     if kind == "tensor file":
         tensors = read_tensors(Path(spec))
         if max_examples is not None:
@@ -336,6 +404,96 @@ def load_data(
         ignore_index=ignore_index,
         source=spec,
     )
+
+
+MAX_ENTRY_POINT_EXAMPLES = 10_000_000
+"""The most examples read from a DATA entry point without ``max_examples``: beyond it, an
+iterator that never ends is stopped with an error instead of running forever."""
+
+
+def bounded(data: Iterable[Any], spec: str, max_examples: int | None) -> Iterable[Any]:
+    """``data`` (an entry point's batches) cut after ``max_examples`` examples (the last batch
+    cut to fit), or, without it, an error after :data:`MAX_ENTRY_POINT_EXAMPLES`.
+
+    A one-shot iterator stays one (estimators that need two passes refuse it); a re-iterable
+    stays re-iterable. ``max_examples`` is also the progress bar's total (``.rows``).
+
+    Example:
+        >>> import torch
+        >>> endless = ((torch.zeros(2, 3), torch.zeros(2)) for _ in iter(int, 1))
+        >>> [x.shape[0] for x, _ in bounded(endless, "data:endless", 5)]
+        [2, 2, 1]
+    """
+    if isinstance(data, Iterator):
+        return _first(data, spec, max_examples)
+    if hasattr(data, "__len__"):
+        return _SizedBounded(data, spec, max_examples)
+    return _Bounded(data, spec, max_examples)
+
+
+class _Bounded:
+    def __init__(self, data: Iterable[Any], spec: str, limit: int | None) -> None:
+        self.data, self.spec, self.limit = data, spec, limit
+        self.rows = limit  # the progress bar's total: at most this many
+
+    def __iter__(self) -> Iterator[Any]:
+        return _first(iter(self.data), self.spec, self.limit)
+
+
+class _SizedBounded(_Bounded):
+    def __len__(self) -> int:
+        """The batches of the data (at most: a limit may end them sooner)."""
+        return len(self.data)  # type: ignore[arg-type]  # bounded() checked it has one
+
+
+def _first(batches: Iterator[Any], spec: str, limit: int | None) -> Iterator[Any]:
+    seen = 0
+    for batch in batches:
+        rows = _rows(batch)
+        if limit is not None and seen + rows >= limit:
+            yield batch if seen + rows == limit else _cut(batch, limit - seen, rows)
+            return
+        seen += rows
+        if limit is None and seen > MAX_ENTRY_POINT_EXAMPLES:
+            raise ArgumentError(
+                f"DATA entry point {spec} gave more than {MAX_ENTRY_POINT_EXAMPLES:,} examples "
+                "and has not ended (an endless iterator?): pass --max-examples N (refine: "
+                "`text: {max_examples: N}`) to use its first N examples"
+            )
+        yield batch
+
+
+def _rows(batch: Any) -> int:
+    """The examples in a batch: the first dimension of its targets (``(inputs, targets)``) or
+    ``labels`` (a Hugging Face dict); the estimators check the batch itself."""
+    if isinstance(batch, Mapping):
+        targets = batch.get("labels")
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        targets = batch[1]
+    else:
+        targets = None
+    if not isinstance(targets, Tensor):
+        raise ArgumentError(
+            f"a batch of {type(batch).__name__} has no targets to count examples by; expected "
+            "(inputs, targets) or a dict with 'labels'"
+        )
+    return int(targets.shape[0]) if targets.ndim else 1
+
+
+def _cut(batch: Any, keep: int, rows: int) -> Any:
+    """The first ``keep`` examples of a batch of ``rows``: every tensor (of a pair, a tuple or a
+    dict) whose first dimension is ``rows`` is cut."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.ndim and value.shape[0] == rows:
+            return value[:keep]
+        return value
+
+    if isinstance(batch, Mapping):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cut(v) for v in batch)
+    raise ArgumentError(f"a batch of {type(batch).__name__} cannot be cut to --max-examples")
 
 
 def read_tensors(path: Path) -> dict[str, Tensor]:
@@ -604,13 +762,16 @@ def provenance(
     max_examples: int | None = None,
     seed: int | None = None,
     mc_samples: int | None = None,
+    base: str | None = None,
 ) -> dict[str, str]:
     """What a curvature (or gradient) file's metadata records about how it was made
     (``source.*`` keys).
 
     ``model`` and ``data`` are the MODEL and DATA arguments; a tensor file's SHA-256 and how it
     was batched are recorded too, so that the estimate can be traced to its exact inputs;
-    ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given.
+    ``seed`` and ``mc_samples`` (Monte-Carlo Fishers) when given. For a LoRA adapter MODEL, the
+    base model it was applied to (:func:`adapter_base`, ``base`` if given) and a fingerprint of
+    that base's weights (:func:`base_fingerprint`).
     """
     data_kind_ = data_kind(data)
     meta = {
@@ -627,12 +788,16 @@ def provenance(
     for key, arguments in (("model", model_arguments), ("data", data_arguments)):
         if arguments:
             meta[f"source.{key}_arguments"] = json.dumps(dict(arguments), sort_keys=True)
+    if is_adapter(model) and model_kind(model) == "hugging face folder":
+        resolved = adapter_base(Path(model), base)
+        meta["source.adapter_base"] = str(resolved.resolve())
+        meta["source.adapter_base_weights_sample_sha256"] = base_fingerprint(resolved)
     if data_kind_ in ("tensor file", "text file"):
         meta["source.data_sha256"] = file_sha256(Path(data))
     if data_kind_ != "entry point":
         meta["source.batch_size"] = str(batch_size)
-        if max_examples is not None:
-            meta["source.max_examples"] = str(max_examples)
+    if max_examples is not None:
+        meta["source.max_examples"] = str(max_examples)
     if data_kind_ == "tensor file":
         meta["source.shift_labels"] = str(bool(shift_labels))
     return meta

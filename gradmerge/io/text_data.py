@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -86,66 +88,96 @@ def is_text_data(spec: str) -> bool:
 
 
 # ----- records --------------------------------------------------------------------------------
-def read_records(spec: str, max_examples: int | None = None) -> list[Mapping[str, Any]]:
-    """The records of a text DATA file or ``datasets`` folder, at most ``max_examples``.
+def read_records(spec: str, max_examples: int | None = None) -> Records:
+    """The records of a text DATA file or ``datasets`` folder, at most ``max_examples``, read
+    lazily (:class:`Records`).
 
     Raises:
         ArgumentError: no such file; a folder that is not a saved ``datasets`` dataset, or
             ``datasets`` is not installed.
-        FileFormatError: a line that is not a JSON object, a CSV row with too many or too few
-            fields, an empty file.
     """
     path = Path(spec)
     if path.is_dir():
-        records = _dataset_records(path, max_examples)
+        _dataset(path)  # checked now: a folder that is no dataset fails before any work
     elif not path.is_file():
         raise ArgumentError(f"DATA file {spec} does not exist")
-    elif path.suffix == ".jsonl":
-        records = _jsonl_records(path, max_examples)
-    elif path.suffix in (".csv", ".tsv"):
-        records = _csv_records(path, "\t" if path.suffix == ".tsv" else ",", max_examples)
-    else:
-        records = _txt_records(path, max_examples)
-    if not records:
-        raise FileFormatError(f"DATA {spec} holds no examples")
-    return records
+    return Records(path, max_examples)
+
+
+class Records:
+    """The records of a text file or ``datasets`` folder, re-read from the start on every pass,
+    so that a file of any size takes the memory of one record (module docstring).
+
+    Iterating raises :class:`FileFormatError` for a line that is not a JSON object (or repeats
+    a key), a CSV row with too many or too few fields, a file that is not UTF-8; a byte-order
+    mark at the start of a file is skipped in every format.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (Path(d) / "a.txt").write_text("\\ufeffone\\n\\ntwo\\n", encoding="utf-8")
+        ...     list(Records(Path(d) / "a.txt"))
+        [{'text': 'one'}, {'text': 'two'}]
+    """
+
+    def __init__(self, path: Path, limit: int | None = None) -> None:
+        self.path, self.limit = path, limit
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        path = self.path
+        if path.is_dir():
+            records = _dataset_records(path)
+        elif path.suffix == ".jsonl":
+            records = _jsonl_records(path)
+        elif path.suffix in (".csv", ".tsv"):
+            records = _csv_records(path, "\t" if path.suffix == ".tsv" else ",")
+        else:
+            records = _txt_records(path)
+        return records if self.limit is None else islice(records, self.limit)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark is skipped
             yield from enumerate(f, start=1)
     except UnicodeDecodeError as err:
         raise FileFormatError(f"DATA {path} is not UTF-8 text ({err})") from err
 
 
-def _jsonl_records(path: Path, limit: int | None) -> list[Mapping[str, Any]]:
-    records: list[Mapping[str, Any]] = []
+def _jsonl_records(path: Path) -> Iterator[Mapping[str, Any]]:
     for number, line in _lines(path):
-        if limit is not None and len(records) >= limit:
-            break
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             raise FileFormatError(
                 f"DATA {path}, line {number}: not JSON ({err.msg}); a .jsonl file holds one "
                 'JSON object per line, e.g. {"text": "...", "label": "positive"}'
             ) from err
+        except ValueError as err:  # a repeated key, an integer of more digits than int() takes
+            raise FileFormatError(f"DATA {path}, line {number}: {err}") from err
         if not isinstance(record, dict):
             raise FileFormatError(
                 f"DATA {path}, line {number}: a JSON {type(record).__name__}; expected an "
                 'object, e.g. {"text": "...", "label": "positive"}'
             )
-        records.append(record)
-    return records
+        yield record
 
 
-def _csv_records(path: Path, delimiter: str, limit: int | None) -> list[Mapping[str, Any]]:
-    records: list[Mapping[str, Any]] = []
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is refused (json keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice in one object; give every field once")
+        out[key] = value
+    return out
+
+
+def _csv_records(path: Path, delimiter: str) -> Iterator[Mapping[str, Any]]:
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f, delimiter=delimiter)
             columns = reader.fieldnames
             if not columns:
@@ -154,8 +186,6 @@ def _csv_records(path: Path, delimiter: str, limit: int | None) -> list[Mapping[
                     f"text{delimiter}label"
                 )
             for row in reader:
-                if limit is not None and len(records) >= limit:
-                    break
                 if None in row or None in row.values():
                     raise FileFormatError(
                         f"DATA {path}, line {reader.line_num}: {len(columns)} columns in the "
@@ -163,25 +193,20 @@ def _csv_records(path: Path, delimiter: str, limit: int | None) -> list[Mapping[
                         f"{'more' if None in row else 'fewer'}; quote fields that hold the "
                         f"delimiter {delimiter!r}"
                     )
-                records.append(row)
+                yield row
     except UnicodeDecodeError as err:
         raise FileFormatError(f"DATA {path} is not UTF-8 text ({err})") from err
     except csv.Error as err:
         raise FileFormatError(f"DATA {path} cannot be read as CSV ({err})") from err
-    return records
 
 
-def _txt_records(path: Path, limit: int | None) -> list[Mapping[str, Any]]:
-    records: list[Mapping[str, Any]] = []
+def _txt_records(path: Path) -> Iterator[Mapping[str, Any]]:
     for _, line in _lines(path):
-        if limit is not None and len(records) >= limit:
-            break
         if line.strip():
-            records.append({"text": line.rstrip("\r\n")})
-    return records
+            yield {"text": line.rstrip("\r\n")}
 
 
-def _dataset_records(path: Path, limit: int | None) -> list[Mapping[str, Any]]:
+def _dataset(path: Path) -> Any:
     try:
         import datasets
     except ImportError as err:
@@ -195,7 +220,7 @@ def _dataset_records(path: Path, limit: int | None) -> list[Mapping[str, Any]]:
             "dataset_info.json); give a .jsonl/.csv/.tsv/.txt file or such a folder"
         )
     try:
-        loaded = datasets.load_from_disk(str(path))
+        loaded = datasets.load_from_disk(str(path))  # memory-mapped: rows are read when used
     except Exception as err:  # datasets raises its own errors on damaged folders
         raise FileFormatError(f"DATA {path} cannot be read by datasets ({err})") from err
     if isinstance(loaded, datasets.DatasetDict):
@@ -204,8 +229,12 @@ def _dataset_records(path: Path, limit: int | None) -> list[Mapping[str, Any]]:
             f"DATA {path} holds the splits {splits}; give the folder of one, e.g. "
             f"{path / splits[0]}"
         )
-    rows = loaded if limit is None else loaded.select(range(min(limit, len(loaded))))
-    return [dict(row) for row in rows]
+    return loaded
+
+
+def _dataset_records(path: Path) -> Iterator[Mapping[str, Any]]:
+    for row in _dataset(path):
+        yield dict(row)
 
 
 def token_labels(
@@ -261,12 +290,16 @@ def token_labels(
 
 # ----- labels ---------------------------------------------------------------------------------
 def label_id(value: Any, label2id: Mapping[str, int], num_labels: int, where: str) -> int:
-    """A record's label as a class id: a name of ``label2id``, or an id (int or digits) below
-    ``num_labels``.
+    """A record's label as a class id: a name of ``label2id``, or an id (an int, or ASCII digits
+    with an optional minus sign) below ``num_labels``.
+
+    Example:
+        >>> label_id(" 2 ", {}, 3, "row 0"), label_id("pos", {"pos": 1}, 3, "row 1")
+        (2, 1)
 
     Raises:
-        FileFormatError: an unknown name, an id out of range, or a value of another type; the
-            message lists the known labels.
+        FileFormatError: an unknown name, an id out of range, or a value of another type
+            (``"--1"``, ``"²"``, ``"١"`` are not ids); the message lists the known labels.
     """
     known = f"known labels: {key_list(list(label2id), limit=10)} or ids 0..{num_labels - 1}"
     if isinstance(value, str) and value in label2id:
@@ -274,15 +307,33 @@ def label_id(value: Any, label2id: Mapping[str, int], num_labels: int, where: st
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    elif isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        digits = value.strip().lstrip("-")
+        if len(digits) > _MAX_DIGITS:  # beyond any label, and beyond what int() may parse
+            raise FileFormatError(
+                f"{where}: label id of {len(digits)} digits is out of range ({known})"
+            )
         number = int(value)
     if number is None:
         raise FileFormatError(
-            f"{where}: label {value!r} is not a label of the model's config.json ({known})"
+            f"{where}: label {_short(value)} is not a label of the model's config.json ({known})"
         )
     if not 0 <= number < num_labels:
-        raise FileFormatError(f"{where}: label id {number} is out of range ({known})")
+        shown = str(number) if number.bit_length() < 64 else f"of {number.bit_length()} bits"
+        raise FileFormatError(f"{where}: label id {shown} is out of range ({known})")
     return number
+
+
+_INTEGER = re.compile(r"-?[0-9]+", re.ASCII)
+"""An integer label written as text: ASCII digits only (``str.isdigit`` also takes ``"²"`` and
+Arabic-Indic digits, which ``int`` then rejects or reads as other numbers)."""
+_MAX_DIGITS = 18
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, at most 80 characters."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "a huge int"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ----- tokenised batches ----------------------------------------------------------------------
@@ -357,10 +408,22 @@ def vocabulary_of(model: nn.Module) -> int | None:
 
 
 class TextBatches:
-    """Re-iterable, padded batches of tokenised text examples (module docstring).
+    """Re-iterable, padded batches of tokenised text examples (module docstring), streamed.
+
+    Records are read and tokenised one batch at a time, on every pass, so that memory is
+    bounded by a batch, not by the file. The constructor makes one pass that checks every
+    example and counts them (tokens, truncation: what :meth:`summary` reports), so that bad
+    input fails before any estimate.
+
+    Tokenisation is one tokenizer call per batch, truncating to ``max_length`` (or, without it,
+    to one past the model's positions, to find a too-long sequence without tokenising all of
+    it); a text far longer than the limit is first cut at a whitespace after enough characters
+    for the limit (:data:`CHARS_PER_TOKEN` per token), and tokenised whole only when that cut
+    gives fewer tokens than the limit.
 
     Args:
-        records: the examples (mappings from field names to values), e.g. :func:`read_records`.
+        records: the examples (mappings from field names to values), re-iterable, e.g.
+            :func:`read_records` or a list.
         model: the model the batches are for: its class names the task; its config gives the
             labels, the vocabulary and the positions the sequences are checked against.
         tokenizer: a Hugging Face tokenizer (``__call__`` returning ``input_ids``).
@@ -371,19 +434,22 @@ class TextBatches:
 
     Attributes:
         task: :data:`CLASSIFICATION` or :data:`CAUSAL_LM`.
-        examples, tokens, truncated: examples kept, their tokens (special tokens included, padding
-            not), and how many examples ``max_length`` cut.
+        examples, tokens, truncated: how many examples there are, their tokens (special tokens
+            included, padding not), and how many examples ``max_length`` cut.
 
     Raises:
-        ArgumentError: a missing field (the fields found are named), a task the model has not.
-        FileFormatError: a text that is not a string, a bad label (:func:`label_id`).
+        ArgumentError: a missing field (the fields found are named), a task the model has not;
+            a ``max_length`` above the model's positions, or one that leaves no room for a
+            token of the text beside the tokenizer's special tokens.
+        FileFormatError: a text that is not a string, a bad label (:func:`label_id`), no
+            examples; what :class:`Records` raises.
         StructureError: a token id at or above the model's vocabulary; a sequence longer than the
             model's positions (without ``max_length``); an example without tokens.
     """
 
     def __init__(
         self,
-        records: Sequence[Mapping[str, Any]],
+        records: Iterable[Mapping[str, Any]],
         *,
         model: nn.Module,
         tokenizer: Any,
@@ -393,70 +459,137 @@ class TextBatches:
         source: str = "DATA",
     ) -> None:
         self.task, self.batch_size, self.ignore_index = task_of(model), batch_size, ignore_index
-        self.source, config = source, getattr(model, "config", None)
-        self.examples: list[dict[str, Tensor]] = []
-        self.labels: list[int] = []
-        self.truncated = 0
-        positions, vocabulary = positions_of(model), vocabulary_of(model)
+        self.source, self.records, self.tokenizer = source, records, tokenizer
+        self.options, config = options, getattr(model, "config", None)
+        self.positions, self.vocabulary = positions_of(model), vocabulary_of(model)
+        self.label2id = dict(getattr(config, "label2id", None) or {})
+        self.num_labels = int(getattr(config, "num_labels", len(self.label2id)))
         limit = options.max_length
-        if limit is not None and positions is not None and limit > positions:
+        if limit is not None and self.positions is not None and limit > self.positions:
             raise ArgumentError(
-                f"--max-length {limit} exceeds the model's {positions} positions; "
-                f"give at most {positions}"
+                f"--max-length {limit} exceeds the model's {self.positions} positions; "
+                f"give at most {self.positions}"
             )
-        for index, record in enumerate(records):
-            where = f"{source}, example {index}"
-            encoded = self._encode(tokenizer, record, options, where)
-            ids = encoded["input_ids"]
-            if ids.numel() == 0:
-                raise StructureError(f"{where}: the tokenizer gave no tokens for {record!r}")
-            if vocabulary is not None and int(ids.max()) >= vocabulary:
-                raise StructureError(
-                    f"{where}: token id {int(ids.max())} is outside the model's vocabulary of "
-                    f"{vocabulary}; the tokenizer does not belong to MODEL (give the model's own "
-                    "tokenizer with --tokenizer)"
+        if limit is not None:
+            special = _special_tokens(tokenizer, options.text_pair_field is not None)
+            if limit <= special:
+                raise ArgumentError(
+                    f"--max-length {limit} leaves no token of the text: the tokenizer adds "
+                    f"{special} special token(s) to every {'pair' if special > 2 else 'example'}"
+                    f"; give at least {special + 1}"
                 )
-            if positions is not None and ids.numel() > positions:
-                raise StructureError(
-                    f"{where}: {ids.numel()} tokens, but the model has {positions} positions; "
-                    f"pass --max-length {positions} (or less) to truncate"
-                )
-            self.examples.append(encoded)
-            if self.task == CLASSIFICATION:
-                label2id = dict(getattr(config, "label2id", None) or {})
-                num_labels = int(getattr(config, "num_labels", len(label2id)))
-                self.labels.append(
-                    label_id(
-                        _field(record, options.label_field, "--label-field", where),
-                        label2id,
-                        num_labels,
-                        where,
-                    )
-                )
-        self.tokens = sum(int(e["input_ids"].numel()) for e in self.examples)
-        self.pad_id = self._pad_id(tokenizer, config)
+        self.examples = self.tokens = self.truncated = 0
+        lengths: set[int] = set()
+        for chunk, truncated in self._chunks():
+            self.truncated += truncated
+            for encoded in chunk:
+                self.examples += 1
+                self.tokens += len(encoded["input_ids"])
+                lengths.add(len(encoded["input_ids"]))
+        if self.examples == 0:
+            raise FileFormatError(f"DATA {source} holds no examples")
+        self.pad_id = self._pad_id(tokenizer, config, len(lengths) > 1)
+
+    def _chunks(self) -> Iterator[tuple[list[dict[str, Any]], int]]:
+        """The examples, tokenised and checked, ``batch_size`` at a time, and how many of them
+        ``max_length`` cut."""
+        chunk: list[Mapping[str, Any]] = []
+        start = 0
+        for record in self.records:
+            chunk.append(record)
+            if len(chunk) == self.batch_size:
+                yield self._encode(chunk, start)
+                start, chunk = start + len(chunk), []
+        if chunk:
+            yield self._encode(chunk, start)
 
     def _encode(
-        self, tokenizer: Any, record: Mapping[str, Any], options: TextOptions, where: str
-    ) -> dict[str, Tensor]:
-        texts = [_text(record, options.text_field, "--text-field", where)]
+        self, records: list[Mapping[str, Any]], start: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        """``records`` (examples ``start``, ``start`` + 1, ...) tokenised, checked, labelled;
+        and how many of them ``max_length`` cut."""
+        options, tokenizer = self.options, self.tokenizer
+        wheres = [f"{self.source}, example {start + i}" for i in range(len(records))]
+        fields = [(options.text_field, "--text-field")]
         if options.text_pair_field is not None:
-            texts.append(_text(record, options.text_pair_field, "--text-pair-field", where))
-        full = tokenizer(*texts, verbose=False)
-        if options.max_length is not None and len(full["input_ids"]) > options.max_length:
-            full = tokenizer(*texts, truncation=True, max_length=options.max_length)
-            self.truncated += 1
-        keys = ("input_ids", "attention_mask", "token_type_ids")
-        return {k: torch.tensor(full[k], dtype=torch.long) for k in keys if k in full}
+            fields.append((options.text_pair_field, "--text-pair-field"))
+        columns = [
+            [_text(r, name, flag, where) for r, where in zip(records, wheres, strict=True)]
+            for name, flag in fields
+        ]
+        limit = options.max_length
+        cap = limit if limit is not None else self.positions  # the longest sequence kept
+        rows = [[column[i] for column in columns] for i in range(len(records))]
+        cut = [False] * len(rows)
+        if cap is not None:  # cut texts far longer than the limit (class docstring)
+            for i, texts in enumerate(rows):
+                shorter = [_cut(t, cap) for t in texts]
+                if any(len(a) < len(b) for a, b in zip(shorter, texts, strict=True)) and all(
+                    len(a) == len(b) or self._at_least(a, cap + 1)
+                    for a, b in zip(shorter, texts, strict=True)
+                ):
+                    rows[i], cut[i] = shorter, True
+        used = [list(column) for column in zip(*rows, strict=True)]
+        bound = {} if cap is None else {"truncation": True, "max_length": cap + 1}
+        encoded = tokenizer(*used, verbose=False, **bound)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in encoded]
+        out, truncated = [], 0
+        for i, (record, where) in enumerate(zip(records, wheres, strict=True)):
+            example = {k: list(encoded[k][i]) for k in keys}
+            if cap is not None and len(example["input_ids"]) > cap:
+                if limit is None:
+                    self._too_long(rows[i], cut[i], where)
+                short = tokenizer(*rows[i], truncation=True, max_length=limit, verbose=False)
+                example = {k: list(short[k]) for k in keys}
+                truncated += 1
+            out.append(self._checked(example, record, where))
+        return out, truncated
 
-    def _pad_id(self, tokenizer: Any, config: Any) -> int:
+    def _at_least(self, text: str, count: int) -> bool:
+        """Whether ``text`` alone gives at least ``count`` tokens (special tokens left out)."""
+        ids = self.tokenizer(
+            text, add_special_tokens=False, truncation=True, max_length=count, verbose=False
+        )["input_ids"]
+        return len(ids) >= count
+
+    def _too_long(self, texts: list[str], cut: bool, where: str) -> None:
+        """Raise the error for an example longer than the model's positions."""
+        positions = self.positions or 0
+        count = f"more than {positions}"
+        if not cut and sum(map(len, texts)) <= 2 * CHARS_PER_TOKEN * (positions + 1):
+            count = str(len(self.tokenizer(*texts, verbose=False)["input_ids"]))  # exact
+        raise StructureError(
+            f"{where}: {count} tokens, but the model has {positions} positions; "
+            f"pass --max-length {positions} (or less) to truncate"
+        )
+
+    def _checked(
+        self, example: dict[str, list[int]], record: Mapping[str, Any], where: str
+    ) -> dict[str, Any]:
+        """``example`` (token lists) checked against the model, with its class label."""
+        ids = example["input_ids"]
+        if not ids:
+            raise StructureError(f"{where}: the tokenizer gave no tokens for {record!r}")
+        if self.vocabulary is not None and max(ids) >= self.vocabulary:
+            raise StructureError(
+                f"{where}: token id {max(ids)} is outside the model's vocabulary of "
+                f"{self.vocabulary}; the tokenizer does not belong to MODEL (give the model's "
+                "own tokenizer with --tokenizer)"
+            )
+        out: dict[str, Any] = dict(example)
+        if self.task == CLASSIFICATION:
+            label = _field(record, self.options.label_field, "--label-field", where)
+            out["labels"] = label_id(label, self.label2id, self.num_labels, where)
+        return out
+
+    def _pad_id(self, tokenizer: Any, config: Any, ragged: bool) -> int:
         for candidate in (
             getattr(config, "pad_token_id", None),
             getattr(tokenizer, "pad_token_id", None),
         ):
             if isinstance(candidate, int):
                 return candidate
-        if self.task == CLASSIFICATION and len({len(e["input_ids"]) for e in self.examples}) > 1:
+        if self.task == CLASSIFICATION and ragged:
             raise ArgumentError(
                 f"{self.source}: sequences of different lengths need padding, but neither the "
                 "model's config nor its tokenizer has a pad_token_id; set pad_token_id in "
@@ -465,11 +598,11 @@ class TextBatches:
         return 0  # padding is masked out: causal LMs never attend to it, its labels are ignored
 
     def __len__(self) -> int:
-        return -(-len(self.examples) // self.batch_size)
+        return -(-self.examples // self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        for start in range(0, len(self.examples), self.batch_size):
-            yield self.batch(range(start, min(start + self.batch_size, len(self.examples))))
+        for chunk, _ in self._chunks():
+            yield self.batch(chunk)
 
     def by_length(self) -> tuple[list[dict[str, Tensor]], list[int]]:
         """The examples in batches of similar length (shortest first), and their order.
@@ -478,32 +611,34 @@ class TextBatches:
         spent on padding; what a model gives an example does not depend on its batch (padding
         is masked), up to rounding. ``order[j]`` is the index of the j-th example of the batches
         (``gm.Evaluation.in_order`` puts per-example results back into the data's order).
+        Sorting needs every example at once: this holds all of them (as token lists), unlike
+        iterating, whose memory is one batch.
         """
-        order = sorted(
-            range(len(self.examples)), key=lambda i: self.examples[i]["input_ids"].numel()
-        )
+        examples = [e for chunk, _ in self._chunks() for e in chunk]
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
         size = self.batch_size
-        return [self.batch(order[s : s + size]) for s in range(0, len(order), size)], order
+        batches = [
+            self.batch([examples[i] for i in order[s : s + size]])
+            for s in range(0, len(order), size)
+        ]
+        return batches, order
 
-    def batch(self, rows: Sequence[int]) -> dict[str, Tensor]:
-        """The examples ``rows`` padded into one Hugging Face batch with ``labels``."""
-        chosen = [self.examples[i] for i in rows]
-        width = max(int(e["input_ids"].numel()) for e in chosen)
+    def batch(self, chosen: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Tokenised examples (token lists) padded on the right into one Hugging Face batch
+        with ``labels``."""
+        width = max(len(e["input_ids"]) for e in chosen)
         out: dict[str, Tensor] = {}
         for key in chosen[0]:
+            if key == "labels":
+                continue
             fill = self.pad_id if key == "input_ids" else 0
-            out[key] = torch.stack(
-                [
-                    torch.nn.functional.pad(e[key], (0, width - e[key].numel()), value=fill)
-                    for e in chosen
-                ]
-            )
-        out.setdefault(
-            "attention_mask",
-            torch.stack([(torch.arange(width) < e["input_ids"].numel()).long() for e in chosen]),
-        )
+            rows = [e[key] + [fill] * (width - len(e[key])) for e in chosen]
+            out[key] = torch.tensor(rows, dtype=torch.long)
+        if "attention_mask" not in out:
+            rows = [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in chosen]
+            out["attention_mask"] = torch.tensor(rows, dtype=torch.long)
         if self.task == CLASSIFICATION:
-            out["labels"] = torch.tensor([self.labels[i] for i in rows], dtype=torch.long)
+            out["labels"] = torch.tensor([e["labels"] for e in chosen], dtype=torch.long)
             return out
         out["labels"] = out["input_ids"].clone()
         return token_labels(out, True, self.ignore_index, self.source)
@@ -511,16 +646,41 @@ class TextBatches:
     def summary(self) -> str:
         """One line: examples, tokens, truncation."""
         cut = f", {self.truncated} truncated" if self.truncated else ""
-        return f"{len(self.examples)} examples, {self.tokens} tokens{cut} ({self.task})"
+        return f"{self.examples} examples, {self.tokens} tokens{cut} ({self.task})"
 
     def metadata(self) -> dict[str, str]:
         """What a curvature's metadata records about the examples (``source.*`` keys)."""
         return {
             "source.task": self.task,
-            "source.examples": str(len(self.examples)),
+            "source.examples": str(self.examples),
             "source.tokens": str(self.tokens),
             "source.truncated": str(self.truncated),
         }
+
+
+CHARS_PER_TOKEN = 64
+"""Characters kept per token of the limit when a long text is cut before tokenising (a token
+is rarely longer; a cut that gives too few tokens falls back to the whole text)."""
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut at the start of a whitespace run after at least ``CHARS_PER_TOKEN`` ×
+    (``limit`` + 1) characters (tokens do not span whitespace, so the tokens before the cut are
+    the whole text's); the whole text when it is shorter or has no whitespace there."""
+    size = CHARS_PER_TOKEN * (limit + 1)
+    if len(text) <= 2 * size:
+        return text
+    match = _SPACE.search(text, size)
+    return text if match is None or match.start() > 2 * size else text[: match.start()]
+
+
+_SPACE = re.compile(r"\s")
+
+
+def _special_tokens(tokenizer: Any, pair: bool) -> int:
+    """The special tokens the tokenizer adds to an example (a pair with ``pair``)."""
+    count = getattr(tokenizer, "num_special_tokens_to_add", None)
+    return int(count(pair=pair)) if callable(count) else 0
 
 
 def _field(record: Mapping[str, Any], name: str, flag: str, where: str) -> Any:

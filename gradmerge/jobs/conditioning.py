@@ -6,18 +6,29 @@ Every merged unit (a tensor, a K-FAC layer, ...) solves one linear system:
 - ``fisher_average``: Σ_t α_t (H_t + damping·I);
 - ``remove`` / ``influence_remove``: H̄_\t (``remaining``).
 
-:func:`check_systems` reads only the curvature files (never the models), forms each unit's system
-and compares its smallest eigenvalue λ_min (exact for diagonal, dense and K-FAC with one or two
-terms per layer; a lower bound for lazy sums) with the floor its solve needs: 0 for a diagonal
-(it divides), 100·ε·‖C‖ for a factorised system (round-off of the compute dtype). A unit at or
-below the floor would stop the run with "not positive definite"; the report names it and the
-damping that lifts it: δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖, to be set with the YAML key the
-method uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``). RegMean's
-Gram systems are not checked.
+:func:`check_systems` makes the same solvability decision for every unit as the real run:
 
-For ``gradient_matching`` with diagonal curvatures it also compares δ with the curvature: where
-δ ≪ Σ_t α_t H_t, H̄⁻¹(H_0 + H_t) ≈ H̄⁻¹H_t and gradient matching gives Fisher averaging's result
-(:func:`delta_note`).
+- an elementwise system (diagonal, δ·I) is read from the curvature files only and judged by its
+  smallest entry, exactly the rule of the run's division (> 0);
+- any other (K-FAC, dense, a lazy sum) is COMPUTED as the run computes it — the same solve, on
+  the unit's tensors read from the models — and judged by whether that succeeds; its λ_min
+  (exact for dense and K-FAC with one or two terms per layer; a lower bound for lazy sums) is
+  printed beside it. This costs what the run's solves cost, without writing.
+
+A unit that fails is named with the damping that lifts it, to be set with the YAML key the method
+uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``): for an elementwise
+system δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖; for a solve that refused its system the δ the
+error suggests; for CG that did not converge the δ that fits CG's iteration bound into
+``solver.maxiter`` (:func:`_cg_delta`, a suggestion). RegMean's
+Gram systems are judged by the check :func:`gm.regmean` itself runs
+(:func:`gradmerge.merge.regmean_systems`: λ_min of Σ_t α_t G̃_t against the rounding threshold
+of the Grams' dtype), on the Grams the merge forms.
+
+For ``gradient_matching`` with diagonal curvatures it also compares the prior H_0 (δ and its
+curvature) with the curvature: where H_0 ≪ Σ_t α_t H_t, H̄⁻¹(H_0 + H_t) ≈ H̄⁻¹H_t and gradient
+matching gives Fisher averaging's result (:func:`delta_note`). For a diagonal ``remove`` the dry
+run computes the result (unwritten) and applies the run's step and rounding checks
+(:func:`removal_checks`).
 
 Example:
     >>> import tempfile, torch, gradmerge as gm
@@ -39,18 +50,21 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
-from gradmerge.jobs import methods
+from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
+from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
-from gradmerge.jobs.engine import open_job
+from gradmerge.jobs.engine import Job, Rounding, StepSize, open_job
+from gradmerge.jobs.plan import Unit
+from gradmerge.merge import regmean_systems
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
@@ -66,6 +80,9 @@ class SystemCheck:
     floor: float
     needed: float
     key: str
+    solved: bool | None = None
+    """None: judged by λ_min alone (an elementwise system: exact); True/False: the unit was
+    computed as the real run computes it, and succeeded or failed."""
 
     @property
     def ok(self) -> bool:
@@ -75,6 +92,11 @@ class SystemCheck:
     def describe(self) -> str:
         """One line naming the unit, λ_min, the floor and the fix."""
         head = ", ".join(repr(k) for k in self.keys[:2]) + (" ..." if len(self.keys) > 2 else "")
+        if self.solved is False:
+            return (
+                f"[{head}]: the solve fails as configured (λ_min ≥ {self.min_eigenvalue:.3g}): "
+                f"set `{self.key}` to at least about {self.needed:.2g}"
+            )
         return (
             f"[{head}]: λ_min = {self.min_eigenvalue:.3g} ≤ {self.floor:.3g}, singular: set "
             f"`{self.key}` to at least {self.needed:.2g}"
@@ -83,60 +105,174 @@ class SystemCheck:
 
 def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
     """Every merged unit's system (module docstring), in the plan's order; empty for a method
-    whose record has no ``system`` (task arithmetic, RegMean: :mod:`gradmerge.jobs.methods`)."""
+    that solves none (task arithmetic)."""
+    if isinstance(config, MergeConfig) and config.method == "regmean":
+        with ExitStack() as stack:
+            job = open_job(config, stack)
+            return _regmean_checks(config, job.curvatures, job.plan.units)
     spec = methods.get(config.method)
     if spec.system is None:
         return []
     key = spec.damping_key or "damping"
     out = []
-    for files, keys in _merged_units(config):
-        terms = _inputs(config, files, keys, config.math_dtype)
-        out.append(_check(keys, spec.system(terms), key, config.math_dtype))
+    for job, unit in _merged_units(config):
+        terms = _inputs(config, job.curvatures, unit.keys, config.math_dtype)
+        system = spec.system(terms)
+        check = _check(unit.keys, system, key, config.math_dtype)
+        if system is not None and not isinstance(system, (Diagonal, ScaledIdentity)):
+            check = _solved(job, unit, check, system, config)
+        out.append(check)
     return out
 
 
-def _merged_units(
-    config: MergeConfig | RemoveConfig,
-) -> Iterator[tuple[dict[str, CurvatureFile], tuple[str, ...]]]:
-    """The curvature files and the keys of every merged unit of the plan, in its order (the
-    files stay open while the iteration runs)."""
+def _merged_units(config: MergeConfig | RemoveConfig) -> Iterator[tuple[Job, Unit]]:
+    """The opened job and every merged unit of its plan, in order (the inputs stay open while
+    the iteration runs)."""
     with ExitStack() as stack:
         job = open_job(config, stack)
         for unit in job.plan.units:
             if unit.merged:
-                yield job.curvatures, unit.keys
+                yield job, unit
+
+
+def _solved(
+    job: Job,
+    unit: Unit,
+    check: SystemCheck,
+    system: Curvature,
+    config: MergeConfig | RemoveConfig,
+) -> SystemCheck:
+    """A factorised or iterative unit (K-FAC, dense, a lazy sum) is judged by the real run's own
+    computation of it — the same solve, reading the unit's tensors — so that the dry run and the
+    run agree: λ_min against a round-off floor is only a sufficient condition (a K-FAC sum's
+    λ_min is a lower bound), and CG's convergence is not predicted by it. A failure gives the
+    damping the error suggests, or the estimate of :func:`_cg_delta` for a solve that did not
+    converge."""
+    try:
+        job.compute(unit)
+    except NotPositiveDefiniteError as err:
+        needed = max(err.suggested_delta or 0.0, check.needed if not check.ok else 0.0)
+        if not needed > 0:
+            needed = max(2 * (check.floor - check.min_eigenvalue), 1e-6 * _magnitude(system))
+        return replace(check, needed=needed, solved=False)
+    except NotConvergedError:
+        return replace(check, needed=_cg_delta(system, config), solved=False)
+    return replace(check, needed=0.0, solved=True)
+
+
+def _magnitude(system: Curvature) -> float:
+    return max(float(system._scale()), 1e-30)
+
+
+def _cg_delta(system: Curvature, config: MergeConfig | RemoveConfig) -> float:
+    """The δ that makes CG's textbook iteration bound fit in ``solver.maxiter``: unpreconditioned
+    CG reaches relative residual tol within ½·√κ·ln(2/tol) iterations (exact arithmetic), so
+    κ = (λ_max + δ)/(λ_min + δ) ≤ κ_max = (2·maxiter/ln(2/tol))² needs
+    δ ≥ (λ_max − κ_max·λ_min)/(κ_max − 1), with λ_max ≤ the operator's magnitude and λ_min ≥ the
+    lower bound :meth:`Curvature.min_eigenvalue` gives. A suggestion, not a guarantee: finite
+    precision slows CG down."""
+    from gradmerge.solvers.cg import default_tol
+
+    tol = config.solver_tol or default_tol(config.math_dtype)
+    kappa = (2 * config.solver_maxiter / math.log(2 / tol)) ** 2
+    high, low = _magnitude(system), max(float(system.min_eigenvalue()), 0.0)
+    return max((high - kappa * low) / (kappa - 1), torch.finfo(torch.float64).tiny)
+
+
+def _regmean_checks(
+    config: MergeConfig, files: dict[str, CurvatureFile], units: Sequence[Unit]
+) -> list[SystemCheck]:
+    """RegMean's systems, judged by :func:`gradmerge.merge.regmean_systems` on the Grams the
+    merge forms (:func:`gradmerge.jobs.rules.regmean_grams`, in the compute dtype): the
+    very check :func:`gm.regmean` runs, so the verdicts agree. A unit without K-FAC factors is
+    α-averaged and solves nothing."""
+    out = []
+    for unit in units:
+        if not unit.merged:
+            continue
+        hs = [
+            f.restrict(unit.keys, dtype=config.math_dtype)
+            if (f := files.get(f"models[{t}].curvature")) is not None
+            else None
+            for t in range(len(config.models))
+        ]
+        found = rules.regmean_grams(
+            hs, config.damping, keys=unit.keys, scales=config.curvature_scales
+        )
+        if found is None:
+            continue
+        systems = regmean_systems(found[0], config.alphas, off_diagonal=config.off_diagonal)
+        worst = min(systems, key=lambda s: s.min_eigenvalue - s.threshold)
+        needed = max(s.damping for s in systems)
+        out.append(SystemCheck(unit.keys, worst.min_eigenvalue, worst.threshold, needed, "damping"))
+    return out
+
+
+def removal_checks(config: RemoveConfig) -> tuple[StepSize, Rounding] | None:
+    """``remove`` with diagonal curvatures only: compute every unit as the real run does (no
+    output) and return its step size and rounding bound, for the checks the real run applies
+    before writing (``step_check``, ``rounding_check``). None for other removals or
+    structures, where the dry run does not compute the result."""
+    if config.method != "remove":
+        return None
+    with ExitStack() as stack:
+        job = open_job(config, stack)
+        if any(f.structure != "diag" for f in job.curvatures.values()):
+            return None
+        for unit in job.plan.units:
+            if unit.merged:
+                job.compute(unit)
+        assert job.step is not None and job.rounding is not None
+        return job.step, job.rounding
 
 
 def delta_note(config: MergeConfig) -> str | None:
-    """A warning when gradient matching's δ is so small next to diagonal curvatures that it
-    equals Fisher averaging: δ below 10⁻³ of the 10th percentile of the positive entries of
-    Σ_t α_t H_t. None otherwise (or with no diagonal curvature, or a method without a prior)."""
+    """A warning when gradient matching's prior is so small next to diagonal curvatures that it
+    equals Fisher averaging: the prior's share s_i = h_0,i / (h_0,i + H_i), with
+    h_0 = δ + scale·C_0 (the prior curvature, when there is one) and H = Σ_t α_t H_t, is below
+    10⁻³ on at least 90% of the coordinates where H > 0 (gradient matching weighs task t by
+    s·α_t + (1 − s)·α_t h_t/H: :mod:`gradmerge.curvature.summary`). None otherwise (or with no
+    diagonal curvature, or another method)."""
     if config.prior is None:
         return None
-    samples: list[Tensor] = []
-    for files, keys in _merged_units(config):
-        parts = _models(config, files, keys, torch.float64)
-        if parts and all(isinstance(p, Diagonal) for p in parts):
-            total = sum(parts[1:], parts[0])
-            assert isinstance(total, Diagonal)
-            for values in total.values.values():
-                flat = values.flatten()
-                samples.append(flat[:: max(1, flat.numel() // SAMPLE)])
-    if not samples:
+    totals: list[Tensor] = []
+    priors: list[Tensor] = []
+    for job, unit in _merged_units(config):
+        parts = _models(config, job.curvatures, unit.keys, torch.float64)
+        if not parts or not all(isinstance(p, Diagonal) for p in parts):
+            continue
+        prior = _term(config.prior, "prior", job.curvatures, unit.keys, torch.float64)
+        if prior is not None and not isinstance(prior, (Diagonal, ScaledIdentity)):
+            continue
+        total = sum(parts[1:], parts[0])
+        assert isinstance(total, Diagonal)
+        for key, values in total.values.items():
+            flat = values.flatten()
+            step = max(1, flat.numel() // SAMPLE)
+            totals.append(flat[::step])
+            if isinstance(prior, Diagonal):
+                priors.append(prior.values[key].flatten()[::step])
+            else:
+                delta = prior.delta if isinstance(prior, ScaledIdentity) else 0.0
+                priors.append(torch.full_like(flat[::step], delta))
+    if not totals:
         return None
-    positive = torch.cat(samples)
-    positive = positive[positive > 0]
-    if positive.numel() == 0:
+    h, h0 = torch.cat(totals), torch.cat(priors)
+    h0, h = h0[h > 0], h[h > 0]
+    if h.numel() == 0:
         return None
-    p10 = float(torch.quantile(positive, 0.1))
-    delta = config.prior.delta
-    if delta >= 1e-3 * p10:
+    share = h0 / (h0 + h)
+    p90 = float(torch.quantile(share, 0.9))
+    if p90 >= 1e-3:
         return None
+    prior_text = f"δ = {config.prior.delta:.3g}" + (
+        f" + {config.prior.scale:g}·C_0 (prior curvature)" if config.prior.files else ""
+    )
     return (
-        f"prior δ = {delta:.3g} is below 10⁻³ of the curvatures' 10th percentile ({p10:.3g}, "
-        "positive diagonal entries of Σ α_t H_t): on at least 90% of those coordinates gradient "
-        "matching gives Fisher averaging's result to three digits. If that is not meant, choose δ "
-        "as the fine-tunes' own prior precision (see 'Choosing δ' in docs/guide.md)"
+        f"the prior H_0 = {prior_text} is below 10⁻³ of H_0 + Σ α_t H_t on at least 90% of the "
+        f"coordinates with curvature (90th percentile of the prior's share {p90:.2g}): there "
+        "gradient matching gives Fisher averaging's result to three digits. If that is not "
+        "meant, choose δ inside the window `gradmerge inspect` prints for these curvatures"
     )
 
 
@@ -149,11 +285,11 @@ def _models(
     """α_t·H_t of the merge's models on ``keys`` (those with a curvature there)."""
     assert isinstance(config, MergeConfig)
     parts = []
-    for t, alpha in enumerate(config.alphas):
+    for t, (alpha, scale) in enumerate(zip(config.alphas, config.curvature_scales, strict=True)):
         f = files.get(f"models[{t}].curvature")
         c = f.restrict(keys, dtype=dtype) if f is not None else None
         if c is not None:
-            parts.append(c.scaled(alpha))
+            parts.append(c.scaled(alpha * scale))
     return parts
 
 

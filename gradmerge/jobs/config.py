@@ -31,7 +31,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -39,6 +39,8 @@ import torch
 
 from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
+from gradmerge.merge import REGMEAN_OFF_DIAGONAL
+from gradmerge.solvers.spec import PRECISIONS, Precision
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -60,11 +62,20 @@ _REQUIRED: Any = object()
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t."""
+    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t.
+
+    ``adapter_base``: when ``model`` is a LoRA adapter, the base it was trained on, if its
+    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.io.sources.adapter_base`); it
+    must hold the merge's ``base_model`` weights.
+    """
 
     model: Path
     curvature: Path | None = None
     alpha: float = 1.0
+    scale: float = 1.0
+    """Multiplies H_t (not α_t): a curvature summed over n of the task's N examples, or a mean
+    Fisher, stands for the task's N_t·F_t at ``scale: N/n`` (or N)."""
+    adapter_base: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,8 @@ class Options(FromYaml):
     solver_tol: float | None = None
     solver_maxiter: int = 1000
     solver_approximate: bool = False
+    solver_precision: Precision = "working"
+    solver_warm_start: bool = False
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -153,7 +166,11 @@ class Options(FromYaml):
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON values (paths absolute), for the run's record."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "source"}
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "source" and not _unused(self, f.name)
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +180,9 @@ class MergeConfig(Options):
     ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
     (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
     ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
-    ``damping`` added to each). Every α_t is multiplied by ``scale``.
+    their off-diagonal entries times ``off_diagonal``, Jin et al.'s r, default 0.9, and
+    ``damping`` added to each). Every α_t is multiplied by ``scale``; each model's ``scale``
+    multiplies its H_t.
 
     Example:
         >>> cfg = MergeConfig.from_dict(
@@ -179,11 +198,17 @@ class MergeConfig(Options):
     prior: CurvatureTerm | None = None
     scale: float = 1.0
     damping: float = 0.0
+    off_diagonal: float = 1.0
 
     @property
     def alphas(self) -> list[float]:
         """The effective weights scale·α_t."""
         return [self.scale * m.alpha for m in self.models]
+
+    @property
+    def curvature_scales(self) -> list[float]:
+        """Each model's ``scale``, the factor on its curvature H_t."""
+        return [m.scale for m in self.models]
 
     _WHAT: ClassVar[str] = "the merge config"
 
@@ -198,6 +223,7 @@ class MergeConfig(Options):
             "prior",
             "scale",
             "damping",
+            "off_diagonal",
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
@@ -214,6 +240,16 @@ class MergeConfig(Options):
         else:
             damping = 0.0
             r.forbid("damping", method, spec.refusal("damping"))
+        off_diagonal = 1.0
+        if spec.need("off_diagonal") != "forbidden":
+            off_diagonal = r.number("off_diagonal", default=REGMEAN_OFF_DIAGONAL, minimum=0.0)
+            if off_diagonal > 1.0:
+                raise ConfigError(
+                    f"`off_diagonal` (Jin et al.'s factor on the Grams' off-diagonal entries) must "
+                    f"be in [0, 1], got {_shown(off_diagonal)}"
+                )
+        else:
+            r.forbid("off_diagonal", method, spec.refusal("off_diagonal"))
         return cls(
             method=method,
             base_model=base if base is not None else models[0].model,
@@ -221,6 +257,7 @@ class MergeConfig(Options):
             prior=prior,
             scale=r.number("scale", default=1.0),
             damping=damping,
+            off_diagonal=off_diagonal,
             source=source,
             **_options(r),
         )
@@ -239,7 +276,10 @@ class RemoveConfig(Options):
     definite. The step's size ‖θ_\\t − θ_LLM‖ is measured against ‖θ_t − θ_LLM‖ (``remove``) or
     ‖θ_LLM‖ (``influence_remove``); above ``max_relative_step`` (default 100 and 1), where a
     near-zero curvature direction has exploded, ``step_check`` refuses (default), warns or
-    ignores it.
+    ignores it. ``remove`` with diagonal curvatures also bounds what the removal does to the
+    inputs' rounding (:mod:`gradmerge._removal`: entries where (H_0 + H_t)/H̄_\\t is large
+    multiply it); above ``max_rounding`` (default 1e-2) × ‖θ_t − θ_LLM‖, ``rounding_check``
+    refuses (default), warns or ignores it.
     """
 
     method: str
@@ -250,19 +290,28 @@ class RemoveConfig(Options):
     curvature: Path | None = None
     prior: CurvatureTerm | None = None
     gradient: Path | None = None
+    adapter_base: Path | None = None
     step_check: str = "refuse"
     max_relative_step: float = 100.0
+    rounding_check: str = "refuse"
+    max_rounding: float = 1e-2
 
     _WHAT: ClassVar[str] = "the remove config"
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> RemoveConfig:
+        if r.data.get("method") == "remerge":
+            raise ConfigError(
+                "method remerge is a merge of the tasks that stay: read it with "
+                "gradmerge.jobs.config.remerge_config (`gradmerge remove` does)"
+            )
         method = r.choice("method", methods.names("remove"))
         spec = methods.get(method)
         r.allow(
             "method",
             "base_model",
             "model",
+            "adapter_base",
             "curvature",
             "prior",
             "gradient",
@@ -270,10 +319,13 @@ class RemoveConfig(Options):
             "alpha",
             "step_check",
             "max_relative_step",
+            "rounding_check",
+            "max_rounding",
             *_OPTION_KEYS,
         )
         uses = spec.uses
         model = r.path("model", default=_wanted(spec, "model")) if "model" in uses else None
+        adapter_base = r.path("adapter_base", default=None) if "model" in uses else None
         curvature = None
         if "curvature" in uses:
             curvature = r.path("curvature", kind="file", default=_wanted(spec, "curvature"))
@@ -286,6 +338,8 @@ class RemoveConfig(Options):
         for key in methods.KEYS["remove"]:
             if key not in spec.uses:
                 r.forbid(key, method, spec.refusal(key))
+        if "model" not in uses:
+            r.forbid("adapter_base", method, spec.refusal("model"))
         assert spec.max_relative_step is not None  # every removal method has one
         remaining = _term(r, "remaining", required=True)
         assert remaining is not None  # required=True
@@ -295,14 +349,79 @@ class RemoveConfig(Options):
             model=model,
             curvature=curvature,
             gradient=gradient,
+            adapter_base=adapter_base,
             prior=prior,
             remaining=remaining,
             alpha=r.number("alpha", default=1.0),
             step_check=r.choice("step_check", STEP_CHECKS, default="refuse"),
             max_relative_step=_positive(r, "max_relative_step", spec.max_relative_step),
+            rounding_check=r.choice("rounding_check", STEP_CHECKS, default="refuse"),
+            max_rounding=_positive(r, "max_rounding", 1e-2),
             source=source,
             **_options(r),
         )
+
+
+def remerge_config(
+    data: Mapping[str, Any], *, root: str | os.PathLike[str], source: Path | None = None
+) -> MergeConfig:
+    """``method: remerge``: the merge ``merge`` (a merge YAML) without the models in
+    ``without`` — Eq. 6 over the tasks that stay, the exact "remove task t from a merge"
+    (Eq. 13 from the merged weights approximates it, up to H̄_\\t⁻¹ H_0 (θ_m − θ_LLM) and the
+    rounding it amplifies).
+
+    ``without`` lists indices into the merge's ``models`` (0-based) or their ``model`` paths
+    (relative to this file). Everything else — method, base, prior, alphas, options — is the
+    merge's own.
+
+    Example:
+        >>> import tempfile, yaml
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     merge = {"method": "task_arithmetic", "base_model": ".",
+        ...              "models": [{"model": "a"}, {"model": "b"}, {"model": "c"}]}
+        ...     for name in "abc":
+        ...         (Path(d) / name).mkdir()
+        ...     _ = (Path(d) / "merge.yaml").write_text(yaml.safe_dump(merge))
+        ...     cfg = remerge_config({"method": "remerge", "merge": "merge.yaml",
+        ...                           "without": [1, "c"]}, root=d)
+        ...     [m.model.name for m in cfg.models]
+        ['a']
+    """
+    r = _Reader(data, "the remove config", Path(root), True)
+    r.choice("method", ("remerge",))
+    r.allow("method", "merge", "without")
+    merge_path = r.path("merge", kind="file")
+    merged, merge_root = _load_yaml(merge_path)
+    cfg = MergeConfig.from_dict(merged, root=merge_root, source=merge_path)
+    listed = r.data.get("without")
+    if not isinstance(listed, list) or not listed:
+        raise ConfigError(
+            "`without` must be a non-empty list of the merge's models to leave out: indices into "
+            "its `models` (0-based) or their `model` paths, e.g. `without: [1]`"
+        )
+    drop: set[int] = set()
+    for i, item in enumerate(listed):
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not 0 <= item < len(cfg.models):
+                raise ConfigError(
+                    f"`without[{i}]` = {item} is not an index of the merge's {len(cfg.models)} "
+                    f"models (0 to {len(cfg.models) - 1})"
+                )
+            drop.add(item)
+            continue
+        path = r.sub({"": item}, f"without[{i}]").path("", default=None)
+        matches = [j for j, m in enumerate(cfg.models) if m.model.resolve() == path.resolve()]
+        if not matches:
+            raise ConfigError(
+                f"`without[{i}]` ({path}) is none of the merge's models: "
+                + ", ".join(str(m.model) for m in cfg.models)
+            )
+        drop.update(matches)
+    kept = tuple(m for j, m in enumerate(cfg.models) if j not in drop)
+    if not kept:
+        raise ConfigError("`without` leaves no model to merge: the result would be the base model")
+    return replace(cfg, models=kept, source=source)
 
 
 _OPTION_KEYS = (
@@ -346,15 +465,18 @@ def _options(r: _Reader) -> dict[str, Any]:
 
 
 def _solver(r: _Reader) -> dict[str, Any]:
-    """``solver: {tol, maxiter, approximate}``: the certified relative residual of every K-FAC
+    """``solver: {tol, maxiter, approximate, precision, warm_start}``, the fields of
+    :class:`gradmerge.SolverSpec` one to one: the certified relative residual of every K-FAC
     layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
-    1000) and, with ``approximate: true`` (never the default), accepting each layer after at
+    1000), with ``approximate: true`` (never the default) accepting each layer after at
     most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
-    measured residual instead of an error."""
+    measured residual instead of an error, ``precision`` (working | bfloat16: the dtype of the
+    CG's inner Kronecker products; the certificate is the same) and ``warm_start`` (default
+    false)."""
     if r.data.get("solver") is None:
         return {}
     s = r.sub(r.data["solver"], "solver")
-    s.allow("tol", "maxiter", "approximate")
+    s.allow("tol", "maxiter", "approximate", "precision", "warm_start")
     out: dict[str, Any] = {}
     if s.data.get("tol") is not None:
         tol = s.number("tol")
@@ -365,6 +487,11 @@ def _solver(r: _Reader) -> dict[str, Any]:
             )
         out["solver_tol"] = tol
     approximate = s.flag("approximate", default=False)
+    if isinstance(s.data.get("maxiter"), str):
+        raise ConfigError(
+            f"`solver.maxiter` must be a whole number, got the text {_shown(s.data['maxiter'])}: "
+            "write it without quotes (maxiter: 10)"
+        )
     maxiter = s.number("maxiter", default=0 if approximate else 1000, minimum=0)
     if maxiter != int(maxiter) or (maxiter == 0 and not approximate):
         raise ConfigError(
@@ -373,38 +500,65 @@ def _solver(r: _Reader) -> dict[str, Any]:
         )
     out["solver_maxiter"] = int(maxiter)
     out["solver_approximate"] = approximate
+    out["solver_precision"] = s.choice("precision", PRECISIONS, default="working")
+    out["solver_warm_start"] = s.flag("warm_start", default=False)
     return out
 
 
 def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInput:
     where = f"models[{i}]"
     m = r.sub(data, where)
-    m.allow("model", "curvature", "alpha")
+    m.allow("model", "curvature", "alpha", "scale", "adapter_base")
     if spec.need("curvature") == "forbidden":
         m.forbid("curvature", spec.name, spec.refusal("curvature"))
+        m.forbid("scale", spec.name, "it multiplies the model's curvature, and there is none")
         curvature = None
     else:
         curvature = m.path("curvature", kind="file", default=_wanted(spec, "curvature"))
-    return ModelInput(model=m.path("model"), curvature=curvature, alpha=m.number("alpha", 1.0))
+    scale = m.number("scale", 1.0)
+    if not scale > 0:
+        raise ConfigError(
+            f"`{m._name('scale')}` multiplies the curvature H_t (e.g. N/n for a curvature summed "
+            f"over n of the task's N examples): it must be > 0, got {_shown(scale)}"
+        )
+    return ModelInput(
+        model=m.path("model"),
+        curvature=curvature,
+        alpha=m.number("alpha", 1.0),
+        scale=scale,
+        adapter_base=m.path("adapter_base", default=None),
+    )
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
-    """Warn when one checkpoint is listed as two models: it is then merged twice, as one model
-    with the sum of their weights — rarely what was meant."""
-    seen: dict[Path, int] = {}
+    """Warn, once, when a checkpoint is listed as several models: it is then merged as many
+    times, as one model with the sum of their weights — rarely what was meant. One warning
+    names every repeated checkpoint with its count (not one per repetition)."""
+    listed: dict[Path, list[int]] = {}
     for i, m in enumerate(models):
-        where = m.model.resolve() if check_files else m.model
-        if where in seen:
-            j = seen[where]
-            warnings.warn(
-                f"models[{j}].model and models[{i}].model are the same checkpoint ({m.model}): it "
-                f"is merged twice, as if listed once with alpha {models[j].alpha:g} + "
-                f"{m.alpha:g}; list it once (with the summed `alpha` if that is meant)",
-                InputWarning,
-                stacklevel=4,
-            )
-        else:
-            seen[where] = i
+        listed.setdefault(m.model.resolve() if check_files else m.model, []).append(i)
+    repeated = [indices for indices in listed.values() if len(indices) > 1]
+    if not repeated:
+        return
+    parts = []
+    for indices in repeated[:3]:
+        names = [f"models[{i}].model" for i in indices]
+        shown = " and ".join(names) if len(names) == 2 else ", ".join(names[:3])
+        if len(names) > 3:
+            shown += f", ... ({len(names) - 3} more)"
+        alpha = sum(models[i].alpha for i in indices)
+        parts.append(
+            f"{shown} are the same checkpoint ({models[indices[0]].model}), "
+            f"listed {len(indices)} times: it is merged {len(indices)} times, as if listed once "
+            f"with alpha {alpha:g}"
+        )
+    more = f"; and {len(repeated) - 3} more repeated checkpoint(s)" if len(repeated) > 3 else ""
+    warnings.warn(
+        "; ".join(parts) + more + ". List each checkpoint once (with the summed `alpha` if that "
+        "is meant)",
+        InputWarning,
+        stacklevel=4,
+    )
 
 
 def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
@@ -659,11 +813,21 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
     return short.repr(value)
 
 
+def _unused(value: Any, name: str) -> bool:
+    """An optional key left out of records when not given (records of runs without it stay as
+    they were)."""
+    return name == "adapter_base" and getattr(value, name) is None
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, (ModelInput, CurvatureTerm)):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in fields(value)
+            if not _unused(value, f.name)
+        }
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value

@@ -12,8 +12,10 @@ covers, so with one the whole model is a single unit (and must fit in memory).
 The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
 shards, the base's config and tokenizer files (``dtype`` in config.json updated) and a record,
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
-and torch versions, each input's fingerprint (SHA-256 of its safetensors headers) and each
-curvature file's metadata.
+and torch versions, each input's fingerprint (a SHA-256 content hash of its values, exact on
+every small tensor and on 16 evenly spaced rows of every large one:
+:func:`gradmerge._weight_sample.content_hash`; and of its safetensors headers) and each curvature
+file's metadata.
 
 The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
 gives each rank its own units): :func:`open_job` opens the inputs and builds the plan,
@@ -40,13 +42,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _weight_sample
+from gradmerge import _removal, _weight_sample
 from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge._version import __version__
-from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, Sum
+from gradmerge.curvature import Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
 from gradmerge.errors import (
@@ -56,6 +58,7 @@ from gradmerge.errors import (
     GradmergeError,
     InputWarning,
     NonFiniteError,
+    NotConvergedError,
     NotPositiveDefiniteError,
     ResultOverflowError,
     StepTooLargeError,
@@ -67,9 +70,11 @@ from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan
 from gradmerge.kernels import memory, select
-from gradmerge.solvers import solution
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
-UnitFn = Callable[[Unit], dict[str, Tensor]]
+UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
+"""A unit's computation: its tensors, and the report of its solve (``None``: none ran)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,85 @@ class StepSize:
         warnings.warn(message, InputWarning, stacklevel=3)
 
 
+@dataclass
+class Rounding:
+    """How much a removal (Eq. 13) amplifies the rounding its inputs carry, summed unit by unit.
+
+    Each input θ is known only to ε/2 relative (ε: the coarser of its stored dtype and the
+    compute dtype, in which it is read); where r = |α|(H_0 + H_t)/H̄_\\t is large, Eq. 13
+    multiplies that by r (:mod:`gradmerge._removal`). The bound ‖e‖₂ is compared with the task
+    vector ‖θ_t − θ_LLM‖. Measured for elementwise (diagonal, δ·I) units; ``unmeasured`` counts
+    the others (K-FAC, dense), where it is not bounded.
+
+    Example:
+        >>> import torch
+        >>> from gradmerge._removal import RemovalStats
+        >>> r = Rounding(torch.float32)
+        >>> r.add(RemovalStats(reference_sq=1.0, amplified_sq=4e12, max_ratio=1e6), [torch.float32])
+        >>> round(r.bound, 3), r.ratio > 1e-2
+        (0.119, True)
+    """
+
+    compute: torch.dtype
+    bound_sq: float = 0.0
+    reference_sq: float = 0.0
+    max_ratio: float = 0.0
+    eps: float = 0.0
+    unmeasured: int = 0
+
+    def add(self, stats: _removal.RemovalStats, stored: Sequence[torch.dtype]) -> None:
+        """Add one unit's measurements; ``stored``: the dtypes its inputs are stored in."""
+        eps = max(torch.finfo(d).eps for d in (*stored, self.compute) if d.is_floating_point)
+        self.eps = max(self.eps, eps)
+        self.bound_sq += (eps / 2) ** 2 * stats.amplified_sq
+        self.reference_sq += stats.reference_sq
+        self.max_ratio = max(self.max_ratio, stats.max_ratio)
+
+    @property
+    def bound(self) -> float:
+        """‖e‖₂, the bound on the error the inputs' rounding causes in the result."""
+        return math.sqrt(self.bound_sq)
+
+    @property
+    def ratio(self) -> float:
+        """‖e‖₂ / ‖θ_t − θ_LLM‖ (inf for a non-zero bound against a zero task vector)."""
+        if self.reference_sq == 0.0:
+            return 0.0 if self.bound_sq == 0.0 else math.inf
+        return math.sqrt(self.bound_sq / self.reference_sq)
+
+    def describe(self) -> str:
+        """One line: the bound, relative to the task vector, and the largest amplification."""
+        kind = "float64" if self.eps <= torch.finfo(torch.float64).eps else "float32 or coarser"
+        return (
+            f"rounding bound of the removal {self.bound:.3g} = {self.ratio:.3g}× the task vector "
+            f"(largest amplification |α|(H_0 + H_t)/H̄_\\t = {self.max_ratio:.3g} of inputs known "
+            f"to {kind} precision)"
+        )
+
+    def check(self, policy: str, limit: float) -> None:
+        """Refuse (:class:`StepTooLargeError`) or warn when the bound exceeds ``limit`` × the task
+        vector; "ignore" does neither."""
+        if policy == "ignore" or self.ratio <= limit:
+            return
+        wider = (
+            "store θ_LLM and θ_t in float64 and set `compute_dtype: float64` (a float32 merge "
+            "has already lost those digits), "
+            if self.eps > torch.finfo(torch.float64).eps
+            else ""
+        )
+        message = (
+            f"the {self.describe()} exceeds `max_rounding: {limit:g}`: where H̄_\\t is tiny next "
+            "to H_0 + H_t (e.g. rows only the removed task trained), Eq. 13 multiplies the "
+            "rounding of the stored weights into an error larger than that share of the step. "
+            "Re-merge without the task instead (`method: remerge`, exact), "
+            f"{wider}raise `remaining: {{delta: ...}}`, or set `rounding_check: warn` to write "
+            "it anyway"
+        )
+        if policy == "refuse":
+            raise StepTooLargeError(message)
+        warnings.warn(message, InputWarning, stacklevel=3)
+
+
 # ----- jobs: opened inputs, a plan, and how to compute one unit ----------------------------------
 @dataclass
 class Job:
@@ -298,6 +382,7 @@ class Job:
     math_dtype: torch.dtype = torch.float32
     source: Path | None = None
     step: StepSize | None = None
+    rounding: Rounding | None = None
     solves: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
 
@@ -325,9 +410,8 @@ class Job:
         """
         if not unit.merged:
             return _copy_unit(self, unit)
-        with solution.collect() as solved:
-            out = _run_unit(self, unit)
-        for report in solved:
+        out, report = _run_unit(self, unit)
+        if report is not None:
             for name, part in (report.parts or {key_list(unit.keys, 3): report}).items():
                 if part.residual == part.residual:  # measured solves only
                     self.solves[name] = part.summary()
@@ -378,7 +462,7 @@ def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
 
 def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    models = [stack.enter_context(open_model(m.model, base)) for m in config.models]
+    models = [stack.enter_context(open_model(m.model, base, m.adapter_base)) for m in config.models]
     curvs = [
         stack.enter_context(open_curvature(m.curvature)) if m.curvature is not None else None
         for m in config.models
@@ -404,16 +488,27 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     pairs += [(name, f, [("base_model", base)]) for name, f in prior_files.items()]
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
-    alphas = config.alphas
+    alphas, solver = config.alphas, solver_spec(config)
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
 
-    def compute(unit: Unit) -> dict[str, Tensor]:
+    def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
         theta = _read(base, keys, device, dtype)
         fts = [_read(m, keys, device, dtype) for m in models]
-        hs = [_restrict(c, keys, device, dtype, config) for c in curvs]
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
-        unit_inputs = rules.MergeUnit(theta, fts, hs, alphas, prior, config.damping, kernel)
+        hs = [_restrict(c, keys, device, dtype) for c in curvs]
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
+        unit_inputs = rules.MergeUnit(
+            theta,
+            fts,
+            hs,
+            alphas,
+            prior,
+            config.damping,
+            kernel,
+            solver=solver,
+            off_diagonal=config.off_diagonal,
+            curvature_scales=config.curvature_scales,
+        )
         try:
             return rule(unit_inputs)
         except GradmergeError as err:
@@ -445,7 +540,11 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     base = stack.enter_context(open_checkpoint(config.base_model))
-    model = stack.enter_context(open_model(config.model, base)) if config.model else None
+    model = (
+        stack.enter_context(open_model(config.model, base, config.adapter_base))
+        if config.model
+        else None
+    )
     gradient = stack.enter_context(open_checkpoint(config.gradient)) if config.gradient else None
     curv = stack.enter_context(open_curvature(config.curvature)) if config.curvature else None
     prior_files = _open_term(config.prior, "prior", stack)
@@ -471,31 +570,42 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     device, dtype = resolve_device(config.device), config.math_dtype
     spec = methods.get(config.method)
     rule = cast(rules.RemoveRule, spec.rule)
+    solver = solver_spec(config)
 
-    def compute(unit: Unit) -> dict[str, Tensor]:
+    def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
 
-        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype, config)
+        remaining = _term_precision(config.remaining, rest_files, keys, device, dtype)
         assert remaining is not None  # `remaining` is required by RemoveConfig
         theta = _read(base, keys, device, dtype)
         finetuned = _read(model, keys, device, dtype) if model is not None else None
-        curvature = _restrict(curv, keys, device, dtype, config)
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype, config)
+        curvature = _restrict(curv, keys, device, dtype)
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
         grad = _read(gradient, keys, device, dtype) if gradient is not None else None
         unit_inputs = rules.RemoveUnit(
-            theta, remaining, config.alpha, finetuned, curvature, prior, grad
+            theta, remaining, config.alpha, finetuned, curvature, prior, grad, solver
         )
         try:
-            out = rule(unit_inputs)
+            with _removal.collect() as measured:
+                out, report = rule(unit_inputs)
         except GradmergeError as err:
             named = {"curvature": curvature, "prior": prior, "remaining": remaining}
             _raise_non_finite(named, err)
             raise
+        if measured:  # the fused elementwise pass measured the step and the rounding bound
+            stats = measured[-1]
+            step.step_sq += stats.step_sq
+            step.reference_sq += stats.reference_sq
+            assert model is not None
+            rounding.add(stats, [base.dtype(k) for k in keys] + [model.dtype(k) for k in keys])
+            return out, report
         reference = theta if finetuned is None else {k: finetuned[k] - theta[k] for k in keys}
         step.add({k: out[k] - theta[k] for k in keys}, reference)
-        return out
+        rounding.unmeasured += 1
+        return out, report
 
     step = StepSize("the weights ‖θ_LLM‖" if model is None else "the task vector ‖θ_t − θ_LLM‖")
+    rounding = Rounding(dtype)
 
     checkpoints = {"base_model": base}
     if model is not None:
@@ -515,6 +625,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         dtype,
         config.source,
         step,
+        rounding=rounding if config.method == "remove" else None,
     )
 
 
@@ -565,14 +676,11 @@ def _term_precision(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
-    options: Options,
 ) -> rules.Precision | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts)."""
     if term is None:
         return None
-    parts = [
-        c for f in files.values() if (c := _restrict(f, keys, device, dtype, options)) is not None
-    ]
+    parts = [c for f in files.values() if (c := _restrict(f, keys, device, dtype)) is not None]
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
@@ -612,20 +720,25 @@ def _restrict(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
-    options: Options,
 ) -> Curvature | None:
-    """The unit's part of a curvature file, its K-FAC solves set to ``solver:`` of ``options``;
-    diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
+    """The unit's part of a curvature file, as loaded (the ``solver:`` settings go to each
+    solve: :func:`solver_spec`); diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
     ``check_finite=False``: one read less), which the unit's rule and :func:`_raise_non_finite`
     make up for."""
     if file is None:
         return None
-    part = file.restrict(keys, device=device, dtype=dtype, check_finite=False)
-    for kfac in [part] if isinstance(part, KFAC) else getattr(part, "blocks", ()):
-        if isinstance(kfac, KFAC):  # sums made from it inherit these (KFAC algebra)
-            kfac.cg_tol, kfac.cg_maxiter = options.solver_tol, options.solver_maxiter
-            kfac.cg_approximate = options.solver_approximate
-    return part
+    return file.restrict(keys, device=device, dtype=dtype, check_finite=False)
+
+
+def solver_spec(options: Options) -> SolverSpec:
+    """The :class:`SolverSpec` of a config's ``solver:`` block (its keys map one to one)."""
+    return SolverSpec(
+        tol=options.solver_tol,
+        maxiter=options.solver_maxiter,
+        approximate=options.solver_approximate,
+        precision=options.solver_precision,
+        warm_start=options.solver_warm_start,
+    )
 
 
 def _read(
@@ -655,13 +768,24 @@ def _execute(
     ):
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
+            singular: list[tuple[Unit, NotPositiveDefiniteError]] = []
             for unit in plan.units:
-                out = job.compute_unit(unit)
+                try:
+                    out = job.compute_unit(unit)
+                except NotPositiveDefiniteError as err:
+                    # go on checking the other units, so that one run names every unit that
+                    # needs damping; nothing more is written, and nothing is published
+                    singular.append((unit, err))
+                    continue
+                if singular:
+                    continue
                 for k in unit.keys:
                     writer.write(k, out[k])
                     if bar is not None:
                         bar.update(_nbytes(out[k]), items=1)
                 del out
+            if singular:
+                raise _all_singular(job, singular)
             shards = writer.finish()
         finally:
             writer.abort()
@@ -671,6 +795,10 @@ def _execute(
         if job.step is not None and isinstance(config, RemoveConfig):
             job.step.check(config.step_check, config.max_relative_step)  # before publishing
             notes = (job.step.describe(),)
+        if job.rounding is not None and isinstance(config, RemoveConfig):
+            job.rounding.check(config.rounding_check, config.max_rounding)
+            if job.rounding.unmeasured == 0:
+                notes = (*notes, job.rounding.describe())
         assets = job.copy_assets(stage, config.dtype)
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
@@ -696,9 +824,9 @@ def _execute(
     )
 
 
-def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
+def _run_unit(job: Job, unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
     try:
-        merged = job.compute(unit)
+        merged, report = job.compute(unit)
     except NotPositiveDefiniteError as err:
         delta = err.suggested_delta
         example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
@@ -706,7 +834,7 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         what = str(err).split(f" {PD_FIX}")[0]  # the Python keywords' fix gives way to the YAML's
         new = NotPositiveDefiniteError(
             f"{what} While computing {key_list(unit.keys, 3)}: {hint} (`gradmerge {job.command} "
-            "--dry-run` lists every unit that needs it)."
+            "--dry-run` checks every unit's system without writing)."
         )
         new.suggested_delta = delta
         raise new from err
@@ -714,6 +842,20 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
         raise ResultOverflowError(
             f"{err} (while computing {key_list(unit.keys, 3)}; in the config: smaller `alpha`/`scale`, "
             f"a larger `delta`{'' if job.wide else ', or `compute_dtype: float64`'})"
+        ) from err
+    except NotConvergedError as err:
+        text = str(err)
+        if job.wide:  # the solver's generic advice; this run already computes in float64
+            for advice in (
+                " work in float64,",
+                ", or compute in float64",
+                " or compute in float64",
+            ):
+                text = text.replace(advice, "")
+            text += " (the arithmetic already runs in float64 here)"
+        raise NotConvergedError(
+            f"{text} (while computing {key_list(unit.keys, 3)}; in the config: a larger "
+            "`prior: {delta: ...}`/`damping`, or `solver: {maxiter: ...}`)"
         ) from err
     except GradmergeError as err:
         raise type(err)(f"{err} (while computing {key_list(unit.keys, 3)})") from err
@@ -732,7 +874,32 @@ def _run_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
                 f"a wider dtype (`dtype: {wider}`), or use smaller `alpha`/`scale`"
             )
         out[k] = value
-    return out
+    return out, report
+
+
+def _all_singular(
+    job: Job, singular: Sequence[tuple[Unit, NotPositiveDefiniteError]]
+) -> NotPositiveDefiniteError:
+    """One error naming every unit whose system was singular, with the damping that lifts all of
+    them (the largest suggested; a generic example when no unit suggested one)."""
+    if len(singular) == 1:
+        return singular[0][1]
+    deltas = [d for _, e in singular if (d := e.suggested_delta) is not None]
+    delta = max(deltas) if deltas else None
+    example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
+    lines = []
+    for unit, err in singular:
+        cause = err.__cause__ if isinstance(err.__cause__, NotPositiveDefiniteError) else err
+        lines.append(f"{key_list(unit.keys, 3)}: {str(cause).split(f' {PD_FIX}')[0]}")
+    merged = sum(1 for u in job.plan.units if u.merged)
+    new = NotPositiveDefiniteError(
+        f"{len(singular)} of {merged} merged units have a singular system: "
+        + "; ".join(line.rstrip(". ") for line in lines)
+        + f". Fix: {job.hint.format(example=example)} (`gradmerge {job.command} --dry-run` "
+        "checks the same systems without writing)."
+    )
+    new.suggested_delta = delta
+    return new
 
 
 def _copy_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
@@ -798,8 +965,9 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         name: {
             "path": str(c.path),
             "files": [f.name for f in c.files],
-            "fingerprint_sha256": c.fingerprint,
-            "fingerprint_of": "safetensors headers (names, dtypes, shapes, offsets, metadata)",
+            "fingerprint_sha256": _weight_sample.content_hash(c.keys(), c.shape, c.dtype, c.rows),
+            "fingerprint_of": _weight_sample.CONTENT_HASH_OF,
+            "header_sha256": c.fingerprint,
             "tensor_bytes": c.total_bytes,
         }
         for name, c in job.checkpoints.items()
@@ -825,6 +993,12 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         "largest_unit": list(plan.largest_unit.keys),
     }
     record["compute"] = {"device": str(job.device), "dtype": config.compute_dtype}
+    if job.rounding is not None and job.rounding.unmeasured == 0:
+        record["rounding"] = {
+            "bound": job.rounding.bound,
+            "relative_to_task_vector": job.rounding.ratio,
+            "max_amplification": job.rounding.max_ratio,
+        }
     if job.step is not None:
         record["step"] = {
             "norm": math.sqrt(job.step.step_sq),

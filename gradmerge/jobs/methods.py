@@ -45,7 +45,7 @@ Need = Literal["required", "optional", "forbidden"]
 Job = Literal["merge", "remove"]
 
 KEYS: dict[Job, tuple[str, ...]] = {
-    "merge": ("base_model", "curvature", "prior", "damping"),
+    "merge": ("base_model", "curvature", "prior", "damping", "off_diagonal"),
     "remove": ("model", "curvature", "prior", "gradient"),
 }
 """The method-specific YAML keys of each job (``curvature`` of a merge: each ``models[i]``'s)."""
@@ -55,6 +55,7 @@ MEANING = {
     "curvature": "the curvature H_t",
     "prior": "the prior H_0",
     "damping": "`damping` (δ·I added to each H_t)",
+    "off_diagonal": "`off_diagonal` (Jin et al.'s factor on the Gram matrices' off-diagonals)",
     "model": "the fine-tuned model θ_t",
     "gradient": "the gradient ∇ℓ̄_t(θ_LLM)",
 }
@@ -192,9 +193,15 @@ REGISTRY: tuple[MergeMethod, ...] = (
         "regmean",
         "merge",
         "RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's\n"
-        "K-FAC input factor, a mean over M_t rows); other tensors are averaged;\n"
-        "optional `damping`",
-        {"base_model": "optional", "curvature": "required", "damping": "optional"},
+        "K-FAC input factor, a mean over M_t rows), its off-diagonal entries times\n"
+        "`off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.9; 1: the plain closed\n"
+        "form); other tensors are averaged; optional `damping`",
+        {
+            "base_model": "optional",
+            "curvature": "required",
+            "damping": "optional",
+            "off_diagonal": "optional",
+        },
         rules.regmean,
         coverage="kfac",
         damping_key="damping",

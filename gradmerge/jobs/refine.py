@@ -19,7 +19,13 @@ MODEL entries (``start``, ``base_model``, ``models[].model``) are Hugging Face f
 ``datasets`` folder; tokenised with the ``start`` folder's tokenizer), tensor files or entry
 points, as for ``gradmerge curvature`` (:mod:`gradmerge.io.sources`); ``text`` takes the keys of
 :class:`gradmerge.io.text_data.TextOptions`. Every model must have the parameters of
-``start`` (names and shapes). Unlike a merge, refinement is not streamed: it holds T + 2 copies of
+``start`` (names and shapes).
+
+An entry point runs code (it is imported and called): :meth:`RefineConfig.from_yaml` refuses a
+YAML file that names one unless ``allow_entry_points`` (``gradmerge refine
+--allow-entry-points``) or the environment variable ``GRADMERGE_ALLOW_ENTRY_POINTS=1`` says to
+trust it as a script (``docs/trust.md``); :meth:`~RefineConfig.from_dict`, called from Python
+code, is trusted as that code is. Unlike a merge, refinement is not streamed: it holds T + 2 copies of
 the parameters (θ^k, θ_LLM, θ_1 … θ_T), the model, and one curvature at a time in memory.
 
 The output folder appears only when everything succeeded (:func:`~gradmerge.io.writer.
@@ -59,7 +65,12 @@ from gradmerge._text import key_list
 from gradmerge._version import __version__
 from gradmerge.curvature import Curvature, load_curvature
 from gradmerge.diagnostics import gradient_mismatch
-from gradmerge.errors import ConfigError, MissingInputError, StructureError
+from gradmerge.errors import (
+    ConfigError,
+    EntryPointsNotAllowedError,
+    MissingInputError,
+    StructureError,
+)
 from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
 from gradmerge.estimate.options import Fisher, LossFunction, Structure
 from gradmerge.io import sources
@@ -135,6 +146,39 @@ class RefineConfig(FromYaml):
     _WHAT: ClassVar[str] = "the refine config"
 
     @classmethod
+    def from_yaml(
+        cls, path: str | os.PathLike[str], *, allow_entry_points: bool | None = None
+    ) -> RefineConfig:
+        """Read a refinement YAML file; relative paths are relative to its folder.
+
+        ``allow_entry_points``: accept MODEL/DATA entry points, which run code (module
+        docstring); ``None``: only when the environment has ``GRADMERGE_ALLOW_ENTRY_POINTS=1``.
+
+        Raises:
+            EntryPointsNotAllowedError: the file names an entry point and they are not allowed.
+            ConfigError, MissingInputError: as :meth:`from_dict`.
+        """
+        config = super().from_yaml(path)
+        if allow_entry_points is None:
+            allow_entry_points = os.environ.get(ALLOW_ENTRY_POINTS) == "1"
+        named = config.entry_points()
+        if named and not allow_entry_points:
+            raise EntryPointsNotAllowedError(
+                f"{path} names Python entry points ({', '.join(f'{k}: {v}' for k, v in named)})"
+                ", which gradmerge would import and run, with your permissions, like a script. "
+                "If you trust this file as you would a script, pass --allow-entry-points (or "
+                f"set {ALLOW_ENTRY_POINTS}=1); otherwise give model folders and data files"
+            )
+        return config
+
+    def entry_points(self) -> list[tuple[str, str]]:
+        """(key, spec) of every MODEL or DATA entry that is a Python entry point."""
+        specs = [("start", self.start), ("base_model", self.base_model)]
+        for i, m in enumerate(self.models):
+            specs += [(f"models[{i}].model", m.model), (f"models[{i}].data", m.data)]
+        return [(key, spec) for key, spec in specs if _is_entry_point(spec)]
+
+    @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> RefineConfig:
         """The checks of a refinement's keys (:meth:`FromYaml.from_dict`; also: ``steps`` < 1
         is a :class:`ConfigError`)."""
@@ -176,7 +220,7 @@ class RefineConfig(FromYaml):
             base_model=_spec(r, "base_model", "MODEL"),
             models=tuple(models),
             prior=prior,
-            steps=_integer(r, "steps", _REQUIRED, minimum=1),
+            steps=_steps(r),
             structure=structure,
             fisher=fisher,
             loss=r.choice("loss", tuple(LossFunction), default="cross_entropy"),
@@ -353,6 +397,24 @@ def _text_options(r: _Reader) -> TextOptions:
         else:
             values[name] = t.data[name]
     return TextOptions(**values)
+
+
+MAX_STEPS = 100
+"""The most refinement steps one run takes (each re-estimates every task's gradient and
+curvature; the appendix's refinement takes a few)."""
+ALLOW_ENTRY_POINTS = "GRADMERGE_ALLOW_ENTRY_POINTS"
+"""The environment variable that, set to 1, lets YAML files name entry points."""
+
+
+def _steps(r: _Reader) -> int:
+    steps = _integer(r, "steps", _REQUIRED, minimum=1)
+    if steps > MAX_STEPS:
+        raise ConfigError(
+            f"`steps` must be at most {MAX_STEPS}, got {steps}: each step re-estimates every "
+            "task's gradient and curvature. To go further, refine again from the output folder "
+            "(`start:` it)"
+        )
+    return steps
 
 
 def _integer(r: _Reader, key: str, default: Any, *, minimum: int | None = None) -> int:

@@ -5,6 +5,9 @@ tensors and the unit's restriction of each curvature, so a streamed merge comput
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
 never couple two units). A merge rule takes a :class:`MergeUnit`, a removal rule a
 :class:`RemoveUnit`; which method calls which rule is recorded in :mod:`gradmerge.jobs.methods`.
+Each unit carries the job's solver settings (``solver``, a :class:`gradmerge.SolverSpec` from
+its ``solver:`` block), passed to the solve; each rule returns the unit's tensors with the
+report of its solve (``None`` where nothing is solved).
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentit
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.kronecker import eye_like
+from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import SolverSpec
 
 Precision = Curvature | float
+
+Solved = tuple[dict[str, Tensor], Solution | None]
+"""A rule's result: the unit's tensors, and the report of its solve (``None``: none ran)."""
 
 
 def precision(delta: float, scale: float, curvature: Curvature | None) -> Precision:
@@ -39,8 +47,10 @@ def precision(delta: float, scale: float, curvature: Curvature | None) -> Precis
 @dataclass(frozen=True)
 class MergeUnit:
     """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
-    tensors, the α_t, the prior H_0, the merge's ``damping``, and ``kernel``, the fast elementwise
-    evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges."""
+    tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
+    evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
+    RegMean's ``off_diagonal`` factor and the models' ``scale`` (``curvature_scales``, the factor
+    on each H_t; RegMean: on each Gram)."""
 
     base: Params
     finetuned: Sequence[Params]
@@ -49,10 +59,22 @@ class MergeUnit:
     prior: Precision | None = None
     damping: float = 0.0
     kernel: Kernel | None = None
+    off_diagonal: float = 1.0
+    curvature_scales: Sequence[float] | None = None
+    solver: SolverSpec | None = None
+
+    def scales(self) -> list[float]:
+        """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
+        return list(self.curvature_scales or [1.0] * len(self.curvatures))
 
     def hs(self) -> list[Curvature]:
-        """The H_t, every one required."""
-        return [_required(c, t) for t, c in enumerate(self.curvatures)]
+        """The H_t, every one required, each times its model's ``scale``."""
+        return [
+            h if s == 1.0 else h.scaled(s)
+            for h, s in zip(
+                (_required(c, t) for t, c in enumerate(self.curvatures)), self.scales(), strict=True
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -67,58 +89,94 @@ class RemoveUnit:
     curvature: Curvature | None = None
     prior: Precision | None = None
     gradient: Params | None = None
+    solver: SolverSpec | None = None
 
 
-def task_arithmetic(u: MergeUnit) -> dict[str, Tensor]:
+def task_arithmetic(u: MergeUnit) -> Solved:
     """:func:`gm.task_arithmetic` on the unit (curvatures, prior and damping unused)."""
-    return merge.task_arithmetic(u.base, u.finetuned, alphas=list(u.alphas), kernel=u.kernel)
+    return merge.task_arithmetic(u.base, u.finetuned, alphas=list(u.alphas), kernel=u.kernel), None
 
 
-def fisher_average(u: MergeUnit) -> dict[str, Tensor]:
+def fisher_average(u: MergeUnit) -> Solved:
     """:func:`gm.fisher_average` on the unit with H_t + damping·I (base and prior unused)."""
     damped = [h + u.damping if u.damping else h for h in u.hs()]
-    return merge.fisher_average(u.finetuned, damped, alphas=list(u.alphas), kernel=u.kernel)
+    return merge.fisher_average(u.finetuned, damped, alphas=list(u.alphas), kernel=u.kernel), None
 
 
-def gradient_matching(u: MergeUnit) -> dict[str, Tensor]:
+def gradient_matching(u: MergeUnit) -> Solved:
     """:func:`gm.gradient_matching` (Eq. 6) on the unit with ``prior`` H_0 (damping unused)."""
     hs = u.hs()
     if u.prior is None:
         raise ArgumentError("gradient matching needs a prior H_0")
     return merge.gradient_matching(
-        u.base, u.finetuned, hs, prior=u.prior, alphas=list(u.alphas), kernel=u.kernel
+        u.base,
+        u.finetuned,
+        hs,
+        prior=u.prior,
+        alphas=list(u.alphas),
+        kernel=u.kernel,
+        solver=u.solver,
+        return_solution=True,
     )
 
 
-def regmean(u: MergeUnit) -> dict[str, Tensor]:
+def regmean(u: MergeUnit) -> Solved:
     """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
     input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
-    ``KFAC.counts``); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
+    ``KFAC.counts``), times the model's ``scale``, off-diagonal entries times ``off_diagonal``
+    (Jin et al.'s r); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
     :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
-    return _regmean(u.finetuned, u.curvatures, u.alphas, u.damping)
+    found = regmean_grams(u.curvatures, u.damping, keys=sorted(u.finetuned[0]), scales=u.scales())
+    if found is None:
+        ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
+        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas)), None
+    grams, kfac = found
+    merged = merge.regmean(
+        u.finetuned,
+        grams,
+        alphas=list(u.alphas),
+        bias=sorted(kfac.bias),
+        transposed=sorted(kfac.transposed),
+        off_diagonal=u.off_diagonal,
+    )
+    return merged, None
 
 
-def remove(u: RemoveUnit) -> dict[str, Tensor]:
+def remove(u: RemoveUnit) -> Solved:
     """:func:`gm.remove` (Eq. 13) on the unit (gradient unused)."""
     if u.finetuned is None or u.prior is None:
         raise ArgumentError("removal by Eq. 13 needs the fine-tuned model θ_t and the prior H_0")
     h_t = _required(u.curvature, 0)
     return merge.remove(
-        u.base, u.finetuned, h_t, remaining=u.remaining, prior=u.prior, alpha=u.alpha
+        u.base,
+        u.finetuned,
+        h_t,
+        remaining=u.remaining,
+        prior=u.prior,
+        alpha=u.alpha,
+        solver=u.solver,
+        return_solution=True,
     )
 
 
-def influence_remove(u: RemoveUnit) -> dict[str, Tensor]:
+def influence_remove(u: RemoveUnit) -> Solved:
     """:func:`gm.influence_remove` (Koh & Liang) on the unit (model, curvature, prior unused)."""
     if u.gradient is None:
         raise ArgumentError("the influence-function removal needs the gradient ∇ℓ̄_t(θ_LLM)")
-    return merge.influence_remove(u.base, u.gradient, remaining=u.remaining, alpha=u.alpha)
+    return merge.influence_remove(
+        u.base,
+        u.gradient,
+        remaining=u.remaining,
+        alpha=u.alpha,
+        solver=u.solver,
+        return_solution=True,
+    )
 
 
-MergeRule = Callable[[MergeUnit], dict[str, Tensor]]
+MergeRule = Callable[[MergeUnit], Solved]
 """The signature of the merge rules above."""
 
-RemoveRule = Callable[[RemoveUnit], dict[str, Tensor]]
+RemoveRule = Callable[[RemoveUnit], Solved]
 """The signature of the removal rules above."""
 
 
@@ -128,22 +186,29 @@ def _required(curvature: Curvature | None, t: int) -> Curvature:
     return curvature
 
 
-def _regmean(
-    finetuned: Sequence[Params],
+def regmean_grams(
     curvatures: Sequence[Curvature | None],
-    alphas: Sequence[float],
     damping: float,
-) -> dict[str, Tensor]:
+    *,
+    keys: Sequence[str] = (),
+    scales: Sequence[float] | None = None,
+) -> tuple[list[dict[str, Tensor]], KFAC] | None:
+    """RegMean's Gram matrices of one unit, per model: s_t·M_t·A_t (+ damping·I) from each
+    curvature's K-FAC input factor (in the factor's own dtype), and one of the K-FACs (for its
+    bias and transposed layers); None when no curvature has K-FAC factors here (the unit is
+    α-averaged). Shared by the merge and its ``--dry-run`` check. ``keys`` name the unit in
+    errors."""
     layers = [_kfac_of(c) for c in curvatures]
     if all(k is None for k in layers):
-        ones = [ScaledIdentity(1.0)] * len(finetuned)  # RegMean averages non-linear parameters
-        return merge.fisher_average(finetuned, ones, alphas=list(alphas))
+        return None
     grams: list[dict[str, Tensor]] = []
     kfac: KFAC | None = None
+    factors = list(scales or [1.0] * len(curvatures))
     for t, (k, c) in enumerate(zip(layers, curvatures, strict=True)):
         if k is None or c is None:
-            keys = sorted(finetuned[t])[:2]
-            raise StructureError(f"model {t} has no K-FAC factors for {keys}, the others have")
+            raise StructureError(
+                f"model {t} has no K-FAC factors for {list(keys)[:2]}, the others have"
+            )
         kfac = k
         if k.weight_shapes:
             raise ArgumentError(
@@ -156,19 +221,14 @@ def _regmean(
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            a = _rows(k, name, t, len(finetuned)) * terms[0][0]  # M·A = Σ a aᵀ, the raw Gram
+            rows = _rows(k, name, t, len(curvatures)) * factors[t]
+            a = rows * terms[0][0]  # s·M·A = s·Σ a aᵀ, the raw Gram
             damped = a + damping * eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
         grams.append(gram)
     assert kfac is not None  # at least one layer (checked above)
-    return merge.regmean(
-        finetuned,
-        grams,
-        alphas=list(alphas),
-        bias=sorted(kfac.bias),
-        transposed=sorted(kfac.transposed),
-    )
+    return grams, kfac
 
 
 def _rows(kfac: KFAC, name: str, t: int, tasks: int) -> float:

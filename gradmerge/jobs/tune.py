@@ -19,8 +19,8 @@ fails (e.g. a δ too small for the systems to be solved) or whose criterion is N
 reported with its error and skipped.
 
 Example:
-    >>> cfg = MergeConfig.from_dict({"method": "task_arithmetic", "base_model": ".",
-    ...     "models": [{"model": "."}, {"model": ".", "alpha": 0.5}]}, check_files=False)
+    >>> cfg = MergeConfig.from_dict({"method": "task_arithmetic", "base_model": "base",
+    ...     "models": [{"model": "a"}, {"model": "b", "alpha": 0.5}]}, check_files=False)
     >>> points = settings(cfg, scales=[0.5, 1.0])
     >>> [p.apply(cfg).alphas for p in points]
     [[0.5, 0.25], [1.0, 0.5]]

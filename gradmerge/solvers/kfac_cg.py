@@ -36,8 +36,11 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -45,12 +48,35 @@ from torch import Tensor
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eigh, identity_multiple
+from gradmerge.solvers.spec import Precision, SolverSpec
 
 REFINEMENTS = 5
 """Rounds of iterative refinement after the first solve (each one a solve of K e = r)."""
 
 INNER_RTOL = 1e-3
 """Relative accuracy of each refinement's correction solve."""
+
+LOW_RTOL = 1e-2
+"""Relative accuracy of each bfloat16-product CG round (``precision="bfloat16"``), against the
+residual formed in the working dtype."""
+
+DROP = 1e-3
+"""A low-rank reduction leaves out factor directions whose eigenvalue is below
+DROP · δ / Σ_k ‖A_k‖‖G_k‖ of the largest: what that leaves of K is at most about DROP·δ, so
+each refinement round divides the residual by about 1/DROP."""
+
+NOISE = 32
+"""Directions of a factor below NOISE·ε (its dtype's) of the largest are rounding, not range."""
+
+MIN_SIDE = 128
+"""Sides smaller than this are never reduced (their whole solve is cheap)."""
+
+SMALL = 256 * 256
+"""Reduced systems of at most this many unknowns are solved with one intra-op thread."""
+
+MAX_RANK = 512
+"""The largest joint factor rank a low-rank reduction looks for (its pivoted Cholesky costs
+n·r²); sides of a larger or more than half-full range are solved whole."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +108,10 @@ def solve(
     delta: float,
     terms: list[Term],
     b: Tensor,
+    spec: SolverSpec | None = None,
     *,
-    tol: float | None = None,
-    maxiter: int = 1000,
-    approximate: bool = False,
+    x0: Tensor | None = None,
+    reduce: bool = True,
 ) -> LayerSolve:
     """Solve (δI + Σ_k A_k ⊗ G_k) X = B for one layer (see the module docstring).
 
@@ -94,13 +120,20 @@ def solve(
         delta: δ ≥ 0 (δ = 0 needs the terms' sum to be positive definite).
         terms: (A_k, G_k), at least one, PSD factors of one dtype and device.
         b: B, (out × in[+1]).
-        tol: relative residual to certify; default 1e-10 in float64, 1e-5 in float32.
-        maxiter: CG iterations per round before :class:`NotConvergedError`.
-        approximate: stop after at most ``maxiter`` CG iterations (0: the preconditioner's
-            solve D⁻¹ in the common eigenbasis alone, which is exact for one term) and return
-            that x with its measured residual, above ``tol`` or not: no refinement, no float64
-            fallback, no :class:`NotConvergedError`. An explicit speed-for-accuracy trade; the
-            residual is still certified in float64 and reported.
+        spec: :class:`SolverSpec` (default ``SolverSpec()``): ``tol``, the relative residual to
+            certify (default 1e-10 in float64, 1e-5 in float32); ``maxiter``, CG iterations per
+            round before :class:`NotConvergedError`; ``approximate``, stop after at most
+            ``maxiter`` CG iterations (0: the preconditioner's solve D⁻¹ in the common
+            eigenbasis alone, which is exact for one term) and return that x with its measured
+            residual, above ``tol`` or not: no refinement, no float64 fallback, no
+            :class:`NotConvergedError` (an explicit speed-for-accuracy trade; the residual is
+            still certified in float64 and reported); ``precision``, the dtype of CG's inner
+            Kronecker products (``"bfloat16"``: under a working-precision refinement, same
+            certificate); ``warm_start``, whether ``x0`` may start CG.
+        x0: an estimate of X; CG starts from it when its residual is below that of the
+            preconditioner's solve (both measured in the eigenbasis).
+        reduce: allow the low-rank reduction (:class:`LowRank`); where its refinement does not
+            reach ``tol``, the layer is solved again without it.
 
     Raises:
         NotConvergedError: the residual stays above ``tol`` after CG and refinement (not with
@@ -118,7 +151,9 @@ def solve(
         >>> torch.allclose(s.x.reshape(-1), torch.linalg.solve(dense, b.reshape(-1)), atol=1e-5)
         True
     """
-    tol = default_tol(b.dtype) if tol is None else tol
+    spec = SolverSpec() if spec is None else spec
+    tol = default_tol(b.dtype) if spec.tol is None else spec.tol
+    maxiter = spec.maxiter
     bnorm = float(torch.linalg.norm(b.to(torch.float64)))
     if bnorm == 0:
         return LayerSolve(torch.zeros_like(b), "zero right-hand side", 0, 0.0)
@@ -128,12 +163,12 @@ def solve(
                 f"the K-FAC system of {name!r} is δ·I with δ = {delta:.3e}: add a prior δ > 0"
             )
         return LayerSolve(b / delta, "δ·I (exact)", 0, 0.0)
-    basis = _Basis(name, delta, terms)
+    basis = inverse(name, delta, terms, spec.precision, reduce)
     target = tol * bnorm / 2  # CG aims below tol: the certified residual has room for round-off
-    x, iterations = basis.solve(b, target, maxiter)
+    x, iterations = basis.solve(b, target, maxiter, x0 if spec.warm_start else None)
     r = residual(delta, terms, b, x)
     rel = float(torch.linalg.norm(r)) / bnorm
-    if approximate:  # the explicit trade: x as it stands, its residual measured
+    if spec.approximate:  # the explicit trade: x as it stands, its residual measured
         met = rel <= tol
         note = "" if met else f", approximate: stopped after {iterations} CG iterations"
         return LayerSolve(x, basis.method + note, iterations, rel, met)
@@ -149,12 +184,15 @@ def solve(
         r = residual(delta, terms, b, x)
         rel = float(torch.linalg.norm(r)) / bnorm
     method = basis.method + (f", {rounds} refinement(s)" if rounds else "")
+    if rel > tol and isinstance(basis, LowRank):  # it left out too much of K: the whole solve
+        whole = solve(name, delta, terms, b, spec, x0=x0, reduce=False)
+        return dataclasses.replace(whole, iterations=iterations + whole.iterations)
     if rel > tol and b.dtype != torch.float64:
         # the working dtype cannot resolve this system (κ·ε ≳ tol): solve it in float64; the
         # residual certified is the float64 solution's, and the method says what rounding it to
         # the working dtype (as the merged tensors will be) leaves
         wide = [(a.to(torch.float64), g.to(torch.float64)) for a, g in terms]
-        exact = solve(name, delta, wide, b.to(torch.float64), tol=tol, maxiter=maxiter)
+        exact = solve(name, delta, wide, b.to(torch.float64), SolverSpec(tol, maxiter))
         x, iterations, rel = exact.x.to(b.dtype), iterations + exact.iterations, exact.residual
         rounded = float(torch.linalg.norm(residual(delta, terms, b, x))) / bnorm
         dtype = str(b.dtype).removeprefix("torch.")
@@ -164,6 +202,19 @@ def solve(
             name, rel, tol, b.dtype, f"{iterations} CG iterations, {rounds} refinements"
         )
     return LayerSolve(x, method, iterations, rel)
+
+
+def inverse(
+    name: str, delta: float, terms: list[Term], precision: Precision, reduce: bool = True
+) -> Inverse:
+    """The approximate inverse of one layer's K that :func:`solve` refines: the exact solve of
+    K restricted to the joint range of its factors where that range is small
+    (:class:`LowRank`, with ``reduce``), else CG in the common eigenbasis (:class:`Basis`)."""
+    if delta > 0 and reduce:
+        reduced = LowRank.build(name, delta, terms)
+        if reduced is not None:
+            return reduced
+    return Basis(name, delta, terms, precision)
 
 
 def not_converged(
@@ -178,11 +229,33 @@ def not_converged(
     )
 
 
-class _Basis:
-    """The common eigenbasis of a layer's terms, the rotated terms and the diagonal D."""
+class Inverse(Protocol):
+    """x ≈ K⁻¹ b for one layer, to an absolute residual target (the caller certifies)."""
 
-    def __init__(self, name: str, delta: float, terms: list[Term]) -> None:
+    method: str
+
+    def solve(
+        self, b: Tensor, target: float, maxiter: int, x0: Tensor | None = None
+    ) -> tuple[Tensor, int]: ...
+
+
+class Basis:
+    """The common eigenbasis of a layer's terms, the rotated terms and the diagonal D.
+
+    With ``precision="bfloat16"`` (and several terms), CG's Kronecker products run in bfloat16
+    (AMX/tensor-core GEMMs with float32 accumulation) inside a refinement whose residual
+    b̃ − K̃ỹ is formed with the working-dtype rotated terms: each round solves K̃ e = r with
+    bfloat16 products to :data:`LOW_RTOL` of ‖r‖ and adds e. A round that does not halve the
+    residual (bfloat16's error times the system's conditioning near 1) hands the rest to
+    working-precision CG from where it stands, so the result and its certificate are those of
+    the working-precision solve, reached with fewer working-precision products.
+    """
+
+    def __init__(
+        self, name: str, delta: float, terms: list[Term], precision: Precision = "working"
+    ) -> None:
         self.name, self.delta = name, delta
+        self.low: list[Term] = []
         if len(terms) == 1:
             a0, g0 = terms[0]
             la, self.qa = eigh(a0)
@@ -204,6 +277,9 @@ class _Basis:
             )
             prior = " + δI" if delta else ""
             self.method = f"eigenbasis-preconditioned CG ({len(terms)} Kronecker terms{prior})"
+            if precision == "bfloat16" and terms[0][0].dtype != torch.bfloat16:
+                self.low = [(a.bfloat16(), g.bfloat16()) for a, g in self.rotated]
+                self.method += ", bfloat16 products under refinement"
         low = float(self.diagonal.min())
         if not low > 0:
             raise NotPositiveDefiniteError(
@@ -212,19 +288,186 @@ class _Basis:
                 "(`prior: {delta: ...}`)"
             )
 
-    def solve(self, b: Tensor, target: float, maxiter: int) -> tuple[Tensor, int]:
-        """x ≈ K⁻¹ b: exact for one term; for more, CG until ‖b − Kx‖ ≤ ``target``."""
+    def solve(
+        self, b: Tensor, target: float, maxiter: int, x0: Tensor | None = None
+    ) -> tuple[Tensor, int]:
+        """x ≈ K⁻¹ b: exact for one term; for more, CG until ‖b − Kx‖ ≤ ``target``, from
+        ``x0`` where its residual is the smaller one."""
         bt = self.qg.T @ b @ self.qa
         if not self.rotated:
             return self.qg @ (bt / self.diagonal) @ self.qa.T, 0
-        y, its = _pcg(self._apply, bt, self.diagonal, target, maxiter, self.name)
+        y0 = self.qg.T @ x0.to(b.dtype) @ self.qa if x0 is not None else None
+        if self.low:
+            y, its = self._mixed(bt, target, maxiter, y0)
+        else:
+            y, its = _pcg(self._apply, bt, self.diagonal, target, maxiter, self.name, y0)
         return self.qg @ y @ self.qa.T, its
+
+    def _mixed(
+        self, bt: Tensor, target: float, maxiter: int, y0: Tensor | None
+    ) -> tuple[Tensor, int]:
+        y = _start(self._apply, bt, self.diagonal, y0)
+        r = bt - self._apply(y)
+        norm, its = float(torch.linalg.norm(r)), 0
+        while norm > target and its < maxiter:
+            e, k = _pcg(
+                self._apply_low,
+                r,
+                self.diagonal,
+                max(target, LOW_RTOL * norm),
+                maxiter - its,
+                self.name,
+            )
+            y, its = y + e, its + k
+            r = bt - self._apply(y)
+            last, norm = norm, float(torch.linalg.norm(r))
+            if norm > last / 2:  # bfloat16 no longer gains: working precision from here
+                y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.name, y)
+                return y, its + k
+        return y, its
 
     def _apply(self, y: Tensor) -> Tensor:
         out = self.delta * y
         for a, g in self.rotated:
             out = out + g @ y @ a
         return out
+
+    def _apply_low(self, y: Tensor) -> Tensor:
+        out = self.delta * y
+        low = y.bfloat16()
+        for a, g in self.low:
+            out = out + (g @ low @ a).to(y.dtype)
+        return out
+
+
+class LowRank:
+    r"""K restricted to the joint range of its factors, solved there exactly.
+
+    With orthonormal bases Q_A of range(Σ_k A_k) and Q_G of range(Σ_k G_k) (PSD factors: the
+    joint range of the A_k is that of their sum), every term satisfies G_k X A_k =
+    G_k P_G X P_A A_k (P = QQᵀ), so K = δI on the complement of range(Q_A) ⊗ range(Q_G) and
+
+    .. math:: X = (B − Q_G \hat B Q_Aᵀ)/δ + Q_G \hat Y Q_Aᵀ,\quad
+              (δI + Σ_k \hat A_k ⊗ \hat G_k)\hat Y = \hat B = Q_Gᵀ B Q_A,
+
+    with Â_k = Q_Aᵀ A_k Q_A, Ĝ_k = Q_Gᵀ G_k Q_G: an r_G × r_A system (:class:`Basis`, in
+    float64) instead of n_G × n_A. Factors estimated from M rows have rank ≤ M, so few tokens
+    make this small (the Woodbury case). The ranges are found by a pivoted Cholesky of
+    Σ_k A_k/‖A_k‖ (:func:`_range`), stopped where the remaining diagonal is below
+    :data:`DROP` · δ / Σ_k ‖A_k‖‖G_k‖ of the largest; what that leaves of K is
+    removed by :func:`solve`'s refinement against the full operator, and certified there.
+    A side whose range is more than half its size is not reduced; nothing is when neither is.
+    """
+
+    def __init__(self, name: str, delta: float, terms: list[Term], qa: Tensor, qg: Tensor):
+        self.delta, self.qa, self.qg = delta, qa, qg
+        wide = torch.float64
+        small = [(qa.T @ a.to(wide) @ qa, qg.T @ g.to(wide) @ qg) for a, g in terms]
+        self.inner = Basis(name, delta, small)
+        n_g, n_a = terms[0][1].shape[0], terms[0][0].shape[0]
+        self.method = (
+            f"low-rank reduction to {qg.shape[1]}×{qa.shape[1]} of {n_g}×{n_a}, "
+            + self.inner.method
+        )
+
+    @staticmethod
+    def build(name: str, delta: float, terms: list[Term]) -> LowRank | None:
+        """The reduction, or ``None`` where neither side's range is at most half its size."""
+        scale = _scale(terms)
+        drop = DROP * delta / scale if scale > 0 else 0.0
+        qa = _range([a for a, _ in terms], drop)
+        qg = _range([g for _, g in terms], drop)
+        if qa is None and qg is None:
+            return None
+        a0, g0 = terms[0]
+        qa = qa if qa is not None else torch.eye(a0.shape[0], dtype=torch.float64, device=a0.device)
+        qg = qg if qg is not None else torch.eye(g0.shape[0], dtype=torch.float64, device=g0.device)
+        return LowRank(name, delta, terms, qa, qg)
+
+    def solve(
+        self, b: Tensor, target: float, maxiter: int, x0: Tensor | None = None
+    ) -> tuple[Tensor, int]:
+        """x = K'⁻¹ b, K' the operator on the kept ranges (``x0`` is not needed: direct)."""
+        wide = b.to(torch.float64)
+        bh = self.qg.T @ wide @ self.qa
+        with _one_thread(bh.numel() <= SMALL):  # products too small to share between threads
+            y, its = self.inner.solve(bh, target / 4, maxiter)
+        x = (wide - self.qg @ bh @ self.qa.T) / self.delta + self.qg @ y @ self.qa.T
+        return x.to(b.dtype), its
+
+
+@contextmanager
+def _one_thread(small: bool) -> Iterator[None]:
+    """One intra-op thread for CG on a small reduced system, whose many tiny products would
+    otherwise pay a thread barrier each (costly on a busy machine); restored afterwards."""
+    threads = torch.get_num_threads()
+    if small and threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _scale(terms: list[Term]) -> float:
+    """Σ_k ‖A_k‖‖G_k‖ with Frobenius norms (≥ the spectral norms that bound each term)."""
+    return sum(
+        float(torch.linalg.matrix_norm(a.to(torch.float64)))
+        * float(torch.linalg.matrix_norm(g.to(torch.float64)))
+        for a, g in terms
+    )
+
+
+def _range(factors: list[Tensor], drop: float) -> Tensor | None:
+    """An orthonormal float64 basis of the joint range of the PSD ``factors``, or ``None`` where
+    that range is more than :data:`MAX_RANK` or half the side, or the side is below
+    :data:`MIN_SIDE`.
+
+    Pivoted Cholesky of S = Σ F/‖F‖_F (Higham 1990): step j takes the column of the largest
+    remaining diagonal d; it stops when max d ≤ max(``drop``, :data:`NOISE`·ε) · max diag(S)
+    (the left-out part
+    S − LLᵀ is PSD with that largest diagonal). Cost n·r² for rank r, far below an eigh.
+    """
+    n = factors[0].shape[0]
+    cap = min(n // 2, MAX_RANK)
+    if n < MIN_SIDE:
+        return None
+    wide = [f.to(torch.float64) for f in factors]
+    total = torch.zeros_like(wide[0])
+    for f in wide:
+        norm = float(torch.linalg.matrix_norm(f))
+        if norm > 0:
+            total += f / norm
+    d = total.diagonal().clone()
+    # below the factors' own rounding (an estimated rank-r factor stored in float32 has
+    # eigenvalues of ~ε₃₂ beyond r) nothing is kept: refinement removes what that leaves
+    noise = NOISE * torch.finfo(factors[0].dtype).eps
+    floor = max(drop, noise) * float(d.max())
+    columns = torch.zeros(n, cap, dtype=torch.float64, device=total.device)
+    for j in range(cap + 1):
+        i = int(torch.argmax(d))
+        if float(d[i]) <= floor:
+            return torch.linalg.qr(columns[:, :j]).Q if j else None
+        if j == cap:
+            return None
+        col = (total[:, i] - columns[:, :j] @ columns[i, :j]) / float(d[i]) ** 0.5
+        columns[:, j] = col
+        d -= col * col
+        d[i] = 0.0
+    return None  # pragma: no cover - the loop returns
+
+
+def _start(
+    apply: Callable[[Tensor], Tensor], b: Tensor, diagonal: Tensor, x0: Tensor | None
+) -> Tensor:
+    """D⁻¹ b, or ``x0`` where its residual is the smaller (the warm start)."""
+    x = b / diagonal
+    if x0 is None:
+        return x
+    mine = float(torch.linalg.norm(b - apply(x)))
+    theirs = float(torch.linalg.norm(b - apply(x0)))
+    return x0 if theirs < mine else x
 
 
 def _pcg(
@@ -234,10 +477,11 @@ def _pcg(
     target: float,
     maxiter: int,
     name: str,
+    x0: Tensor | None = None,
 ) -> tuple[Tensor, int]:
-    """Jacobi-preconditioned CG until the recursive residual is at most ``target`` (absolute);
-    the caller certifies the true residual."""
-    x = b / diagonal
+    """Jacobi-preconditioned CG until the recursive residual is at most ``target`` (absolute),
+    from D⁻¹b or ``x0`` (:func:`_start`); the caller certifies the true residual."""
+    x = _start(apply, b, diagonal, x0)
     r = b - apply(x)
     z = r / diagonal
     p, rz = z, float((r * z).sum())

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -56,39 +54,3 @@ class Solution:
                 "success": self.success,
             }
         return {name: part.summary() for name, part in self.parts.items()}
-
-
-_SINK: ContextVar[list[Solution] | None] = ContextVar("gradmerge_solutions", default=None)
-
-
-@contextmanager
-def collect() -> Iterator[list[Solution]]:
-    """Collect the :class:`Solution` of every merge or removal solve run inside the block.
-
-    The merge rules (:func:`gradmerge.gradient_matching`, :func:`gradmerge.remove`, ...) hand
-    their solve's report to :func:`publish`; the streaming engine collects them per unit for its
-    record.
-
-    Example:
-        >>> import torch, gradmerge as gm
-        >>> from gradmerge.solvers import solution
-        >>> K = gm.KFAC({"fc": (torch.diag(torch.tensor([1.0, 3.0])), torch.diag(torch.tensor([1.0, 2.0])))})
-        >>> base = {"fc.weight": torch.zeros(2, 2)}
-        >>> with solution.collect() as solves:
-        ...     _ = gm.gradient_matching(base, [{"fc.weight": torch.ones(2, 2)}], [K], prior=0.5)
-        >>> solves[0].parts["fc"].method
-        'eigenbasis (exact)'
-    """
-    sink: list[Solution] = []
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
-
-
-def publish(solution: Solution) -> None:
-    """Hand ``solution`` to the innermost :func:`collect` block, if any."""
-    sink = _SINK.get()
-    if sink is not None:
-        sink.append(solution)

@@ -62,6 +62,7 @@ def test_a_full_merge_config(files):
         "model": str(files / "a.safetensors"),
         "curvature": str(files / "a.curv"),
         "alpha": 0.5,
+        "scale": 1.0,
     }
 
 

@@ -72,7 +72,9 @@ def test_gradient_matching_on_hf_folders(hf_models, tmp_path):
     assert record["effective_alphas"] == [1.0, 0.5]
     assert record["config"]["prior"] == {"delta": 1e-3, "curvature": None, "scale": 1.0}
     with open_checkpoint(hf_models.models[1]) as ckpt:
-        assert record["inputs"]["models[1].model"]["fingerprint_sha256"] == ckpt.fingerprint
+        assert record["inputs"]["models[1].model"]["header_sha256"] == ckpt.fingerprint
+    fingerprints = {v["fingerprint_sha256"] for v in record["inputs"].values()}
+    assert len(fingerprints) == len(record["inputs"])  # base and fine-tunes: different values
     assert record["curvatures"]["models[0].curvature"]["info"]["structure"] == "kfac"
     assert record["output"]["files"] == [*shards, "model.safetensors.index.json"]
 

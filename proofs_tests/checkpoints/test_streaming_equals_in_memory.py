@@ -83,13 +83,17 @@ def test_gradient_matching(ws, tmp_path):
     assert max(float((expected[k] - ta[k]).abs().max()) for k in ta) > 1e-3
 
 
-def test_regmean_uses_the_kfac_input_factors(ws, tmp_path):
+@pytest.mark.parametrize("off_diagonal", [None, 1.0, 0.0])
+def test_regmean_uses_the_kfac_input_factors(ws, tmp_path, off_diagonal):
+    config = {"method": "regmean", "models": _models(ws)}
+    if off_diagonal is not None:
+        config["off_diagonal"] = off_diagonal
     if ws.structure != "kfac":
         with pytest.raises(gm.StructureError, match=r"holds no K-FAC layers.*structure='kfac'"):
-            _merged(ws, {"method": "regmean", "models": _models(ws)}, tmp_path / "out")
+            _merged(ws, config, tmp_path / "out")
         assert not (tmp_path / "out").exists()
         return
-    out = _merged(ws, {"method": "regmean", "models": _models(ws)}, tmp_path / "out")
+    out = _merged(ws, config, tmp_path / "out")
     fts = [ws.load(m) for m in ws.models]
     grams = []
     for path in ws.curvatures:
@@ -97,7 +101,8 @@ def test_regmean_uses_the_kfac_input_factors(ws, tmp_path):
         kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
         n = int(c.meta["num_examples"])
         grams.append({m: n * t[0][0] for m, t in kfac.terms.items()})
-    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias))
+    r = gm.merge.REGMEAN_OFF_DIAGONAL if off_diagonal is None else off_diagonal  # YAML default
+    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
     assert_same(out, expected)
     # the LayerNorm (no K-FAC factor) is the α-weighted average, as in RegMean
     w = sum(a * ft["2.weight"] for a, ft in zip(ALPHAS, fts, strict=True)) / sum(ALPHAS)
@@ -177,3 +182,61 @@ def test_tasks_with_different_structures(tmp_path):
     hs = [kfac.curvature(kfac.curvatures[0], f64), diag.curvature(diag.curvatures[1], f64)]
     expected = gm.gradient_matching(base, fts, hs, prior=1e-2)
     assert_same(out, expected, rtol=1e-8, atol=1e-10)
+
+
+SCALES = [3.0, 0.25]  # models[t].scale: H_t = scale × the file (N/n for a subsample's sum)
+
+
+def _scaled_models(ws):
+    return [{**m, "scale": s} for m, s in zip(_models(ws), SCALES, strict=True)]
+
+
+@pytest.mark.parametrize("method", ["fisher_average", "gradient_matching"])
+def test_per_model_scale_multiplies_the_curvature(ws, tmp_path, method):
+    config = {"method": method, "models": _scaled_models(ws), "base_model": "base.safetensors"}
+    if method == "gradient_matching":
+        config["prior"] = {"delta": 1e-2}
+    else:
+        config["damping"] = 1e-3
+    out = _merged(ws, config, tmp_path / "out")
+    base, fts = ws.load(ws.base), [ws.load(m) for m in ws.models]
+    hs = [s * ws.curvature(c) for s, c in zip(SCALES, ws.curvatures, strict=True)]
+    if method == "fisher_average":
+        expected = gm.fisher_average(fts, [h + 1e-3 for h in hs], alphas=ALPHAS)
+    else:
+        expected = gm.gradient_matching(base, fts, hs, prior=1e-2, alphas=ALPHAS)
+    assert_same(out, expected)
+    plain = _merged(ws, {**config, "models": _models(ws)}, tmp_path / "plain")
+    assert max(float((plain[k] - out[k]).abs().max()) for k in expected) > 1e-4  # it mattered
+
+
+def test_per_model_scale_multiplies_regmean_grams(ws, tmp_path):
+    if ws.structure != "kfac":
+        return
+    out = _merged(ws, {"method": "regmean", "models": _scaled_models(ws)}, tmp_path / "out")
+    fts = [ws.load(m) for m in ws.models]
+    grams = []
+    for s, path in zip(SCALES, ws.curvatures, strict=True):
+        c = gm.load_curvature(path)
+        kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
+        n = int(c.meta["num_examples"])
+        grams.append({m: (s * n) * t[0][0] for m, t in kfac.terms.items()})
+    r = gm.merge.REGMEAN_OFF_DIAGONAL
+    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
+    assert_same(out, expected)
+
+
+def test_per_model_scale_must_be_positive(ws):
+    for bad in (0, -1.0, "x"):
+        models = [{**m, "scale": bad} for m in _models(ws)]
+        with pytest.raises(gm.ConfigError, match=r"models\[0\]\.scale"):
+            MergeConfig.from_dict({"method": "fisher_average", "models": models}, root=ws.root)
+    with pytest.raises(gm.ConfigError, match=r"scale.*not used by method task_arithmetic"):
+        MergeConfig.from_dict(
+            {
+                "method": "task_arithmetic",
+                "base_model": "base.safetensors",
+                "models": [{"model": "ft0.safetensors", "scale": 2.0}],
+            },
+            root=ws.root,
+        )

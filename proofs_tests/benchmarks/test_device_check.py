@@ -1,0 +1,35 @@
+"""benchmarks/device_check.py --quick: the GPU check's CPU mode runs here, so the one command
+to run first on a GPU cannot rot. Every step must succeed at toy size, the JSON must name the
+device, and the K-FAC merge must be certified (float32 default tolerance)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_mode_runs_every_step_and_names_the_device(tmp_path):
+    out = tmp_path / "check.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "device_check.py"),
+        "--quick",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "quick" and report["device_kind"] == "cpu"
+    assert report["device"].startswith("cpu: ") and len(report["device"]) > len("cpu: ")
+    assert set(report["steps"]) == {"tests", "kfac", "diagonal"} and report["ok"] is True
+    tests, kfac, diagonal = (report["steps"][k] for k in ("tests", "kfac", "diagonal"))
+    assert tests["returncode"] == 0 and all("::test_" in t for t in tests["tests"])
+    assert kfac["merge"]["returncode"] == 0 and 0 < kfac["max_residual"] <= 1e-5
+    assert kfac["estimate_task0"]["returncode"] == kfac["estimate_task1"]["returncode"] == 0
+    assert diagonal["returncode"] == 0 and diagonal["parameters"] > 0
+    assert diagonal["gb_per_second"] > 0
