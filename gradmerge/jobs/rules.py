@@ -65,6 +65,7 @@ class MergeUnit:
     def scales(self) -> list[float]:
         """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
         return list(self.curvature_scales or [1.0] * len(self.curvatures))
+
     solver: SolverSpec | None = None
 
     def hs(self) -> list[Curvature]:
