@@ -67,8 +67,6 @@ class MergeUnit:
         """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
         return list(self.curvature_scales or [1.0] * len(self.curvatures))
 
-    solver: SolverSpec | None = None
-
     def hs(self) -> list[Curvature]:
         """The H_t, every one required, each times its model's ``scale``."""
         return [
