@@ -81,23 +81,45 @@ def run_command(
 ) -> int:
     """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr.
     Each :class:`InputWarning` is printed once, as ``gradmerge COMMAND: warning: ...`` (the
-    dry run opens the inputs more than once; Python would attribute them to this module)."""
+    dry run opens the inputs more than once; Python would attribute them to this module),
+    unless the caller's warning filters ignore it (``warnings.simplefilter("ignore",
+    gm.InputWarning)``, ``PYTHONWARNINGS``)."""
     import warnings
 
     from gradmerge.errors import InputWarning
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", InputWarning)
-        try:
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InputWarning)
             return _run_command(args, command, load, plan, execute)
-        finally:
-            seen: set[str] = set()
-            for w in caught:
-                if not issubclass(w.category, InputWarning):
-                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-                elif str(w.message) not in seen:
-                    seen.add(str(w.message))
-                    print(f"gradmerge {command}: warning: {w.message}", file=sys.stderr)
+    finally:
+        _replay(caught, command)  # the caller's filters are back in force here
+
+
+def _replay(caught: list[Any], command: str) -> None:
+    """Show warnings recorded during a command: each distinct InputWarning once, on one line,
+    where the filters in force let it through; every other warning (which passed the filters
+    when it was recorded) as Python shows it."""
+    import warnings
+
+    from gradmerge.errors import InputWarning
+
+    seen: set[str] = set()
+    for w in caught:
+        if not issubclass(w.category, InputWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            continue
+        if str(w.message) in seen:
+            continue
+        seen.add(str(w.message))
+        with warnings.catch_warnings(record=True) as shown:  # the filters as they stand
+            try:
+                warnings.warn_explicit(w.message, w.category, "gradmerge", 0, registry={})
+            except InputWarning:  # a filter asked for an error: still say it, once
+                shown.append(w)
+        if shown:
+            print(f"gradmerge {command}: warning: {w.message}", file=sys.stderr)
 
 
 def _run_command(

@@ -59,3 +59,22 @@ def test_the_command_line_prints_one_line_without_source(folder):
     lines = [line for line in err.splitlines() if "warning" in line.lower()]
     assert len(lines) == 1 and "warning: models[0].model, models[1].model" in lines[0]
     assert "warnings.warn" not in err and ".py:" not in err
+
+
+@pytest.mark.parametrize("action, printed", [("ignore", 0), ("default", 1), ("error", 1)])
+def test_the_command_line_honours_the_callers_warning_filters(folder, action, printed):
+    """The one-line printing keeps the filters working: a caller's ``simplefilter("ignore",
+    InputWarning)`` silences the warning; the default prints it once; ``error`` still says it
+    once (the merge itself ran to completion before the replay)."""
+    path = folder / "m.yaml"
+    path.write_text(yaml.safe_dump(_config(3)))
+    code = (
+        "import sys, warnings; from gradmerge.errors import InputWarning; "
+        f"warnings.simplefilter({action!r}, InputWarning); "
+        "from gradmerge.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    argv = [sys.executable, "-c", code, "merge", str(path), str(folder / "out"), "--no-progress"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    lines = [line for line in done.stderr.splitlines() if "warning: models[0].model" in line]
+    assert len(lines) == printed, done.stderr
+    assert done.returncode == 0 and (folder / "out").is_dir()
