@@ -37,6 +37,7 @@ def test_the_tutorial_covers_the_path():
         ".jsonl",
         "method: task_arithmetic",
         "method: gradient_matching",
+        "gradmerge inspect",
         "gradmerge merge",
         "gradmerge remove",
         "gradmerge evaluate",

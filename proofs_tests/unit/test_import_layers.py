@@ -135,6 +135,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge._version",
         "gradmerge._extras",
         "gradmerge._lazy",
+        "gradmerge._removal",  # removal's precision check (imports curvature only)
     ),
     "kernels": ("gradmerge.kernels",),
     "estimate": ("gradmerge.estimate", "gradmerge.evaluation"),  # over (model, data, loss)
