@@ -24,17 +24,15 @@ carries an error up to
 from the inputs' rounding alone (where h̄ ≪ h_0 + h_t, e.g. embedding rows of tokens only the
 removed task saw, r reaches 10¹⁰ and e exceeds the step itself). The pass accumulates
 Σ_i [r_i (|θ_t| + |θ_LLM|)_i]², so that ‖e‖₂ = (ε/2)·√(that) for any ε, the largest r_i, and the
-norms of the step and of the task vector (:class:`RemovalStats`, published to
-:func:`collect`). Computing in float64 removes the arithmetic's own rounding, not the rounding
+norms of the step and of the task vector (:class:`RemovalStats`, returned with the result). Computing in float64 removes the arithmetic's own rounding, not the rounding
 the stored inputs already carry.
 
 Example:
     >>> import torch
-    >>> from gradmerge._removal import collect, remove
-    >>> with collect() as stats:
-    ...     out = remove({"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}, 1.0,
-    ...                  {"w": torch.tensor([1.0])}, 4.0, alpha=1.0)
-    >>> out, stats[0].max_ratio
+    >>> from gradmerge._removal import remove
+    >>> out, stats = remove({"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}, 1.0,
+    ...                     {"w": torch.tensor([1.0])}, 4.0, alpha=1.0)
+    >>> out, stats.max_ratio
     ({'w': tensor([0.5000])}, 0.5)
 """
 
@@ -43,8 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -80,19 +77,10 @@ class RemovalStats:
         """‖e‖₂ for inputs of machine epsilon ``eps``."""
         return eps / 2 * math.sqrt(self.amplified_sq)
 
-
-_SINK: ContextVar[list[RemovalStats] | None] = ContextVar("gradmerge_removals", default=None)
-
-
-@contextmanager
-def collect() -> Iterator[list[RemovalStats]]:
-    """Collect the :class:`RemovalStats` of every elementwise removal run inside the block."""
-    sink: list[RemovalStats] = []
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
+    def as_dict(self) -> dict[str, float]:
+        """The four figures by name (what a :class:`~gradmerge.Solution` carries as
+        ``measured``); ``RemovalStats(**d)`` rebuilds it."""
+        return asdict(self)
 
 
 def _at(part: Part, key: str) -> float | Tensor | tuple[Tensor, float, float]:
@@ -127,10 +115,10 @@ def remove(
     remaining: Part,
     *,
     alpha: float,
-) -> dict[str, Tensor] | None:
-    """Eq. 13 elementwise (module docstring); ``None`` when a value check fails somewhere (a
-    curvature entry < 0, h̄ ≤ 0, a NaN/Inf in the result), for the caller's exact diagnosis.
-    Inputs' keys, shapes and dtypes are checked by the caller."""
+) -> tuple[dict[str, Tensor], RemovalStats] | None:
+    """Eq. 13 elementwise (module docstring) and what the pass measured; ``None`` when a value
+    check fails somewhere (a curvature entry < 0, h̄ ≤ 0, a NaN/Inf in the result), for the
+    caller's exact diagnosis. Inputs' keys, shapes and dtypes are checked by the caller."""
     with _one_thread():
         out = _remove(base, finetuned, prior, curvature, remaining, alpha=alpha)
     return out
@@ -157,7 +145,7 @@ def _remove(
     remaining: Part,
     *,
     alpha: float,
-) -> dict[str, Tensor] | None:
+) -> tuple[dict[str, Tensor], RemovalStats] | None:
     out: dict[str, Tensor] = {}
     stats = RemovalStats()
     for key, b in base.items():
@@ -200,7 +188,4 @@ def _remove(
         stats.reference_sq += ref_sq
         stats.amplified_sq += amp_sq
         stats.max_ratio = max(stats.max_ratio, ratio)
-    sink = _SINK.get()
-    if sink is not None:
-        sink.append(stats)
-    return out
+    return out, stats

@@ -598,9 +598,12 @@ def remove(
     base, finetuned = P.detached(base), P.detached(finetuned)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
     fast = _remove_elementwise(base, finetuned, curvature, remaining, prior, weight)
-    if fast is not None:  # an elementwise division: exact, nothing to measure
-        report = Solution({}, "exact (elementwise, fused with the removal)")
-        return (fast, report) if return_solution else fast
+    if fast is not None:  # an elementwise division: exact; the pass measured the step
+        out, stats = fast
+        report = Solution(
+            {}, "exact (elementwise, fused with the removal)", measured=stats.as_dict()
+        )
+        return (out, report) if return_solution else out
     P.check_params(base, name="base")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")
@@ -619,9 +622,10 @@ def _remove_elementwise(
     remaining: CurvatureLike,
     prior: CurvatureLike,
     alpha: float,
-) -> dict[str, Tensor] | None:
+) -> tuple[dict[str, Tensor], _removal.RemovalStats] | None:
     """Eq. 13 in one fused pass (:mod:`gradmerge._removal`) when every curvature is diagonal or
-    δ·I; None otherwise, or when a value check fails (the generic path then names the cause)."""
+    δ·I, with what the pass measured; None otherwise, or when a value check fails (the generic
+    path then names the cause)."""
     P.check_params(finetuned, name="finetuned", finite=False)
     P.check_compatible(base, finetuned, ref_name="base", name="finetuned")
     terms = []

@@ -586,14 +586,13 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             theta, remaining, config.alpha, finetuned, curvature, prior, grad, solver
         )
         try:
-            with _removal.collect() as measured:
-                out, report = rule(unit_inputs)
+            out, report = rule(unit_inputs)
         except GradmergeError as err:
             named = {"curvature": curvature, "prior": prior, "remaining": remaining}
             _raise_non_finite(named, err)
             raise
-        if measured:  # the fused elementwise pass measured the step and the rounding bound
-            stats = measured[-1]
+        if report is not None and report.measured:  # the fused elementwise pass measured them
+            stats = _removal.RemovalStats(**report.measured)
             step.step_sq += stats.step_sq
             step.reference_sq += stats.reference_sq
             assert model is not None

@@ -21,6 +21,8 @@ class Solution:
             elementwise structures, whose residual is round-off).
         success: whether every part reached its tolerance (direct solves: True).
         parts: per block (e.g. per K-FAC layer), the same report for that block alone.
+        measured: figures a fused pass measured on the way, by name (the elementwise removal's
+            step, task-vector and rounding sums: ``gradmerge._removal.RemovalStats``).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -36,6 +38,7 @@ class Solution:
     residual: float = float("nan")
     success: bool = True
     parts: Mapping[str, Solution] = field(default_factory=dict)
+    measured: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def max_residual(self) -> float:
