@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gradmerge.jobs.methods import help_table
@@ -79,20 +81,66 @@ def run_command(
     plan: Callable[[Any], Any],
     execute: Callable[..., Any],
 ) -> int:
-    """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr.
-    Each :class:`InputWarning` is printed once, as ``gradmerge COMMAND: warning: ...`` (the
-    dry run opens the inputs more than once; Python would attribute them to this module),
-    unless the caller's warning filters ignore it (``warnings.simplefilter("ignore",
-    gm.InputWarning)``, ``PYTHONWARNINGS``)."""
-    import warnings
+    """Load the configuration, then plan (``--dry-run``) or run; errors as one line on stderr,
+    warnings as :func:`_warnings_once` prints them."""
+    from gradmerge.errors import GradmergeError
 
+    with _warnings_once(command):
+        try:
+            config = load(args.config)
+            if args.dry_run:
+                print(describe_plan(plan(config), config))
+                return describe_systems(config)
+            report = execute(
+                config, args.out_dir, overwrite=args.overwrite, progress=not args.no_progress
+            )
+        except (GradmergeError, OSError) as err:
+            print(f"gradmerge {command}: error: {err}", file=sys.stderr)
+            return 1
+        print(
+            f"{config.method}: wrote {report.tensors} tensors ({report.merged} merged, "
+            f"{report.copied} copied from the base) in {len(report.files)} files to {report.out_dir}\n"
+            f"read {_size(report.bytes_read)}, wrote {_size(report.bytes_written)} in "
+            f"{report.seconds:.2f} s on {report.device}"
+        )
+        for note in report.notes:
+            print(note)
+        if report.solves:
+            worst = max(report.solves, key=lambda k: report.solves[k]["residual"])
+            iterations = sum(v["iterations"] for v in report.solves.values())
+            print(
+                f"solved {len(report.solves)} systems ({iterations} CG iterations); largest relative "
+                f"residual {report.max_residual:.1e} ({worst}; every one in gradmerge_{command}.json)"
+            )
+            short = [k for k, v in report.solves.items() if not v.get("success", True)]
+            if short:
+                print(
+                    f"approximate solves (solver.approximate): {len(short)} of {len(report.solves)} "
+                    "systems stopped above solver.tol; their residuals are in the record"
+                )
+        for path in report.stale_removed:
+            print(f"removed {path.name}, a staging folder left by a run that was killed")
+        for path in report.stale_left:
+            print(
+                f"left {path.name} in place: a staging folder of an unknown process; remove it if no "
+                "gradmerge run writes there"
+            )
+        return 0
+
+
+@contextlib.contextmanager
+def _warnings_once(command: str) -> Iterator[None]:
+    """Each :class:`InputWarning` raised in the block is printed once, as ``gradmerge COMMAND:
+    warning: ...`` (the dry run opens the inputs more than once; Python would attribute them to
+    this module), unless the caller's warning filters ignore it (``warnings.simplefilter(
+    "ignore", gm.InputWarning)``)."""
     from gradmerge.errors import InputWarning
 
     caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", InputWarning)
-            return _run_command(args, command, load, plan, execute)
+            yield
     finally:
         _replay(caught, command)  # the caller's filters are back in force here
 
@@ -101,8 +149,6 @@ def _replay(caught: list[Any], command: str) -> None:
     """Show warnings recorded during a command: each distinct InputWarning once, on one line,
     where the filters in force let it through; every other warning (which passed the filters
     when it was recorded) as Python shows it."""
-    import warnings
-
     from gradmerge.errors import InputWarning
 
     seen: set[str] = set()
@@ -120,57 +166,6 @@ def _replay(caught: list[Any], command: str) -> None:
                 shown.append(w)
         if shown:
             print(f"gradmerge {command}: warning: {w.message}", file=sys.stderr)
-
-
-def _run_command(
-    args: argparse.Namespace,
-    command: str,
-    load: Callable[[str], Any],
-    plan: Callable[[Any], Any],
-    execute: Callable[..., Any],
-) -> int:
-    from gradmerge.errors import GradmergeError
-
-    try:
-        config = load(args.config)
-        if args.dry_run:
-            print(describe_plan(plan(config), config))
-            return describe_systems(config)
-        report = execute(
-            config, args.out_dir, overwrite=args.overwrite, progress=not args.no_progress
-        )
-    except (GradmergeError, OSError) as err:
-        print(f"gradmerge {command}: error: {err}", file=sys.stderr)
-        return 1
-    print(
-        f"{config.method}: wrote {report.tensors} tensors ({report.merged} merged, "
-        f"{report.copied} copied from the base) in {len(report.files)} files to {report.out_dir}\n"
-        f"read {_size(report.bytes_read)}, wrote {_size(report.bytes_written)} in "
-        f"{report.seconds:.2f} s on {report.device}"
-    )
-    for note in report.notes:
-        print(note)
-    if report.solves:
-        worst = max(report.solves, key=lambda k: report.solves[k]["residual"])
-        iterations = sum(v["iterations"] for v in report.solves.values())
-        print(
-            f"solved {len(report.solves)} systems ({iterations} CG iterations); largest relative "
-            f"residual {report.max_residual:.1e} ({worst}; every one in gradmerge_{command}.json)"
-        )
-        short = [k for k, v in report.solves.items() if not v.get("success", True)]
-        if short:
-            print(
-                f"approximate solves (solver.approximate): {len(short)} of {len(report.solves)} "
-                "systems stopped above solver.tol; their residuals are in the record"
-            )
-    for path in report.stale_removed:
-        print(f"removed {path.name}, a staging folder left by a run that was killed")
-    for path in report.stale_left:
-        print(
-            f"left {path.name} in place: a staging folder of an unknown process; remove it if no "
-            "gradmerge run writes there"
-        )
-    return 0
 
 
 def describe_systems(config: Any) -> int:
