@@ -770,6 +770,71 @@ GPU_ASSUMPTIONS = {
     "gemm_note": "half of the H100 SXM's 60-67 TFLOP/s fp32 / fp64 (no TF32)",
 }
 
+GPT2_124M_KFAC = [(2304, 769), (768, 769), (3072, 769), (768, 3073)] * 12
+"""GPT-2-124M's K-FAC layers (out, in + bias) as ``gradmerge merge`` solves them."""
+
+
+def calibrate(report: dict, measured: dict, source: str) -> dict:
+    """The per-layer K-FAC model (:func:`kfac_layer_model`, rates of ``report``'s fits) against
+    the end-to-end GPT-2-124M 2-task merges of ``benchmarks/kfac_tolerance.py`` (``measured``):
+    a fixed-cost factor (the ``approximate maxiter=0`` merge against the model at 0 iterations)
+    and a per-iteration factor for float32 and for bfloat16 products (wall above the fixed cost
+    over the model's per-iteration cost); then the Llama 7B/70B 2-task K-FAC merge predictions
+    with those factors, at GPT-2-124M's measured iterations per layer at tol 1e-5."""
+    rates = report["fits"]["kfac_layer"]["rates"]
+    bw = 1 / report["fits"]["merge_time_diag"]["coefficients"][0]
+
+    def parts(shapes: list[tuple[int, int]]) -> tuple[float, float]:
+        layers = [
+            {"out": o, "in": i, "tasks": 2, "kron_mv_flops": 2 * o * i * (o + i)} for o, i in shapes
+        ]
+        fixed = sum(kfac_layer_model(r, rates, 0, 0) for r in layers)
+        per_iteration = sum(kfac_layer_model(r, rates, 1, 0) for r in layers) - fixed
+        return fixed, per_iteration / len(layers)  # per layer-iteration
+
+    rows = {r["setting"]: r for r in measured["rows"] if r.get("returncode") == 0}
+    fixed_model, iteration_model = parts(GPT2_124M_KFAC)
+    gpt2_bytes = 4 * 124_439_808  # the saved model (tied head)
+    io = (3 * gpt2_bytes + 2 * 4 * sum(o * o + i * i for o, i in GPT2_124M_KFAC)) / bw
+    fixed = rows["approximate maxiter=0"]["wall_seconds"]
+    fixed_factor = fixed / (fixed_model + io)
+    out: dict[str, Any] = {
+        "source": source,
+        "gpt2_124m_model_fixed_seconds": fixed_model + io,
+        "gpt2_124m_measured_fixed_seconds": fixed,
+        "fixed_factor": fixed_factor,
+    }
+    factors = {}
+    for label, key in (("float32", "tol=1e-05"), ("bfloat16", "tol=1e-05, bfloat16 products")):
+        r = rows[key]
+        per = (r["wall_seconds"] - fixed) / r["cg_iterations"]
+        factors[label] = {
+            "iterations_per_layer": r["cg_iterations"] / len(GPT2_124M_KFAC),
+            "measured_seconds_per_layer_iteration": per,
+            "model_seconds_per_layer_iteration": iteration_model,
+            "factor": per / iteration_model,
+        }
+    out["per_iteration"] = factors
+    for name, spec in LLAMA.items():
+        shapes = llama_shapes(spec)
+        fixed_7b, per_7b = parts(shapes["kfac_layers"])
+        n = len(shapes["kfac_layers"])
+        moved = (3 * 4 * shapes["params"] + 2 * shapes["kfac_curvature_bytes"]) / bw
+        out[name] = {
+            label: {
+                "cpu_seconds_2_cores": (fixed_7b + moved) * fixed_factor
+                + f["iterations_per_layer"] * n * per_7b * f["factor"],
+                "cpu_hours_2_cores": (
+                    (fixed_7b + moved) * fixed_factor
+                    + f["iterations_per_layer"] * n * per_7b * f["factor"]
+                )
+                / 3600,
+            }
+            for label, f in factors.items()
+        }
+    return out
+
+
 KFAC_SCENARIOS = [  # (label, CG iterations per layer, refinements)
     ("approximate_maxiter_0", 0, 0),
     ("delta_1e-2_of_scale_23_iterations", 23, 0),
@@ -790,7 +855,22 @@ def main() -> None:
     parser.add_argument("--mergekit", action="store_true", help="time mergekit on GPT-2-124M")
     parser.add_argument("--no-ranks", action="store_true", help="skip the torchrun measurements")
     parser.add_argument("--out", type=Path, default=None, help=f"JSON to write ({RESULT})")
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="TOLERANCE_JSON",
+        help="no measurement: refit the K-FAC merge predictions of the existing results to the "
+        "end-to-end GPT-2-124M merges of kfac_tolerance.py's JSON, and add them to the results",
+    )
     args = parser.parse_args()
+    if args.calibrate:
+        path = args.out or RESULT
+        report = json.loads(path.read_text())
+        measured = json.loads(args.calibrate.read_text())
+        report["kfac_calibration"] = calibrate(report, measured, str(args.calibrate))
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["kfac_calibration"], indent=1))
+        return
     out = args.out or (None if args.quick else RESULT)
     torch.set_num_threads(1)  # 2 threads on 2 shared cores: OpenMP spin-waits, 5× slower
     rep = 1 if args.quick else 2

@@ -150,7 +150,7 @@ class Options(FromYaml):
     solver_tol: float | None = None
     solver_maxiter: int = 1000
     solver_approximate: bool = False
-    solver_precision: Precision = "working"
+    solver_precision: Precision = "auto"
     solver_warm_start: bool = False
     source: Path | None = field(default=None, compare=False)
 
@@ -470,8 +470,9 @@ def _solver(r: _Reader) -> dict[str, Any]:
     layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
     1000), with ``approximate: true`` (never the default) accepting each layer after at
     most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
-    measured residual instead of an error, ``precision`` (working | bfloat16: the dtype of the
-    CG's inner Kronecker products; the certificate is the same) and ``warm_start`` (default
+    measured residual instead of an error, ``precision`` (auto | working | bfloat16: the dtype of the
+    CG's inner Kronecker products, auto = bfloat16 where it is measurably faster; the
+    certificate is the same) and ``warm_start`` (default
     false)."""
     if r.data.get("solver") is None:
         return {}
@@ -500,7 +501,7 @@ def _solver(r: _Reader) -> dict[str, Any]:
         )
     out["solver_maxiter"] = int(maxiter)
     out["solver_approximate"] = approximate
-    out["solver_precision"] = s.choice("precision", PRECISIONS, default="working")
+    out["solver_precision"] = s.choice("precision", PRECISIONS, default="auto")
     out["solver_warm_start"] = s.flag("warm_start", default=False)
     return out
 

@@ -37,6 +37,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ MIN_SIDE = 128
 
 SMALL = 256 * 256
 """Reduced systems of at most this many unknowns are solved with one intra-op thread."""
+
+LOW_MIN_SIDE = 256
+"""``precision="auto"`` uses bfloat16 products only where both sides of a layer are at least
+this long (smaller products gain nothing and pay the conversions)."""
 
 MAX_RANK = 512
 """The largest joint factor rank a low-rank reduction looks for (its pivoted Cholesky costs
@@ -129,7 +134,7 @@ def solve(
             :class:`NotConvergedError` (an explicit speed-for-accuracy trade; the residual is
             still certified in float64 and reported); ``precision``, the dtype of CG's inner
             Kronecker products (``"bfloat16"``: under a working-precision refinement, same
-            certificate); ``warm_start``, whether ``x0`` may start CG.
+            certificate; ``"auto"``: :func:`auto_precision`); ``warm_start``, whether ``x0`` may start CG.
         x0: an estimate of X; CG starts from it when its residual is below that of the
             preconditioner's solve (both measured in the eigenbasis).
         reduce: allow the low-rank reduction (:class:`LowRank`); where its refinement does not
@@ -242,7 +247,8 @@ class Inverse(Protocol):
 class Basis:
     """The common eigenbasis of a layer's terms, the rotated terms and the diagonal D.
 
-    With ``precision="bfloat16"`` (and several terms), CG's Kronecker products run in bfloat16
+    With ``precision="bfloat16"`` (and several terms; ``"auto"``: where :func:`auto_precision`
+    says so), CG's Kronecker products run in bfloat16
     (AMX/tensor-core GEMMs with float32 accumulation) inside a refinement whose residual
     b̃ − K̃ỹ is formed with the working-dtype rotated terms: each round solves K̃ e = r with
     bfloat16 products to :data:`LOW_RTOL` of ‖r‖ and adds e. A round that does not halve the
@@ -252,7 +258,7 @@ class Basis:
     """
 
     def __init__(
-        self, name: str, delta: float, terms: list[Term], precision: Precision = "working"
+        self, name: str, delta: float, terms: list[Term], precision: Precision = "auto"
     ) -> None:
         self.name, self.delta = name, delta
         self.low: list[Term] = []
@@ -277,6 +283,8 @@ class Basis:
             )
             prior = " + δI" if delta else ""
             self.method = f"eigenbasis-preconditioned CG ({len(terms)} Kronecker terms{prior})"
+            if precision == "auto":
+                precision = auto_precision(terms)
             if precision == "bfloat16" and terms[0][0].dtype != torch.bfloat16:
                 self.low = [(a.bfloat16(), g.bfloat16()) for a, g in self.rotated]
                 self.method += ", bfloat16 products under refinement"
@@ -394,6 +402,45 @@ class LowRank:
             y, its = self.inner.solve(bh, target / 4, maxiter)
         x = (wide - self.qg @ bh @ self.qa.T) / self.delta + self.qg @ y @ self.qa.T
         return x.to(b.dtype), its
+
+
+def auto_precision(terms: list[Term]) -> Precision:
+    """``"bfloat16"`` for a float32 layer with both sides ≥ :data:`LOW_MIN_SIDE` on a device
+    with fast bfloat16 GEMMs (:func:`fast_bfloat16`), else ``"working"``."""
+    a, g = terms[0]
+    big = min(a.shape[0], g.shape[0]) >= LOW_MIN_SIDE
+    if a.dtype != torch.float32 or not big:
+        return "working"
+    return "bfloat16" if fast_bfloat16(a.device) else "working"
+
+
+_FAST: dict[str, bool] = {}
+
+
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether bfloat16 GEMMs are measurably faster than float32 ones on ``device`` (measured
+    once per process and device type): on CUDA, bfloat16 support; on a CPU, the fastest of
+    three 512² products in bfloat16 at least 1.5× faster than in float32 (CPUs without native
+    bfloat16 instructions emulate it, and are slower)."""
+    kind = device.type
+    if kind not in _FAST:
+        if kind == "cuda":
+            _FAST[kind] = bool(torch.cuda.is_bf16_supported())
+        elif kind == "cpu":
+            _FAST[kind] = _timed(torch.float32) >= 1.5 * _timed(torch.bfloat16)
+        else:
+            _FAST[kind] = False
+    return _FAST[kind]
+
+
+def _timed(dtype: torch.dtype) -> float:
+    m = torch.randn(512, 512, generator=torch.Generator().manual_seed(0)).to(dtype)
+    best = float("inf")
+    for _ in range(4):  # the first warms up
+        start = time.perf_counter()
+        m @ m
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 @contextmanager

@@ -13,8 +13,8 @@ from typing import Literal
 
 from gradmerge.errors import ArgumentError
 
-Precision = Literal["working", "bfloat16"]
-PRECISIONS: tuple[Precision, ...] = ("working", "bfloat16")
+Precision = Literal["auto", "working", "bfloat16"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "working", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,14 @@ class SolverSpec:
         approximate: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
             with whatever residual it has, still measured and reported; never the default.
         precision: the dtype of the K-FAC CG's inner Kronecker products: ``"working"`` (the
-            factors' dtype) or ``"bfloat16"`` (products in bfloat16 inside an iterative
+            factors' dtype), ``"bfloat16"`` (products in bfloat16 inside an iterative
             refinement whose residual is formed in float32 and certified in float64: the
-            certified residual and its tolerance are the same either way).
+            certified residual and its tolerance are the same either way) or ``"auto"``
+            (default): ``"bfloat16"`` for float32 layers with both sides ≥
+            :data:`gradmerge.solvers.kfac_cg.LOW_MIN_SIDE` on a device whose bfloat16 GEMMs
+            are measurably faster than its float32 ones (a CUDA device that supports
+            bfloat16; a CPU where a timed 512² product is ≥ 1.5× faster in bfloat16),
+            else ``"working"``.
         warm_start: start each K-FAC layer's CG from the best of the caller's guess (the
             task-arithmetic solution for a merge) and the eigenbasis preconditioner's solve,
             judged by their residuals; ``False`` (default): the preconditioner's solve alone.
@@ -39,7 +44,7 @@ class SolverSpec:
     Example:
         >>> import gradmerge as gm
         >>> gm.SolverSpec(tol=1e-4, maxiter=200)
-        SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='working', warm_start=False)
+        SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='auto', warm_start=False)
         >>> gm.SolverSpec(tol=2.0)
         Traceback (most recent call last):
         ...
@@ -49,7 +54,7 @@ class SolverSpec:
     tol: float | None = None
     maxiter: int = 1000
     approximate: bool = False
-    precision: Precision = "working"
+    precision: Precision = "auto"
     warm_start: bool = False
 
     def __post_init__(self) -> None:

@@ -174,7 +174,7 @@ SPEC_ERRORS = [
     ({"maxiter": 0}, "0 only with approximate"),
     ({"maxiter": 2.5}, "whole number"),
     ({"approximate": "yes"}, "true or false"),
-    ({"precision": "float16"}, "precision must be one of working, bfloat16"),
+    ({"precision": "float16"}, "precision must be one of auto, working, bfloat16"),
 ]
 
 
@@ -215,3 +215,37 @@ def test_rules_take_the_spec_and_return_the_solution_without_touching_the_operat
         base, fts[0], ks[0], remaining=ks[1] + 1e-2, prior=1e-2, return_solution=True
     )
     assert rep.parts["m"].residual <= 1e-10 and set(removed) == set(base)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_precision_takes_bfloat16_products_only_for_large_float32_layers_on_fast_devices(
+    monkeypatch, fast
+):
+    """``precision="auto"`` (the default): bfloat16 products where the device's bfloat16 GEMMs
+    are faster and both sides are ≥ LOW_MIN_SIDE, the working dtype elsewhere; either way the
+    certified residual meets ``tol``."""
+    monkeypatch.setitem(kfac_cg._FAST, "cpu", fast)
+    gen = torch.Generator().manual_seed(11)
+    side = kfac_cg.LOW_MIN_SIDE
+    large = [(_spd(gen, side + 3, 3.0, DT), _spd(gen, side, 3.0, DT)) for _ in range(2)]
+    large = [(a.float(), g.float()) for a, g in large]
+    b = torch.randn(side, side + 3, generator=gen)
+    solved = kfac_cg.solve("big", 1e-2, large, b)
+    assert ("bfloat16 products" in solved.method) is fast
+    # the operator applied in float64 (too large for _check's dense matrix)
+    op = 1e-2 * solved.x.double() + sum(
+        g.double() @ solved.x.double() @ a.double() for a, g in large
+    )
+    true = float(torch.linalg.norm(b.double() - op) / torch.linalg.norm(b.double()))
+    assert true <= 1e-5 and solved.residual == pytest.approx(true, rel=1e-6)
+    small = [(a[:40, :40].contiguous(), g[:30, :30].contiguous()) for a, g in large]
+    wide = [(a.double(), g.double()) for a, g in large]
+    assert kfac_cg.auto_precision(small) == "working"
+    assert kfac_cg.auto_precision(wide) == "working"
+    assert kfac_cg.auto_precision(large) == ("bfloat16" if fast else "working")
+
+
+def test_fast_bfloat16_is_measured_once_per_device_type():
+    first = kfac_cg.fast_bfloat16(torch.device("cpu"))
+    assert isinstance(first, bool) and kfac_cg._FAST["cpu"] is first
+    assert kfac_cg.fast_bfloat16(torch.device("meta")) is False

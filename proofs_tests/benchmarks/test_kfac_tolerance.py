@@ -1,0 +1,49 @@
+"""benchmarks/kfac_tolerance.py at toy size: each ``solver:`` setting merges through the CLI, and
+its logits are compared with the tightest merge's (the reference row compares equal to itself)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_every_setting_merges_and_is_compared_with_the_reference(tmp_path):
+    pytest.importorskip("transformers")
+    import device_check
+    import kfac_tolerance
+
+    paths = device_check.gpt2_inputs(tmp_path, quick=True)  # GPT-2 width 64, depth 2, 2 tasks
+    for t, (model, data) in enumerate(zip(paths["models"], paths["data"], strict=True)):
+        cmd = device_check.gradmerge("curvature", str(model), str(data),
+                                     str(tmp_path / f"ft{t}.kfac.safetensors"), "--structure",
+                                     "kfac", "--shift-labels", "--no-progress")  # fmt: skip
+        assert subprocess.run(cmd, capture_output=True, check=False).returncode == 0
+    out = tmp_path / "tolerance.json"
+    kfac_tolerance.main(
+        ["--keep", str(tmp_path), "--delta", "0.1", "--tol", "1e-5", "--bfloat16",
+         "1e-5", "--approximate", "0", "--sequences", "2", "--length", "16", "--out", str(out)]
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["held_out_tokens"] == 2 * 2 * 16
+    rows = {r["setting"]: r for r in report["rows"]}
+    assert list(rows) == [
+        "tol=1e-05",
+        "tol=1e-05, bfloat16 products",
+        "approximate maxiter=0",
+    ]
+    assert all(r["returncode"] == 0 for r in rows.values())
+    ref = rows["tol=1e-05"]
+    assert ref["max_abs_logit_change"] == 0 and ref["top1_agreement"] == 1 and ref["kl_mean"] == 0
+    for name in ("tol=1e-05", "tol=1e-05, bfloat16 products"):
+        assert 0 <= rows[name]["max_residual"] <= 1e-5
+    assert rows["approximate maxiter=0"]["cg_iterations"] == 0
+    for r in rows.values():
+        assert 0 <= r["top1_agreement"] <= 1 and r["kl_mean"] >= -1e-12
+        assert r["relative_logit_change"] >= 0 and r["parameter_change"] >= 0
