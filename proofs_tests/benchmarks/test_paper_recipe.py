@@ -67,7 +67,7 @@ def test_quick_run_of_the_recipe(tmp_path):
         "DARE (a), mergekit",
         "official script (a) via convert-curvature",
         "label-free task arithmetic (a)",
-        "label-free task arithmetic (b)",
+        "label-free task arithmetic (a), mismatch",
         "label-free grad. matching (a) official, diag",
     } <= methods
     for r in seed["rows"]:
@@ -88,16 +88,28 @@ def test_quick_run_of_the_recipe(tmp_path):
         curve = {float(a): v for a, v in ta["validation accuracy by α"].items()}
         assert set(curve) == set(report["config"]["alphas"])
         assert curve[ta["chosen α"]] == max(curve.values())
+        if recipe == "b":  # --quick tunes recipe (a) only (recipe (b)'s is the same path)
+            continue
         free = next(
             r
             for r in seed["rows"]
-            if r["method"].startswith(f"label-free task arithmetic ({recipe})")
+            if r["method"].split(" α=")[0] == f"label-free task arithmetic ({recipe})"
         )
         assert free["chosen α"] in curve and set(map(float, free["training loss by α"])) == set(
             curve
         )
         losses = {float(a): v for a, v in free["training loss by α"].items()}
         assert losses[free["chosen α"]] == min(losses.values())
+    mismatch = next(
+        r
+        for r in seed["rows"]
+        if r["method"].startswith("label-free task arithmetic (a), mismatch")
+    )  # Eq. 2's gradient mismatch as the label-free criterion
+    by_alpha = {float(a): v for a, v in mismatch["gradient mismatch by α"].items()}
+    assert set(by_alpha) == set(report["config"]["alphas"])
+    assert by_alpha[mismatch["chosen α"]] == min(by_alpha.values())
+    gaps = report["interference (fine-tuned − task arithmetic (a))"]["mean over seeds"]
+    assert set(gaps) == set(tasks)
     compared = {c["method"] for c in report["comparisons"]}
     assert compared == {
         m for m in methods if m.startswith(("grad.", "official", "label-free grad."))
