@@ -1389,27 +1389,23 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     command = " ".join(["python", "benchmarks/paper_recipe.py", *(argv or sys.argv[1:])])
     path = None
-    if not args.seeds:  # the shared part only (θ_LLM, F_0): its own small report
-        extra = {
+
+    def extra() -> dict[str, Any]:
+        return {
             "command": command,
             "cli log": study.log,
             "seconds": time.perf_counter() - begin,
             "stage seconds": study.timings,
             "load average (1, 5, 15 min) at start and after each seed": load,
         }
-        path = write(report_of([], base, study.tasks, config, extra), args.out, args.stem)
+
+    if not args.seeds:  # the shared part only (θ_LLM, F_0): its own small report
+        path = write(report_of([], base, study.tasks, config, extra()), args.out, args.stem)
     for seed in args.seeds:
         print(f"seed {seed}", flush=True)
         seeds.append(study.seed(seed))
         load.append(os.getloadavg())
-        extra = {
-            "command": command,
-            "cli log": study.log,
-            "seconds": time.perf_counter() - begin,
-            "stage seconds": study.timings,
-            "load average (1, 5, 15 min) at start and after each seed": load,
-        }
-        report = report_of(seeds, base, study.tasks, config, extra)
+        report = report_of(seeds, base, study.tasks, config, extra())
         path = write(report, args.out, args.stem)
         print("\n" + report["table"], flush=True)
     print(f"\nwrote {path} ({time.perf_counter() - begin:.0f} s)")

@@ -107,23 +107,6 @@ def _min(x: float | Tensor) -> float:
     return float(x.min()) if isinstance(x, Tensor) else x
 
 
-def remove(
-    base: Params,
-    finetuned: Params,
-    prior: Part,
-    curvature: Part,
-    remaining: Part,
-    *,
-    alpha: float,
-) -> tuple[dict[str, Tensor], RemovalStats] | None:
-    """Eq. 13 elementwise (module docstring) and what the pass measured; ``None`` when a value
-    check fails somewhere (a curvature entry < 0, h̄ ≤ 0, a NaN/Inf in the result), for the
-    caller's exact diagnosis. Inputs' keys, shapes and dtypes are checked by the caller."""
-    with _one_thread():
-        out = _remove(base, finetuned, prior, curvature, remaining, alpha=alpha)
-    return out
-
-
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """Run the chunk loop on one intra-op thread: each step is cache-sized, and splitting it
@@ -137,7 +120,8 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _remove(
+@_one_thread()
+def remove(
     base: Params,
     finetuned: Params,
     prior: Part,
@@ -146,6 +130,9 @@ def _remove(
     *,
     alpha: float,
 ) -> tuple[dict[str, Tensor], RemovalStats] | None:
+    """Eq. 13 elementwise (module docstring) and what the pass measured; ``None`` when a value
+    check fails somewhere (a curvature entry < 0, h̄ ≤ 0, a NaN/Inf in the result), for the
+    caller's exact diagnosis. Inputs' keys, shapes and dtypes are checked by the caller."""
     out: dict[str, Tensor] = {}
     stats = RemovalStats()
     for key, b in base.items():
