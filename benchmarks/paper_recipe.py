@@ -80,10 +80,15 @@ OFFICIAL_DELTA = 1e-12
 OFFICIAL = "official script (a) via convert-curvature"
 TUNE_EXAMPLES = 300
 """Training texts per task that ``gradmerge tune`` scores each grid point on (``--max-examples``)."""
-KFAC_DELTAS = (1e-6, 1e-4, 1e-2, 1.0)
-"""δ of the official K-FAC variant, tried in turn until ``gradmerge merge`` accepts one (as a user
-would): with the official 1e-12, K-FAC's H̄ is not positive definite — the factors, stored in
-float32, have eigenvalues of about −1e-7·‖A‖‖G‖ — and each failure is recorded in the table."""
+OFFICIAL_KFAC_DELTA = 1.0
+"""δ of recipe (a) with K-FAC curvature (the official code has no K-FAC). With the official 1e-12,
+``gradmerge merge`` refuses K-FAC's H̄ (seed 0, float64: not positive definite in 6 layers; the
+factors, stored in float32, have eigenvalues of about −1e-7 of their scale), and
+``gradmerge merge --dry-run`` asks δ ≥ 0.83 (the pooler); each refusal costs a full solve (5 min
+here), so the study takes δ = 1 at once instead of a ladder of refusals."""
+REGMEAN_DAMPING = 1e-2
+"""RegMean's damping: the token-type embedding's Gram (one-hot inputs, one type used) is
+singular, and seed 0's pooler asked ≥ 1.03e-3 (above float32's eigenvalue uncertainty)."""
 
 
 # ----- data ---------------------------------------------------------------------------------------
@@ -308,9 +313,11 @@ class CLI:
         return [str(r) for r in results]
 
     def run(self, cmds: list[list[str]]) -> list[tuple[str | RuntimeError, float]]:
-        """Each command (offline: ``HF_HUB_OFFLINE=1``), :data:`JOBS` at a time: its stdout
-        or the error it failed with, and its wall seconds, in order."""
-        env = os.environ | {"HF_HUB_OFFLINE": "1"}
+        """Each command (offline: ``HF_HUB_OFFLINE=1``), :data:`JOBS` at a time, the CPUs shared
+        between them (``OMP_NUM_THREADS``, so that they do not oversubscribe the cores): its
+        stdout or the error it failed with, and its wall seconds, in order."""
+        threads = max(1, (os.cpu_count() or 1) // max(1, min(self.JOBS, len(cmds))))
+        env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
         pending = list(enumerate(cmds))
         running: dict[int, tuple[subprocess.Popen[str], float, Any, Any]] = {}
         results: dict[int, tuple[str | RuntimeError, float]] = {}
@@ -474,7 +481,8 @@ class Study:
     def curvature(
         self, model: Path, data: Path, out: Path, structure: str, seed: int
     ) -> tuple[str | Path, ...]:
-        """The ``gradmerge curvature`` call of an MC-Fisher sum (run by ``CLI.all``)."""
+        """The ``gradmerge curvature`` call of an MC-Fisher sum over the first
+        ``--curvature-examples`` texts of ``data`` (run by ``CLI.all``)."""
         return (
             "curvature",
             model,
@@ -490,6 +498,8 @@ class Study:
             str(self.args.max_length),
             "--batch-size",
             "32",
+            "--max-examples",
+            str(self.args.curvature_examples),
             "--no-progress",
             "--overwrite",
         )
@@ -610,6 +620,8 @@ class Merges:
             seed,
         )
         self.tasks = study.tasks
+        # the examples each curvature sums over: H_t = (N_t / nf_t) · that sum
+        self.nf = {t: min(n[t], study.args.curvature_examples) for t in self.tasks}
         self.cli = study.cli
         self.args = study.args
         self.base = study.work / "base"
@@ -670,6 +682,7 @@ class Merges:
             entry: dict[str, Any] = {"model": str(self.models[recipe][t]), "alpha": alpha}
             if structure:
                 entry["curvature"] = str(self.curv[recipe][t][structure])
+                entry["scale"] = self.n[t] / self.nf[t]
             out.append(entry)
         return out
 
@@ -717,13 +730,15 @@ class Merges:
         official_prior = {"delta": OFFICIAL_DELTA, "scale": study.n0 / study.n0_fisher}
         out: dict[str, tuple[dict[str, Any], str]] = {}
         for structure in structures:
-            out[f"grad. matching (a) official, {structure}"] = (
+            name, prior = f"grad. matching (a) official, {structure}", dict(official_prior)
+            if structure == "kfac":  # δ = 1e-12 is refused with K-FAC (OFFICIAL_KFAC_DELTA)
+                name = f"grad. matching (a) official but δ={OFFICIAL_KFAC_DELTA:g}, kfac"
+                prior["delta"] = OFFICIAL_KFAC_DELTA
+            out[name] = (
                 {
                     "method": "gradient_matching",
                     "models": self.models_of("a", structure),
-                    "prior": official_prior | {"curvature": str(study.base_curv[structure])},
-                    # δ = 1e-12 leaves K-FAC's H̄ at the edge of positive definiteness
-                    **({"compute_dtype": "float64"} if structure == "kfac" else {}),
+                    "prior": prior | {"curvature": str(study.base_curv[structure])},
                 },
                 "a",
             )
@@ -745,25 +760,14 @@ class Merges:
         )
         if "kfac" in structures:
             out["RegMean (a)"] = (
-                # damping: the token-type embedding's Gram (one-hot inputs, one type used) is
-                # singular; 1e-3 is above float32's eigenvalue uncertainty that merge reports
-                {"method": "regmean", "models": self.models_of("a", "kfac"), "damping": 1e-3},
+                {
+                    "method": "regmean",
+                    "models": self.models_of("a", "kfac"),
+                    "damping": REGMEAN_DAMPING,
+                },
                 "a",
             )
         return out
-
-    def official_kfac_ladder(self, config: dict[str, Any], failed: dict[str, str]) -> None:
-        """The official K-FAC merge with the least δ of :data:`KFAC_DELTAS` that ``gradmerge
-        merge`` accepts (every refusal recorded in ``failed``)."""
-        for delta in KFAC_DELTAS:
-            name = f"grad. matching (a) official but δ={delta:g}, kfac"
-            prior = config["prior"] | {"delta": delta}
-            try:
-                self.merge(name, config | {"prior": prior}, recipe="a")
-                return
-            except RuntimeError as err:
-                failed[name] = str(err).splitlines()[-1][-700:]
-                print(f"    {name}: FAILED {failed[name]}", flush=True)
 
     def mergekit_merges(self, alpha: float) -> dict[str, tuple[dict[str, Any], str]]:
         """TIES (density 0.2, disjoint mean: Yadav et al.'s defaults) and DARE (drop 1 − p = 0.5,
@@ -881,9 +885,6 @@ class Merges:
             print(f"    {name}: FAILED {error}", flush=True)
         if name := next((n for n in failed if n in mk), ""):
             raise RuntimeError(f"{name} failed: {failed[name]}")
-        official = "grad. matching (a) official, kfac"
-        if official in failed:
-            self.official_kfac_ladder(gm[official][0], failed)
         aliases = {}  # a label-free row whose α is that of another row: the same model
         todo = []
         for name, facts in tuned.items():
@@ -958,7 +959,7 @@ class Merges:
         means = {}
         for t in self.tasks:
             values = gm.load_curvature(self.curv["a"][t]["diag"]).values  # type: ignore[attr-defined]
-            means[t] = {k: (v.double() / self.n[t]).float() for k, v in values.items()}
+            means[t] = {k: (v.double() / self.nf[t]).float() for k, v in values.items()}
         base_values = gm.load_curvature(study.base_curv["diag"]).values  # type: ignore[attr-defined]
         means["base"] = {k: (v.double() / study.n0_fisher).float() for k, v in base_values.items()}
         converted, calls = {}, []
@@ -1338,9 +1339,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test", type=int, default=None, help="test texts per task (all)")
     parser.add_argument("--base-train", type=int, default=2000, help="θ_LLM's training texts")
     parser.add_argument("--base-fisher-examples", type=int, default=500)
+    parser.add_argument(
+        "--curvature-examples",
+        type=int,
+        default=300,
+        help="training texts each task's Fisher sum is estimated on, scaled by N_t / that count",
+    )
     parser.add_argument("--base-epochs", type=int, default=1)
     parser.add_argument("--base-lr", type=float, default=5e-5)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
@@ -1355,13 +1362,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast in fine-tuning")
     parser.add_argument("--bootstrap", type=int, default=2000)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="fine-tuning's torch threads"
+    )
     parser.add_argument(
         "--jobs",
         type=int,
-        default=3,
+        default=1,
         help="seeds run as this many parallel processes (1 thread each) after θ_LLM and F_0 "
-        "(all three at once on 2 cores: no seed is left to run alone at the end)",
+        "(default: one after the other, in this process; on 2 cores three seeds at once, each "
+        "with its own CLI calls, ran 2-4x slower than alone)",
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/paper-recipe"), help="checkpoints")
     parser.add_argument("--out", type=Path, default=RESULTS)

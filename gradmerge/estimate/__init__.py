@@ -13,7 +13,7 @@ from typing import Any, Literal
 from torch import Tensor, nn
 
 from gradmerge import _weight_sample
-from gradmerge.curvature import KFAC, Blocks, Curvature
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
@@ -167,6 +167,7 @@ def estimate_with(model: nn.Module, data: Iterable[Any], options: EstimateOption
             kfac_approx=options.kfac_approx,
             kfac_max_factor_side=options.kfac_max_factor_side,
             progress=options.progress,
+            diagonal=True,  # the diagonal block from the same pass
             **_draws(options),
         )
         curvature = kfac_curvature(model, counted, factors, options)
@@ -194,9 +195,11 @@ def kfac_curvature(
     """``gm.KFAC`` from estimated factors, plus a diagonal block for what K-FAC does not cover.
 
     The diagonal block holds ``factors.uncovered`` (layers left out by the estimator: too large
-    for ``factors.kfac_max_factor_side``, shared weights, other module types, ...), estimated by
-    :func:`estimate_diagonal` with ``options`` (fisher type, seed, ...; default: the factors'
-    fisher and loss) on the same data, so its values are those of ``structure="diag"``. Embedding
+    for ``factors.kfac_max_factor_side``, shared weights, other module types, ...): the values
+    the K-FAC pass collected (``factors.diagonal``, from ``estimate_kfac_factors(diagonal=True)``,
+    the same draws), and for any parameter it lacks, :func:`estimate_diagonal` with ``options``
+    (fisher type, seed, ...; default: the factors' fisher and loss) in a pass of its own over the
+    same data. Either way its values are those of ``structure="diag"``. Embedding
     factors with a diagonal A larger than :data:`MAX_DIAGONAL_FACTOR` (or
     ``factors.kfac_max_factor_side``) are not stored as K-FAC either (their A would be a dense
     vocab × vocab matrix): those embeddings join the diagonal block.
@@ -241,7 +244,7 @@ def kfac_curvature(
             )
         )
     if uncovered:
-        parts.append(_diagonal(model, data, options, uncovered))
+        parts.append(_diagonal_block(model, data, options, uncovered, factors.diagonal))
     if not parts:
         raise ArgumentError("K-FAC found nothing to cover in this model")
     curvature = parts[0] if len(parts) == 1 else Blocks(parts)
@@ -249,6 +252,23 @@ def kfac_curvature(
     curvature.meta["kfac_max_factor_side"] = "none" if side is None else str(side)
     curvature.meta["kfac_diagonal_layers"] = json.dumps(routed, ensure_ascii=False)
     return curvature
+
+
+def _diagonal_block(
+    model: nn.Module,
+    data: Iterable[Any],
+    options: EstimateOptions,
+    params: list[str],
+    collected: dict[str, Tensor],
+) -> Curvature:
+    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's rider) where it has
+    them, estimated in a pass of its own for the others (a layer left out in a later batch, or
+    ``fisher="ggn"``)."""
+    missing = [name for name in params if name not in collected]
+    values = {name: collected[name] for name in params if name in collected}
+    if missing:
+        values |= _diagonal(model, data, options, missing).values  # type: ignore[attr-defined]
+    return Diagonal({name: values[name] for name in params})
 
 
 def _diagonal(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,13 +257,7 @@ def _batch(
     if first is None or not outputs.requires_grad:
         return  # every position ignored (ggn), or outputs free of the selected parameters
     plan = _plan(outputs, calls, state, num_examples(targets))
-    if plan.fallback and not state.warned:
-        state.warned = True
-        warnings.warn(
-            f"no fast per-example rule covers {plan.fallback}: their diagonal is computed with "
-            "one backward pass per example (exact, slow)",
-            stacklevel=3,
-        )
+    _warn_fallback(plan, state)
     squares = _Squares(plan, state)
     per_vector = outputs.numel() + sum(call.output.numel() for call in squares.calls)
     for group in groups(_chain(first, vectors), group_size(per_vector)):
@@ -270,6 +265,129 @@ def _batch(
         for v in group:
             _add_fallback(outputs, v, plan.fallback, state)
     squares.finish()
+
+
+def _warn_fallback(plan: _Plan, state: _State) -> None:
+    if plan.fallback and not state.warned:
+        state.warned = True
+        warnings.warn(
+            f"no fast per-example rule covers {plan.fallback}: their diagonal is computed with "
+            "one backward pass per example (exact, slow)",
+            stacklevel=4,
+        )
+
+
+class DiagonalRider:
+    """The diagonal Fisher of some parameters, collected during another estimator's pass.
+
+    K-FAC gives factors to the layers it supports; the rest of a model (LayerNorms, position
+    embeddings, a vocabulary too large for a factor) gets the diagonal of the same Fisher. The
+    rider collects it in the K-FAC pass instead of a second pass over the data: its forward hooks
+    record the calls while the host runs the forward pass (:meth:`recording`), :meth:`start`
+    plans the batch, the host asks autograd for the gradients of :attr:`outputs` together with
+    its own, from the SAME output vectors ``v_ir``, and hands them to :meth:`add`. With the
+    vectors of ``fisher="empirical"`` or ``"mc"`` (the same draws in the same order), the sums are
+    :func:`estimate_diagonal`'s: ``Σ_i (1/k) Σ_r (J_iᵀ v_ir)²`` (``k`` = ``mc_samples``, 1 for
+    ``"empirical"``).
+
+    Args:
+        model: the network the host runs.
+        params: the trainable parameters to cover, by name.
+        fisher: ``"empirical"`` or ``"mc"`` (the exact GGN's vectors are per-position columns
+            here, which K-FAC's pass does not use).
+        loss: the host's loss.
+        mc_samples: the host's vectors per example (``fisher="mc"``).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradmerge.estimate._data import Loss
+        >>> from gradmerge.estimate.diagonal import DiagonalRider, estimate_diagonal
+        >>> model = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+        >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> rider = DiagonalRider(model, ["1.weight"], "empirical", Loss("cross_entropy"), 1)
+        >>> with rider.recording(4):
+        ...     f = model(x)
+        >>> rider.start(f, 4)
+        >>> v = torch.autograd.grad(nn.functional.cross_entropy(f, y, reduction="sum"), f)[0]
+        >>> grads = torch.autograd.grad(f, rider.outputs, v)  # for R = 1 vector: (1, *shape)
+        >>> rider.add([v], [g.unsqueeze(0) for g in grads])
+        >>> rider.finish()
+        >>> ref = estimate_diagonal(model, [(x, y)], params=["1.weight"]).values["1.weight"]
+        >>> torch.allclose(rider.values()["1.weight"], ref)
+        True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[str],
+        fisher: Fisher | FisherName,
+        loss: Loss,
+        mc_samples: int,
+    ) -> None:
+        fisher = check_fisher(fisher)
+        if fisher not in ("empirical", "mc"):
+            raise ArgumentError(
+                f"a diagonal rider takes fisher 'empirical' or 'mc', not {fisher!r}"
+            )
+        selected = _select(model, params)
+        self.state = _State(selected, fisher, mc_samples, loss, torch.Generator())
+        self.recorder = _hooks.Recorder(_covered_modules(model, selected))
+        self._squares: _Squares | None = None
+        self._outputs: Tensor | None = None
+        self._fallback: list[str] = []
+
+    @contextmanager
+    def recording(self, batch: int) -> Iterator[None]:
+        """Record the covered modules' calls during the host's forward pass of ``batch`` rows."""
+        self.recorder.batch = batch
+        try:
+            yield
+        finally:
+            self.recorder.batch = None
+
+    def start(self, outputs: Tensor, batch: int) -> None:
+        """Plan the batch whose forward pass gave ``outputs`` (``batch`` examples)."""
+        calls = self.recorder.take()
+        plan = _Plan({}, [])
+        if outputs.requires_grad:
+            plan = _plan(outputs, calls, self.state, batch)
+            _warn_fallback(plan, self.state)
+        self._squares, self._outputs, self._fallback = (
+            _Squares(plan, self.state),
+            outputs,
+            plan.fallback,
+        )
+
+    @property
+    def outputs(self) -> list[Tensor]:
+        """The tensors whose gradients :meth:`add` takes, in order (none before :meth:`start`)."""
+        return [] if self._squares is None else self._squares.outputs
+
+    def add(self, vectors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        """Add the squares for the output ``vectors`` of one backward pass; ``grads``: the
+        gradients of :attr:`outputs`, each ``(len(vectors), *shape)``."""
+        assert self._squares is not None and self._outputs is not None, "start() first"
+        if self._squares.calls:
+            self._squares.add_grads(grads)
+        for v in vectors:
+            _add_fallback(self._outputs, v, self._fallback, self.state)
+
+    def finish(self) -> None:
+        """Close the batch."""
+        if self._squares is not None:
+            self._squares.finish()
+        self._squares = self._outputs = None
+
+    def values(self) -> dict[str, Tensor]:
+        """Parameter name → its diagonal, a sum over the examples seen."""
+        k = self.state.mc_samples if self.state.fisher == "mc" else 1
+        return {name: value / k for name, value in self.state.acc.items()}
+
+    def remove(self) -> None:
+        """Remove the forward hooks."""
+        self.recorder.remove()
 
 
 def _chain(first: Tensor, rest: Iterator[Tensor]) -> Iterator[Tensor]:
@@ -379,12 +497,20 @@ class _Squares:
         self.calls = list(unique.values())
         self.g2: dict[int, Tensor] = {}  # id(call) → Σ_r g_r ∘ g_r, (B, *output.shape[1:])
 
+    @property
+    def outputs(self) -> list[Tensor]:
+        """The recorded calls' outputs, whose gradients :meth:`add_grads` takes."""
+        return [c.output for c in self.calls]
+
     def add(self, outputs: Tensor, vectors: list[Tensor]) -> None:
-        if not self.calls:
-            return
-        grads = self.state.backward.grads(outputs, [c.output for c in self.calls], vectors)
+        if self.calls:
+            self.add_grads(self.state.backward.grads(outputs, self.outputs, vectors))
+
+    def add_grads(self, grads: Sequence[Tensor | None]) -> None:
+        """Add the gradients of :attr:`outputs` for ``R`` output vectors, each ``(R, *shape)``."""
         g_of = {id(c): g for c, g in zip(self.calls, grads, strict=True)}  # (R, *output.shape)
-        for r in range(len(vectors) if self.per_vector else 0):
+        vectors = next((g.shape[0] for g in grads if g is not None), 0)
+        for r in range(vectors if self.per_vector else 0):
             g_r = {key: None if g is None else g[r] for key, g in g_of.items()}
             for name, uses in self.per_vector.items():
                 acc = self.state.acc[name]

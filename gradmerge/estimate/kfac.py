@@ -107,6 +107,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -133,6 +134,7 @@ from gradmerge.estimate._data import (
     sample_targets,
 )
 from gradmerge.estimate._output_hessian import OutputHessian
+from gradmerge.estimate.diagonal import DiagonalRider
 from gradmerge.estimate.options import (
     MAX_FACTOR_SIDE,
     Fisher,
@@ -189,6 +191,8 @@ class KFACFactors:
             has no factors (a factor side above ``kfac_max_factor_side``, a shared weight, never
             called, ...); its parameters are among ``uncovered``.
         kfac_max_factor_side: the factor-side limit used (None: no limit).
+        diagonal: parameter name → its diagonal Fisher, collected in the same pass
+            (``estimate_kfac_factors(diagonal=True)``), for parameters that may have no factors.
     """
 
     factors: dict[str, tuple[Tensor, Tensor]]
@@ -202,6 +206,7 @@ class KFACFactors:
     uncovered: list[str] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
     kfac_max_factor_side: int | None = MAX_FACTOR_SIDE
+    diagonal: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def max_factor_side(self) -> int | None:
@@ -647,26 +652,35 @@ class _Recorder:
         wrt: list[Tensor],
         weight: float,
         backward: Backward,
+        rider: DiagonalRider | None = None,
     ) -> None:
         """Backward passes of ``Σ_i v_irᵀ f_i`` for the output vectors ``v_r``, several per pass
-        (``_batched``): add ``weight`` · Σ_r Σ g_r g_rᵀ of the noted outputs to G.
+        (``_batched``): add ``weight`` · Σ_r Σ g_r g_rᵀ of the noted outputs to G, and hand the
+        gradients of the ``rider``'s outputs from the same passes to it.
 
         The ``R`` gradients of one pass, ``(R, B, ...)``, are ``R · B`` rows of one Gram product
         per layer (``reduce`` sums positions per vector and example, as one pass at a time would).
         """
+        riding = [] if rider is None else rider.outputs
         per_vector = outputs.numel() + sum(tap.numel for tap in self.taps)
+        per_vector += sum(t.numel() for t in riding)
         for group in groups(vectors, group_size(per_vector)):
-            if not self.taps:  # nothing to collect: the pass still runs, for autograd's errors
+            if not self.taps and not riding:  # the pass still runs, for autograd's errors
                 for v in group:
                     root = (outputs * v).sum()
                     torch.autograd.grad(root, wrt, allow_unused=True, retain_graph=True)
+                if rider is not None:
+                    rider.add(group, [])
                 continue
-            grads = backward.grads(outputs, [tap.edge for tap in self.taps], group)
-            for tap, g in zip(self.taps, grads, strict=True):
+            edges = [tap.edge for tap in self.taps] + [get_gradient_edge(t) for t in riding]
+            grads = backward.grads(outputs, edges, group)
+            for tap, g in zip(self.taps, grads, strict=False):
                 if g is None:  # the output does not reach the loss
                     continue
                 keep = None if tap.keep is None else tap.keep.repeat(len(group), 1)
                 _add_grads(tap.layer, g.flatten(0, 1), keep, tap.approx, weight)
+            if rider is not None:
+                rider.add(group, grads[len(self.taps) :])
 
 
 def _backward(
@@ -680,13 +694,17 @@ def _backward(
     """The backward passes of one batch; the recorder collects the output gradients."""
     loss: Loss = options["loss"]
     backward: Backward = options["backward"]
-    if options["fisher"] == "empirical":
+    rider: DiagonalRider | None = options["rider"]
+    if options["fisher"] == "empirical" and rider is None:
         recorder.collect(losses.sum(), wrt)
+    elif options["fisher"] == "empirical":  # the same pass, as the vector ∂(Σ_i ℓ_i)/∂f
+        vector = loss_gradient(outputs.detach(), targets, loss, batch=options["batch"])
+        recorder.collect_vectors(outputs, [vector], wrt, 1.0, backward, rider)
     elif options["fisher"] == "mc":
         k, f = options["mc_samples"], outputs.detach()
         draws = (sample_targets(f, targets, loss, options["generator"]) for _ in range(k))
         vectors = (loss_gradient(f, y, loss, batch=options["batch"]) for y in draws)
-        recorder.collect_vectors(outputs, vectors, wrt, 1.0 / k, backward)
+        recorder.collect_vectors(outputs, vectors, wrt, 1.0 / k, backward, rider)
     else:  # column c of S from every position at once (module docstring)
         hessian = OutputHessian(outputs, targets, loss)
         columns = (hessian.column(c) for c in range(hessian.classes))
@@ -752,6 +770,7 @@ def estimate_kfac_factors(
     max_ggn_columns: int = 256,
     kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
     max_factor_side: int | None = _FIRST_NAME_UNSET,
+    diagonal: bool = False,
 ) -> KFACFactors:
     """K-FAC factors (A, G) of every supported layer, normalised so A ⊗ G ≈ Σ_i curvature_i.
 
@@ -773,6 +792,13 @@ def estimate_kfac_factors(
             None: no limit.
         max_factor_side: ``kfac_max_factor_side`` under its first name (an alias, still
             accepted; give one of the two).
+        diagonal: also collect, in the same pass and from the same output vectors, the diagonal
+            Fisher (:func:`~gradmerge.estimate.diagonal.estimate_diagonal`'s values) of the
+            parameters that may end without factors: those of no covered layer, and embeddings
+            (a position embedding looked up with one row for the whole batch is left out when it
+            is called; a large vocabulary is routed to a diagonal by ``kfac_curvature``). Stored
+            in ``KFACFactors.diagonal``; ``fisher="empirical"`` and ``"mc"`` only (ignored for
+            ``"ggn"``, whose diagonal needs per-position vectors).
 
     Returns:
         The factors, with ``num_examples`` = N and the uncovered parameter names.
@@ -816,12 +842,14 @@ def estimate_kfac_factors(
         )
     recorder = _Recorder(layers, kfac_approx)
     wrt = [layer.weight for layer in layers.values()]
+    rider = _rider(model, layers, fisher, loss_spec, mc_samples) if diagonal else None
     options = {
         "loss": loss_spec,
         "fisher": fisher,
         "mc_samples": mc_samples,
         "generator": torch.Generator().manual_seed(seed),
         "backward": Backward(),
+        "rider": rider,
     }
     handles = [
         layer.module.register_forward_hook(partial(recorder.hook, name))
@@ -830,19 +858,27 @@ def estimate_kfac_factors(
     total = 0
     try:
         for index, inputs, targets in batches(data, device=wrt[0].device):
-            recorder.start_batch(_Masks.of_batch(inputs, targets, loss_spec), num_examples(targets))
+            batch = num_examples(targets)
+            recorder.start_batch(_Masks.of_batch(inputs, targets, loss_spec), batch)
             with torch.enable_grad():
-                outputs = forward(model, inputs)
+                with rider.recording(batch) if rider else contextlib.nullcontext():
+                    outputs = forward(model, inputs)
                 losses = per_example_loss(outputs, targets, loss_spec, batch=index)
                 if fisher == "ggn":
                     _check_ggn_size(outputs, max_ggn_columns)
+                if rider is not None:
+                    rider.start(outputs, batch)
                 _backward(outputs, targets, losses, wrt, recorder, {**options, "batch": index})
-            total += num_examples(targets)
+                if rider is not None:
+                    rider.finish()
+            total += batch
             if progress:
                 print(f"kfac: batch {index}, {total} examples", file=sys.stderr)
     finally:
         for handle in handles:
             handle.remove()
+        if rider is not None:
+            rider.remove()
         recorder.masks = None
     for name, reason in recorder.left_out().items():
         warnings.warn(
@@ -864,7 +900,21 @@ def estimate_kfac_factors(
         uncovered=_uncovered(model, layers),
         left_out=left_out,
         kfac_max_factor_side=kfac_max_factor_side,
+        diagonal={} if rider is None else rider.values(),
     )
+
+
+def _rider(
+    model: nn.Module, layers: dict[str, _Layer], fisher: Fisher, loss: Loss, mc_samples: int
+) -> DiagonalRider | None:
+    """The diagonal rider of ``estimate_kfac_factors(diagonal=True)``: every parameter of no
+    covered layer and every embedding weight (None for ``"ggn"`` or when there is none)."""
+    if fisher == "ggn":
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = _uncovered(model, layers)
+    params += [names[id(x.weight)] for x in layers.values() if x.kind == "embedding"]
+    return DiagonalRider(model, params, fisher, loss, mc_samples) if params else None
 
 
 __all__ = ["MAX_FACTOR_SIDE", "KFACFactors", "estimate_kfac_factors"]

@@ -160,3 +160,45 @@ def test_bad_arguments():
         gm.estimate_curvature(model, data, structure="kfac", params=["4.weight"])
     with pytest.raises(gm.StructureError):
         gm.estimate_curvature(nn.Sequential(nn.Tanh()), data, structure="kfac")
+
+
+class _Passes:
+    """A list of batches that counts the passes made over it."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches, self.passes = batches, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize(
+    ("fisher", "passes"), [("empirical", 1), ("mc", 1), ("ggn", 2)], ids=["emp", "mc", "ggn"]
+)
+def test_kfac_takes_its_diagonal_block_from_the_same_pass(fisher: str, passes: int) -> None:
+    """GPT-2's LayerNorms, its position embedding (looked up with one row for the whole batch,
+    left out at call time) and a vocabulary routed to the diagonal (limit 30 < 40 rows): the
+    K-FAC pass collects their diagonal (one pass over the data; the GGN's per-position columns
+    need a second), equal to structure="diag" with the same seed, i.e. the same draws."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=16, vocab_size=40, n_positions=12, tie_word_embeddings=False
+    )
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 40, (3, 8))
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
+    data = _Passes([({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)] * 2)
+    options = {"fisher": fisher, "seed": 3, **({"mc_samples": 2} if fisher == "mc" else {})}
+    with pytest.warns(UserWarning, match="transformer.wpe"):
+        c = gm.estimate_curvature(model, data, structure="kfac", kfac_max_factor_side=30, **options)
+    assert data.passes == passes
+    diag = next(b for b in c.blocks if isinstance(b, gm.Diagonal))
+    assert {"transformer.wpe.weight", "transformer.wte.weight", "transformer.ln_f.weight"} <= set(
+        diag.values
+    )
+    expected = gm.estimate_curvature(model, data.batches, structure="diag", **options)
+    for name, value in diag.values.items():
+        assert value.abs().max() > 0, name
+        torch.testing.assert_close(value, expected.values[name], rtol=1e-10, atol=1e-14)
