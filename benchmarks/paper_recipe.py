@@ -22,10 +22,11 @@ Recipes (each with diagonal and K-FAC curvature; all curvatures are MC-Fisher SU
 ``gradmerge curvature --fisher mc``: per-example squared gradients with labels sampled from the
 model, as the official ``trainer_hessians.py`` computes them, times N):
 
-- (a) official: plain fine-tunes; H_t = the task's Fisher sum over its N_t training texts;
-  H_0 = the base model's Fisher sum on its own training data (N_0 texts; estimated on the first
+- (a) official: plain fine-tunes; H_t = the task's Fisher sum over its N_t training texts
+  (estimated on the first ``--curvature-examples`` and scaled by N_t / that count); H_0 = the
+  base model's Fisher sum on its own training data (N_0 texts; estimated on the first
   ``--base-fisher-examples`` and scaled by N_0 / that count, as the official code estimates Yelp
-  and Amazon on a part) + δ = 1e-12; α = 1.
+  and Amazon on a part) + δ = 1e-12 (with K-FAC δ = 1: :data:`OFFICIAL_KFAC_DELTA`); α = 1.
 - (b) theory-consistent: fine-tunes trained as the MAP of Eq. 15,
   Σ_i ℓ_i(θ) + (δ/2)‖θ − θ_LLM‖² (per minibatch: mean loss + δ/(2N)‖θ − θ_LLM‖²), H_0 = δI with
   the same δ.
