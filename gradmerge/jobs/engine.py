@@ -349,6 +349,8 @@ class Job:
             curvature file.
         hint: how to fix a singular system, added to a :class:`NotPositiveDefiniteError`
             (``{example}`` stands for a suggested δ).
+        example: the δ suggested when the error names none (a generic one, or ten times the
+            prior's δ where the configuration has one: a smaller example would not help).
         math_dtype: the compute dtype.
         source: the configuration file, if any (an output folder must not hold it either).
 
@@ -385,6 +387,7 @@ class Job:
     rounding: Rounding | None = None
     solves: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
+    example: str = "e.g. 1.0e-6"
 
     @property
     def max_residual(self) -> float:
@@ -524,7 +527,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             f"{', '.join(negative)} (times `scale`) is negative, which subtracts that model's "
             "curvature from H̄: make it smaller in magnitude, or " + hint
         )
-    return Job(
+    job = Job(
         "merge",
         plan,
         base,
@@ -536,6 +539,10 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         dtype,
         config.source,
     )
+    delta = 0.0 if config.prior is None else config.prior.delta
+    if delta > 0:
+        job.example = f"more than the {delta:g} given, e.g. {10 * delta:.1e}"
+    return job
 
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
@@ -828,7 +835,7 @@ def _run_unit(job: Job, unit: Unit) -> tuple[dict[str, Tensor], Solution | None]
         merged, report = job.compute(unit)
     except NotPositiveDefiniteError as err:
         delta = err.suggested_delta
-        example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
+        example = job.example if delta is None else f"at least {delta:.1e}"
         hint = job.hint.format(example=example)
         what = str(err).split(f" {PD_FIX}")[0]  # the Python keywords' fix gives way to the YAML's
         new = NotPositiveDefiniteError(
@@ -885,7 +892,7 @@ def _all_singular(
         return singular[0][1]
     deltas = [d for _, e in singular if (d := e.suggested_delta) is not None]
     delta = max(deltas) if deltas else None
-    example = "e.g. 1.0e-6" if delta is None else f"at least {delta:.1e}"
+    example = job.example if delta is None else f"at least {delta:.1e}"
     lines = []
     for unit, err in singular:
         cause = err.__cause__ if isinstance(err.__cause__, NotPositiveDefiniteError) else err

@@ -131,3 +131,22 @@ def test_a_delta_far_below_the_curvature_warns_that_it_is_fisher_averaging(diag_
     assert delta_note(sensible) is None
     _cli(diag_inputs, "merge", _config("gradient_matching", prior={"delta": 1e-9}), "--dry-run")
     assert "gives Fisher averaging's result" in capsys.readouterr().err
+
+
+def test_a_singular_kfac_system_under_a_prior_suggests_a_larger_delta(tmp_path, capsys):
+    """An indefinite K-FAC term (no δ suggested by the solver): the fix names the δ given and
+    suggests more than it, never a smaller example (it used to say "e.g. 1.0e-6" under δ = 0.01)."""
+    w = {"fc.weight": torch.zeros(2, 3, dtype=torch.float64)}
+    save_file(w, tmp_path / "base.safetensors")
+    bad = torch.diag(torch.tensor([1.0, 2.0, -5.0], dtype=torch.float64))  # indefinite A
+    for t in range(3):
+        ft = torch.ones(2, 3, dtype=torch.float64) + t
+        save_file({"fc.weight": ft}, tmp_path / f"ft{t}.safetensors")
+        a = bad if t == 0 else torch.eye(3, dtype=torch.float64)
+        gm.KFAC({"fc": (a, torch.eye(2, dtype=torch.float64))}).save(tmp_path / f"c{t}.safetensors")
+    config = _config("gradient_matching", prior={"delta": 0.01}, compute_dtype="float64")
+    config["models"].append({"model": "ft2.safetensors", "curvature": "c2.safetensors"})
+    assert _cli(tmp_path, "merge", config, "--no-progress") != 0
+    err = capsys.readouterr().err
+    assert "positive semi-definite" in err
+    assert "more than the 0.01 given, e.g. 1.0e-01" in err and "e.g. 1.0e-6" not in err
