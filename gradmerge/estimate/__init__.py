@@ -262,8 +262,8 @@ def _diagonal_block(
     collected: dict[str, Tensor],
 ) -> Curvature:
     """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's rider) where it has
-    them, estimated in a pass of its own for the others (a layer left out in a later batch, or
-    ``fisher="ggn"``)."""
+    them, estimated in a pass of its own for the others (``fisher="ggn"``, or a non-embedding
+    layer left out while the pass ran: never called, a batch dimension that does not match)."""
     missing = [name for name in params if name not in collected]
     values = {name: collected[name] for name in params if name in collected}
     if missing:

@@ -527,7 +527,8 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             f"{', '.join(negative)} (times `scale`) is negative, which subtracts that model's "
             "curvature from H̄: make it smaller in magnitude, or " + hint
         )
-    job = Job(
+    delta = 0.0 if config.prior is None else config.prior.delta
+    return Job(
         "merge",
         plan,
         base,
@@ -538,11 +539,10 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         hint,
         dtype,
         config.source,
+        example=f"more than the {delta:g} given, e.g. {10 * delta:.1e}"
+        if delta > 0
+        else Job.example,
     )
-    delta = 0.0 if config.prior is None else config.prior.delta
-    if delta > 0:
-        job.example = f"more than the {delta:g} given, e.g. {10 * delta:.1e}"
-    return job
 
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:

@@ -119,14 +119,19 @@ def test_merge_with_each_structure_equals_a_dense_solve_and_survives_save_load(t
             torch.testing.assert_close(P.flatten(again, P.layout_of(merged)), P.flatten(merged))
 
 
-def test_gpt2_kfac_covers_every_parameter():
+def _tiny_gpt2():
+    """A 2-layer GPT-2 (untied head, vocabulary 40) in float64 and 3 sequences of 8 tokens."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=2, n_head=2, n_embd=16, vocab_size=40, n_positions=12, tie_word_embeddings=False
     )
     model = transformers.GPT2LMHeadModel(config).double().eval()
-    ids = torch.randint(0, 40, (3, 8))
+    return model, torch.randint(0, 40, (3, 8))
+
+
+def test_gpt2_kfac_covers_every_parameter():
+    model, ids = _tiny_gpt2()
     mask = torch.ones(3, 8, dtype=torch.long)
     mask[2, 5:] = 0
     labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
@@ -181,13 +186,7 @@ def test_kfac_takes_its_diagonal_block_from_the_same_pass(fisher: str, passes: i
     left out at call time) and a vocabulary routed to the diagonal (limit 30 < 40 rows): the
     K-FAC pass collects their diagonal (one pass over the data; the GGN's per-position columns
     need a second), equal to structure="diag" with the same seed, i.e. the same draws."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=16, vocab_size=40, n_positions=12, tie_word_embeddings=False
-    )
-    model = transformers.GPT2LMHeadModel(config).double().eval()
-    ids = torch.randint(0, 40, (3, 8))
+    model, ids = _tiny_gpt2()
     labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
     data = _Passes([({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)] * 2)
     options = {"fisher": fisher, "seed": 3, **({"mc_samples": 2} if fisher == "mc" else {})}
