@@ -41,6 +41,7 @@ from gradmerge.errors import (
     NotPositiveDefiniteError,
     OutputExistsError,
     ResultOverflowError,
+    SelectionWarning,
     StructureError,
 )
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
@@ -121,6 +122,7 @@ __all__ = [
     # errors
     "GradmergeError",
     "InputWarning",
+    "SelectionWarning",
     "MissingExtraError",
     "StructureError",
     "DTypeError",
