@@ -84,9 +84,9 @@ CRITERIA = ("loss", "mismatch")
 
 DIAGNOSTIC_ONLY = {
     "mismatch": "--criterion mismatch is a diagnostic, not a way to choose: Eq. 2's gradient "
-    "mismatch measures how far the merge is from each fine-tune, so it prefers the fine-tunes' "
-    "average (α near 1/T) whatever the data say (it chose the grid's lowest α in a study whose "
-    "tasks interfere); choose with --criterion loss and --base-data (the base model's own "
+    "mismatch measures how far the merge is from each fine-tune, so it prefers the point nearest "
+    "to them (α = 1/T for tasks alike) whatever the data say, and chose the grid's lowest α where "
+    "tasks interfere; choose with --criterion loss and --base-data (the base model's own "
     "training data)"
 }
 """The criteria kept to report, not to choose, each with the warning `gradmerge tune` prints."""

@@ -18,7 +18,7 @@ def test_each_choice_is_its_criterions_least_point(tmp_path):
     assert tune_criteria.main(["--quick", "--out", str(out)]) == 0
     body = json.loads(out.read_text())
     grid = body["grid"]
-    assert len(body["rows"]) == 2
+    assert [row["model"] for row in body["rows"]] == ["softmax regression"] * 2 + ["MLP on digits"]
     for row in body["rows"]:
         curves = row["curves"]
         assert (
@@ -28,6 +28,11 @@ def test_each_choice_is_its_criterions_least_point(tmp_path):
         for name in tune_criteria.CRITERIA:
             assert row["chosen alpha"][name] == grid[curves[name].index(min(curves[name]))]
             assert row["held-out loss above the best"][name] >= 0
+        if row["model"] == "MLP on digits":
+            best = max(curves["accuracy"])
+            for name, i in row["held-out accuracy below the best (points)"].items():
+                chosen = curves["accuracy"][grid.index(row["chosen alpha"][name])]
+                assert i == 100 * (best - chosen) >= 0
         # the loss with the base is the loss without it plus one positive term
         gaps = [
             a - b
