@@ -34,8 +34,8 @@ criterion is chosen (gradmerge.jobs.tune):
 - --criterion mismatch (a diagnostic, warns): Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's
   gradient mismatch of the mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG
   (at base_model for the base task; one more backward pass per task and point). It measures how
-  far the merge is from each fine-tune, so it prefers their average (α near 1/T) whatever the
-  data say: docs/guide.md, "Choosing α without labels".
+  far the merge is from each fine-tune, so it prefers the point nearest to them (α = 1/T for
+  tasks alike) whatever the data say: docs/guide.md, "Choosing α without labels".
 
 --alphas sets CONFIG's scale (every α_t becomes scale·α_t); --deltas and
 --prior-scales set gradient matching's prior: {delta, scale}. A table goes to stdout (per point
@@ -46,8 +46,9 @@ whose merge fails (e.g. δ too small to solve) are listed with their error and s
 at the lowest or highest value of a grid warns: the best setting may lie beyond it.
 
 Tasks with their own heads over one merged body (--task-heads 'classifier.*'): task t is
-scored with the parameters matching the globs taken from CONFIG's t-th model, the rest from the
-merged model (give CONFIG passthrough: [classifier.*] so the heads are not merged).
+scored with the parameters matching the globs taken from CONFIG's t-th model (the base task:
+from base_model), the rest from the merged model (give CONFIG passthrough: [classifier.*] so the
+heads are not merged).
 """
 EXAMPLES = """\
 examples:
@@ -120,7 +121,7 @@ def add_parser(sub: Any) -> None:
         choices=CRITERIA,
         default=CRITERIA[0],
         help="loss (default): the mean training losses; mismatch: Eq. 2's gradient mismatch, a "
-        "diagnostic that prefers the fine-tunes' average (it warns)",
+        "diagnostic that prefers the point nearest to the fine-tunes (it warns)",
     )
     p.add_argument(
         "--task-heads",

@@ -6,8 +6,8 @@ scale c of its curvature, H_0 = δ·I + c·C — and each merged model θ(s, δ,
 CRITERION computed on every task's own TRAINING data D_t (its labels are the training labels; no
 test or validation label is read), and on the base model's own training data D_0 when it is given
 (the task θ_LLM was trained on, which Eq. 6's prior H_0 stands for). The criterion is a sum of one
-TERM per task (:func:`loss_term`, :func:`mismatch_term`; :mod:`gradmerge.commands.tune` computes
-them on models), each task weighted alike:
+TERM per task (:func:`term`; :mod:`gradmerge.commands.tune` computes its inputs on models), each
+task weighted alike:
 
 - ``loss`` (recommended): J(θ) = Σ_t L̄_t(θ), L̄_t = the mean loss of θ on D_t (per example for a
   classifier, per token for a causal LM), the base task's L̄_0 included when its data are given.
