@@ -42,6 +42,23 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
     add_reading_arguments(p)
 
 
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``--autocast`` of the commands that score models (evaluate, tune)."""
+
+
+def add_autocast_argument(p: argparse.ArgumentParser) -> None:
+    """``--autocast {bfloat16,float16}``: the forward passes that score models run under
+    ``torch.autocast`` (:func:`gradmerge.evaluation.evaluate`)."""
+    p.add_argument(
+        "--autocast",
+        choices=sorted(AUTOCAST),
+        default=None,
+        help="score with the forward pass under torch.autocast in this dtype (weights unchanged, "
+        "logits scored in float32): 3-4x faster on CPUs with AMX and on GPUs; default: the "
+        "model's own dtype",
+    )
+
+
 def add_reading_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that say how to read MODEL and DATA (``--batch-size``, the text flags,
     ``--max-examples``, ``--model-arg``/``--data-arg``, ``--device``, ``--loss``,

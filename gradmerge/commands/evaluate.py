@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge.commands._inputs import (
+    AUTOCAST,
     DATA_HELP,
     MODEL_HELP,
+    add_autocast_argument,
     add_reading_arguments,
     check_out,
     check_reading,
@@ -79,6 +81,7 @@ def add_parser(sub: Any) -> None:
         help="add each example's loss, correct count and prediction to the JSON",
     )
     add_reading_arguments(p)
+    add_autocast_argument(p)
     p.set_defaults(run=run, check=check)
 
 
@@ -124,7 +127,12 @@ def execute(args: argparse.Namespace) -> int:
         if not args.no_progress:
             batches = progress(batches, f"evaluate {spec}")
         result = evaluate(
-            model, batches, loss=args.loss, ignore_index=args.ignore_index, device=device
+            model,
+            batches,
+            loss=args.loss,
+            ignore_index=args.ignore_index,
+            device=device,
+            autocast=AUTOCAST.get(args.autocast or ""),
         )
         if order is not None:
             result = result.in_order(order)

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from gradmerge.commands._inputs import DATA_HELP, add_reading_arguments, check_reading
+from gradmerge.commands._inputs import (
+    AUTOCAST,
+    DATA_HELP,
+    add_autocast_argument,
+    add_reading_arguments,
+    check_reading,
+)
 from gradmerge.jobs.tune import CRITERIA
 
 FORMAT = "gradmerge-tune/1"
@@ -152,6 +158,7 @@ def add_parser(sub: Any) -> None:
         "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
     )
     add_reading_arguments(p)
+    add_autocast_argument(p)
     p.set_defaults(run=run, check=check)
 
 
@@ -332,7 +339,12 @@ class Scorer:
             if args.task_heads:
                 self._use_head(t, model)
             result = evaluate(
-                model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
+                model,
+                data,
+                loss=args.loss,
+                ignore_index=args.ignore_index,
+                device=self.device,
+                autocast=AUTOCAST.get(args.autocast or ""),
             )
             entry: dict[str, Any] = {
                 "data": spec,
@@ -362,7 +374,12 @@ class Scorer:
             if args.task_heads:
                 self._use_head(t, model)
             result = evaluate(
-                model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
+                model,
+                data,
+                loss=args.loss,
+                ignore_index=args.ignore_index,
+                device=self.device,
+                autocast=AUTOCAST.get(args.autocast or ""),
             )
             held_out.append(
                 {
