@@ -509,11 +509,7 @@ class Study:
                     "prior": self.official_prior(s),
                 }
             for method in args.data_free:
-                here[f"T={T} | {method}"] = {
-                    "method": method,
-                    "base_model": str(self.base_dir),
-                    "models": self.models_of(tasks),
-                }
+                here[f"T={T} | {method}"] = self.data_free(method, tasks)
             if Ts[-1] == T:
                 here |= self.full_set(tasks)
             plan |= here
@@ -577,6 +573,13 @@ class Study:
         self.stage("study 1: test scores", start)
         return rows
 
+    def data_free(self, method: str, tasks: list[str]) -> dict[str, Any]:
+        """A data-free registry method (TSV-M, Iso-C, Iso-CTS) at its defaults; the shared 2-row
+        head goes under ``average``: TSV-M keeps ⌊2/T⌋ of its 2 directions per task, none for
+        T ≥ 3 (a zero update, as the papers' code gives it)."""
+        out = {"method": method, "base_model": str(self.base_dir), "models": self.models_of(tasks)}
+        return out | ({"average": ["classifier.weight"]} if method == "tsv_merge" else {})
+
     def full_set(self, tasks: list[str]) -> dict[str, dict[str, Any]]:
         """The methods run at the largest T only."""
         T, base = len(tasks), str(self.base_dir)
@@ -603,11 +606,7 @@ class Study:
                 "prior": {"delta": self.args.delta},
             }
         for method in self.args.data_free_full:
-            out[f"T={T} | {method}"] = {
-                "method": method,
-                "base_model": base,
-                "models": self.models_of(tasks),
-            }
+            out[f"T={T} | {method}"] = self.data_free(method, tasks)
         if self.args.mergekit:
             ft = [str(self.models["a"][d].resolve()) for d in tasks]
             mk = {
