@@ -68,7 +68,7 @@ from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.jobs.plan import Plan, Unit, build_plan
+from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
@@ -493,6 +493,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas, solver = config.alphas, solver_spec(config)
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
+    average = frozenset(matching(base.keys(), config.average, key="average"))
 
     def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
@@ -511,6 +512,8 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             solver=solver,
             off_diagonal=config.off_diagonal,
             curvature_scales=config.curvature_scales,
+            common_space_fraction=config.common_space_fraction,
+            average=average,
         )
         try:
             return rule(unit_inputs)
