@@ -386,9 +386,8 @@ def _merge(
                 update = rule(deltas, key)
             else:
                 update = torch.stack(deltas).mean(0)
-            result = origin + update
-            _check_finite(method, key, [result.to(theta.dtype)], weights, "the merge")
-            merged[key] = result.to(theta.dtype)
+            merged[key] = (origin + update).to(theta.dtype)
+            _check_finite(method, key, [merged[key]], weights, "the merge")
     return merged
 
 

@@ -72,6 +72,7 @@ from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
+from gradmerge.spectral import iso_cts_split
 
 UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
 """A unit's computation: its tensors, and the report of its solve (``None``: none ran)."""
@@ -494,6 +495,8 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     alphas, solver = config.alphas, solver_spec(config)
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
     average = frozenset(matching(base.keys(), config.average, key="average"))
+    if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
+        _check_common_space(config, plan, average)
 
     def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
@@ -546,6 +549,18 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         if delta > 0
         else Job.example,
     )
+
+
+def _check_common_space(config: MergeConfig, plan: Plan, average: frozenset[str]) -> None:
+    """Refuse a ``common_space_fraction`` that some merged matrix cannot be split by
+    (:func:`gradmerge.spectral.iso_cts_split`), naming it, before a tensor is read."""
+    for k in plan.merged:
+        shape = plan.shapes[k]
+        if len(shape) == 2 and k not in average:
+            try:
+                iso_cts_split(min(shape), len(config.models), config.common_space_fraction)
+            except ArgumentError as err:
+                raise ConfigError(f"{err} ({k!r}, {shape[0]}×{shape[1]})") from err
 
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:

@@ -112,3 +112,21 @@ def test_remerge_removes_a_task_from_a_spectral_merge(ws, tmp_path, capsys):
     kept = [ws.models[0], ws.models[2]]
     expected = gm.tsv_merge(ws.load(ws.base), [ws.load(m) for m in kept], alphas=[1.0, 0.8])
     assert_same(load_file(out / "model.safetensors"), expected)
+
+
+def test_a_common_space_fraction_too_small_for_a_matrix_is_refused_before_reading(tmp_path, capsys):
+    """Two models, f = 0: the 3 × 4 matrix's 3 directions would go to the tasks as 2·round(3/2)
+    = 4. Both the dry run and the run refuse it, naming the matrix, before reading a tensor."""
+    ws2 = make_workspace(tmp_path / "two", "diag", tasks=2)
+    models = [{"model": m.name} for m in ws2.models]
+    config = {"method": "iso_cts", "base_model": ws2.base.name, "models": models}
+    path = ws2.yaml("f0.yaml", {**config, "common_space_fraction": 0.0})
+    for flags in (["--dry-run"], []):
+        assert cli.main(["merge", str(path), str(tmp_path / "out"), "--no-progress", *flags]) == 1
+        err = capsys.readouterr().err
+        assert "rounds to 4 > 3: use a larger common_space_fraction" in err
+        assert "('3.weight', 3×4)" in err and not (tmp_path / "out").exists()
+    path = ws2.yaml(
+        "f0-avg.yaml", {**config, "common_space_fraction": 0.0, "average": ["3.weight"]}
+    )
+    assert cli.main(["merge", str(path), str(tmp_path / "out"), "--no-progress"]) == 0
