@@ -249,6 +249,21 @@ def test_zero_singular_values_kept_are_warned_but_an_unchanged_matrix_is_not(met
     torch.testing.assert_close(merged["w"], base["w"], rtol=0, atol=0)
 
 
+def test_the_zero_floor_tells_stored_low_rank_matrices_from_full_rank_ones():
+    """√max(m, n)·ε·σ_max: above what rounding leaves of a float32 low-rank product (a LoRA
+    update), below the least singular value of random full-rank float32 matrices."""
+    g = torch.Generator().manual_seed(9)
+    for m, n, k in [(384, 384, 8), (1536, 384, 4), (64, 32, 1)]:
+        update = (0.01 * torch.randn(m, k, generator=g)) @ torch.randn(k, n, generator=g)
+        base = {"w": torch.randn(m, n, generator=g)}
+        with pytest.warns(gm.InputWarning, match=r"keeps \d+ singular direction"):
+            gm.iso_c(base, [{"w": base["w"] + update}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            gm.iso_c({"w": torch.zeros(384, 384)}, [{"w": torch.randn(384, 384, generator=g)}])
+
+
 # ----- Iso-CTS's split --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("rank", "tasks", "fraction", "expected"),
