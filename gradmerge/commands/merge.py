@@ -15,6 +15,7 @@ EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
 
   method: gradient_matching      # task_arithmetic | fisher_average | gradient_matching | regmean
+                                 # | tsv_merge | iso_c | iso_cts (data-free, no curvature)
   base_model: path/to/base        # θ_LLM: .safetensors file, shard folder or Hugging Face folder
   models:
     - {model: path/to/finetuned_a, curvature: a.curvature.safetensors, alpha: 1.0}
@@ -22,7 +23,8 @@ configuration (YAML; relative paths are relative to the YAML file), for example:
   prior: {delta: 1.0e-6}          # H_0 = δI (+ s·C from curvature files)
 
 Every key (dtype, compute_dtype, device, passthrough, max_shard_size, allow_mixed_dtypes,
-curvature_weights, solver, scale, damping, off_diagonal, models[].scale, ...) is described once, with examples, in
+curvature_weights, solver, scale, damping, off_diagonal, common_space_fraction, average,
+models[].scale, ...) is described once, with examples, in
 docs/config.md of the gradmerge repository.
 
 methods:
@@ -47,8 +49,8 @@ def add_parser(sub: Any) -> None:
         "merge",
         help="merge fine-tuned checkpoints (Eq. 6 and its special cases), streaming",
         description="Merge fine-tuned checkpoints into OUT_DIR by task arithmetic, Fisher "
-        "averaging, uncertainty-based gradient matching (Eq. 6) or RegMean, reading and writing "
-        "safetensors tensor group by tensor group (bounded memory).",
+        "averaging, uncertainty-based gradient matching (Eq. 6), RegMean, TSV-M, Iso-C or "
+        "Iso-CTS, reading and writing safetensors tensor group by tensor group (bounded memory).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG.replace("{methods}", help_table("merge")),
     )

@@ -41,6 +41,7 @@ from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 from gradmerge.solvers.spec import PRECISIONS, Precision
+from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -181,8 +182,10 @@ class MergeConfig(Options):
     (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
     ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
     their off-diagonal entries times ``off_diagonal``, Jin et al.'s r, default 0.9, and
-    ``damping`` added to each). Every α_t is multiplied by ``scale``; each model's ``scale``
-    multiplies its H_t.
+    ``damping`` added to each), and the data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
+    (:mod:`gradmerge.spectral`; ``average``: globs of 2-D tensors merged by the mean of the task
+    vectors; Iso-CTS's ``common_space_fraction``, default 0.8). Every α_t is multiplied by
+    ``scale``; each model's ``scale`` multiplies its H_t.
 
     Example:
         >>> cfg = MergeConfig.from_dict(
@@ -199,6 +202,8 @@ class MergeConfig(Options):
     scale: float = 1.0
     damping: float = 0.0
     off_diagonal: float = 1.0
+    common_space_fraction: float = ISO_CTS_COMMON_SPACE_FRACTION
+    average: tuple[str, ...] = ()
 
     @property
     def alphas(self) -> list[float]:
@@ -224,6 +229,8 @@ class MergeConfig(Options):
             "scale",
             "damping",
             "off_diagonal",
+            "common_space_fraction",
+            "average",
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
@@ -250,6 +257,21 @@ class MergeConfig(Options):
                 )
         else:
             r.forbid("off_diagonal", method, spec.refusal("off_diagonal"))
+        fraction = ISO_CTS_COMMON_SPACE_FRACTION
+        if spec.need("common_space_fraction") != "forbidden":
+            fraction = r.number("common_space_fraction", default=fraction, minimum=0.0)
+            if fraction > 1.0:
+                raise ConfigError(
+                    "`common_space_fraction` (the share of each matrix's directions Iso-CTS keeps "
+                    f"from the sum of the task matrices) must be in [0, 1], got {_shown(fraction)}"
+                )
+        else:
+            r.forbid("common_space_fraction", method, spec.refusal("common_space_fraction"))
+        average: tuple[str, ...] = ()
+        if spec.need("average") != "forbidden":
+            average = r.strings("average")
+        else:
+            r.forbid("average", method, spec.refusal("average"))
         return cls(
             method=method,
             base_model=base if base is not None else models[0].model,
@@ -258,6 +280,8 @@ class MergeConfig(Options):
             scale=r.number("scale", default=1.0),
             damping=damping,
             off_diagonal=off_diagonal,
+            common_space_fraction=fraction,
+            average=average,
             source=source,
             **_options(r),
         )

@@ -68,10 +68,11 @@ from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.jobs.plan import Plan, Unit, build_plan
+from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
+from gradmerge.spectral import iso_cts_split
 
 UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
 """A unit's computation: its tensors, and the report of its solve (``None``: none ran)."""
@@ -493,6 +494,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas, solver = config.alphas, solver_spec(config)
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
+    average = frozenset(matching(base.keys(), config.average, key="average"))
+    if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
+        _check_common_space(config, plan, average)
 
     def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
@@ -511,6 +515,8 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             solver=solver,
             off_diagonal=config.off_diagonal,
             curvature_scales=config.curvature_scales,
+            common_space_fraction=config.common_space_fraction,
+            average=average,
         )
         try:
             return rule(unit_inputs)
@@ -543,6 +549,18 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         if delta > 0
         else Job.example,
     )
+
+
+def _check_common_space(config: MergeConfig, plan: Plan, average: frozenset[str]) -> None:
+    """Refuse a ``common_space_fraction`` that some merged matrix cannot be split by
+    (:func:`gradmerge.spectral.iso_cts_split`), naming it, before a tensor is read."""
+    for k in plan.merged:
+        shape = plan.shapes[k]
+        if len(shape) == 2 and k not in average:
+            try:
+                iso_cts_split(min(shape), len(config.models), config.common_space_fraction)
+            except ArgumentError as err:
+                raise ConfigError(f"{err} ({k!r}, {shape[0]}×{shape[1]})") from err
 
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:

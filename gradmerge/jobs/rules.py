@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from gradmerge import merge
+from gradmerge import merge, spectral
 from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
 from gradmerge.errors import ArgumentError, StructureError
@@ -50,7 +50,8 @@ class MergeUnit:
     tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
     evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
     RegMean's ``off_diagonal`` factor, the models' ``scale`` (``curvature_scales``, the factor
-    on each H_t; RegMean: on each Gram) and the job's ``solver`` settings."""
+    on each H_t; RegMean: on each Gram), the job's ``solver`` settings, and for the spectral
+    merges Iso-CTS's ``common_space_fraction`` and the names of the matrices to ``average``."""
 
     base: Params
     finetuned: Sequence[Params]
@@ -62,6 +63,12 @@ class MergeUnit:
     off_diagonal: float = 1.0
     curvature_scales: Sequence[float] | None = None
     solver: SolverSpec | None = None
+    common_space_fraction: float = spectral.ISO_CTS_COMMON_SPACE_FRACTION
+    average: frozenset[str] = frozenset()
+
+    def averaged(self) -> list[str]:
+        """The unit's tensors among those to ``average`` (the job's names: every unit's)."""
+        return [k for k in self.base if k in self.average]
 
     def scales(self) -> list[float]:
         """Each model's ``scale``, the factor on its H_t (1 when none is given)."""
@@ -138,6 +145,30 @@ def regmean(u: MergeUnit) -> Solved:
         bias=sorted(kfac.bias),
         transposed=sorted(kfac.transposed),
         off_diagonal=u.off_diagonal,
+    )
+    return merged, None
+
+
+def tsv_merge(u: MergeUnit) -> Solved:
+    """:func:`gm.tsv_merge` (TSV-M) on the unit (curvatures, prior and damping unused)."""
+    return spectral.tsv_merge(
+        u.base, u.finetuned, alphas=list(u.alphas), average=u.averaged()
+    ), None
+
+
+def iso_c(u: MergeUnit) -> Solved:
+    """:func:`gm.iso_c` on the unit (curvatures, prior and damping unused)."""
+    return spectral.iso_c(u.base, u.finetuned, alphas=list(u.alphas), average=u.averaged()), None
+
+
+def iso_cts(u: MergeUnit) -> Solved:
+    """:func:`gm.iso_cts` on the unit with its ``common_space_fraction``."""
+    merged = spectral.iso_cts(
+        u.base,
+        u.finetuned,
+        alphas=list(u.alphas),
+        common_space_fraction=u.common_space_fraction,
+        average=u.averaged(),
     )
     return merged, None
 

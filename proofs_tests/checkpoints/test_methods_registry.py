@@ -81,6 +81,34 @@ CASES: dict[str, Case] = {
         ),
     ),
     "regmean": Case(lambda ws: {"models": _models(ws)}, _regmean_reference),
+    "tsv_merge": Case(
+        lambda ws: {"base_model": ws.base.name, "models": _models(ws, False)},
+        lambda ws: gm.tsv_merge(ws.load(ws.base), [ws.load(m) for m in ws.models], alphas=ALPHAS),
+    ),
+    "iso_c": Case(
+        lambda ws: {"base_model": ws.base.name, "models": _models(ws, False), "average": ["2.*"]},
+        lambda ws: gm.iso_c(
+            ws.load(ws.base),
+            [ws.load(m) for m in ws.models],
+            alphas=ALPHAS,
+            average=["2.weight", "2.bias"],  # the LayerNorm; its weight is 1-D: averaged anyway
+        ),
+    ),
+    "iso_cts": Case(
+        lambda ws: {
+            "base_model": ws.base.name,
+            "models": _models(ws, False),
+            "common_space_fraction": 0.5,
+            "average": ["3.weight"],
+        },
+        lambda ws: gm.iso_cts(
+            ws.load(ws.base),
+            [ws.load(m) for m in ws.models],
+            alphas=ALPHAS,
+            common_space_fraction=0.5,
+            average=["3.weight"],
+        ),
+    ),
     "remove": Case(
         lambda ws: {
             "base_model": ws.base.name,
@@ -166,6 +194,8 @@ VALUES = {
     "prior": {"delta": 1.0},
     "damping": 1.0,
     "off_diagonal": 0.5,
+    "common_space_fraction": 0.5,
+    "average": ["*"],
 }
 
 REFUSED = [

@@ -122,6 +122,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge.errors",
         "gradmerge.params",
         "gradmerge.merge",
+        "gradmerge.spectral",
         "gradmerge.diagnostics",
         "gradmerge.curvature",
         "gradmerge.solvers",
