@@ -171,7 +171,7 @@ def _run(
             files = step.exchange(
                 "finish the output",
                 lambda: (
-                    _finish(job, config, stage, target.name, written, names, comm.world_size, start)
+                    _finish(job, config, stage, written, names, comm.world_size, start)
                     if comm.rank == 0
                     else None
                 ),
@@ -322,14 +322,13 @@ def _finish(
     job: Job,
     config: Any,
     stage: Path,
-    title: str,
     written: list[dict[str, Any]],
     names: list[list[str]],
     world_size: int,
     start: float,
 ) -> list[str]:
-    """Rank 0: the index (several shards), the base's assets, the record and the model card
-    (``title``: the output folder's name). The files' names."""
+    """Rank 0: the index (several shards), the base's assets, the record and the model card.
+    The files' names."""
     shards = [n for per_rank in names for n in per_rank]
     files = list(shards)
     if len(shards) > 1:
@@ -354,7 +353,7 @@ def _finish(
     }
     name = f"gradmerge_{job.command}.json"
     (stage / name).write_text(json.dumps(record, indent=2) + "\n")
-    readme = job.write_card(stage, record, title)
+    readme = job.write_card(stage, config, record)
     return [*files, *(a.name for a in assets), name, readme.name]
 
 

@@ -28,8 +28,7 @@ Example:
     ...                                     "header_sha256": "cd"},
     ...                      "models[0].model": {"path": "/m/ft", "fingerprint_sha256": "ef",
     ...                                          "header_sha256": "01"}}}
-    >>> text = model_card(record, title="merged", config_yaml="method: task_arithmetic\\n",
-    ...                   library="transformers")
+    >>> text = model_card(record, config_yaml="method: task_arithmetic\\n", library="transformers")
     >>> print(text.split("---")[1].strip())
     base_model:
     - base
@@ -83,7 +82,6 @@ def hub_name(path: str | Path) -> str:
 def model_card(
     record: Mapping[str, Any],
     *,
-    title: str,
     config_yaml: str,
     library: str | None,
     base_card: bool = False,
@@ -92,7 +90,6 @@ def model_card(
 
     Args:
         record: the run's record (``gradmerge_<command>.json``'s content).
-        title: the card's heading (the output folder's name).
         config_yaml: the configuration as YAML (the file the run read, comments included).
         library: ``"transformers"`` when the base is a Hugging Face folder, else ``None``.
         base_card: whether the base folder has a README.md of its own (not copied; the card
@@ -116,7 +113,7 @@ def model_card(
     lines = [
         f"---\n{front}---",
         "",
-        f"# {title}",
+        f"# A {command} made with gradmerge: `{method}`",
         "",
         f"Made with gradmerge {version} (`gradmerge {command}`, method `{method}`), which merges "
         "fine-tuned models by uncertainty-based gradient matching (Daheim, Möllenhoff, Ponti, "
@@ -274,26 +271,21 @@ def _certificates(record: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def write(
-    folder: Path,
-    record: Mapping[str, Any],
-    *,
-    title: str,
-    source: Path | None,
-    base: Path,
-) -> Path:
+def write(folder: Path, record: Mapping[str, Any], *, source: str | None, base: Path) -> Path:
     """Write ``folder``/README.md for a run whose record is ``record`` and whose base checkpoint
-    is ``base`` (a Hugging Face folder: ``library_name: transformers``); ``source``: the YAML file
-    the run read (its text is the card's configuration), or ``None`` (the record's configuration
-    as YAML)."""
-    if source is not None and source.is_file():
-        config_yaml = source.read_text()
+    is ``base`` (a Hugging Face folder: ``library_name: transformers``); ``source``: the text of
+    the YAML file the run read, when it describes the run exactly (it is the card's
+    configuration), else ``None``: the record's configuration, as YAML."""
+    if source is not None:
+        config_yaml = source
     else:
-        config_yaml = yaml.safe_dump(dict(record.get("config", {})), sort_keys=False)
+        config_yaml = (
+            "# the configuration as run (gradmerge's record of it, not a YAML file to rerun)\n"
+        )
+        config_yaml += yaml.safe_dump(dict(record.get("config", {})), sort_keys=False)
     hugging_face = base.is_dir() and (base / "config.json").is_file()
     text = model_card(
         record,
-        title=title,
         config_yaml=config_yaml,
         library="transformers" if hugging_face else None,
         base_card=base.is_dir() and (base / README).is_file(),

@@ -445,11 +445,21 @@ class Job:
         """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints, output."""
         return _record(self, config, shards, seconds)
 
-    def write_card(self, folder: Path, record: Mapping[str, Any], title: str) -> Path:
+    def write_card(self, folder: Path, config: Options, record: Mapping[str, Any]) -> Path:
         """Write ``folder``/README.md, the model card made from ``record``
-        (:mod:`gradmerge.jobs.card`; ``title``: the output folder's name)."""
-        base = self.base.folder or self.base.path
-        return card.write(folder, record, title=title, source=self.source, base=Path(base))
+        (:mod:`gradmerge.jobs.card`), with ``config``'s YAML file when it still reads as
+        ``config`` (``gradmerge tune`` runs settings the file does not hold)."""
+        source = None
+        if config.source is not None and config.source.is_file():
+            try:
+                with warnings.catch_warnings():  # read once more: its warnings were given
+                    warnings.simplefilter("ignore")
+                    if type(config).from_yaml(config.source) == config:
+                        source = config.source.read_text()
+            except GradmergeError:
+                source = None
+        base = Path(self.base.folder or self.base.path)
+        return card.write(folder, record, source=source, base=base)
 
 
 def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
@@ -819,7 +829,7 @@ def _execute(
         record = stage / f"gradmerge_{job.command}.json"
         facts = job.record(config, shards, seconds)
         record.write_text(json.dumps(facts, indent=2) + "\n")
-        readme = job.write_card(stage, facts, target.name)
+        readme = job.write_card(stage, config, facts)
         names = [p.name for p in (*shards, *assets, record, readme)]
     return MergeReport(
         out_dir=target,

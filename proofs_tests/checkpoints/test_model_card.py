@@ -8,6 +8,7 @@ base folder's own README.md, which must stay the base's and never be copied over
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -115,15 +116,27 @@ def test_an_elementwise_merge_of_safetensors_files_and_a_removal(tmp_path):
     assert f"{record['step']['ratio']:.3g} times the" in card
 
 
-def test_a_merge_from_python_records_its_configuration_as_yaml(tmp_path):
+def test_a_configuration_the_yaml_file_does_not_hold_is_recorded_as_run(tmp_path):
+    """From Python, or a file's config changed before the run (as gradmerge tune does): the card
+    shows the configuration as recorded, not a file that describes another merge."""
     ws = make_workspace(tmp_path, "diag")
-    config = MergeConfig.from_dict(ws.merge_dict(), root=tmp_path)
-    report = run_merge(config, tmp_path / "merged", progress=False)
-    assert tmp_path / "merged" / "README.md" in report.files
-    card = (tmp_path / "merged" / "README.md").read_text()
-    block = card.split("```yaml\n")[1].split("```")[0]
-    record = json.loads((tmp_path / "merged" / "gradmerge_merge.json").read_text())
-    assert yaml.safe_load(block) == record["config"]
+    path = ws.yaml("gm.yaml", ws.merge_dict())
+    for name, config in (
+        ("python", MergeConfig.from_dict(ws.merge_dict(), root=tmp_path)),
+        ("tuned", dataclasses.replace(MergeConfig.from_yaml(path), scale=0.5)),
+        ("file", MergeConfig.from_yaml(path)),
+    ):
+        report = run_merge(config, tmp_path / name, progress=False)
+        assert tmp_path / name / "README.md" in report.files
+        card = (tmp_path / name / "README.md").read_text()
+        block = card.split("```yaml\n")[1].split("```")[0]
+        record = json.loads((tmp_path / name / "gradmerge_merge.json").read_text())
+        if name == "file":
+            assert block == path.read_text()
+        else:
+            assert block.startswith("# the configuration as run")
+            assert yaml.safe_load(block) == record["config"]
+    assert "α_t (scale included): 0.5, 0.5." in (tmp_path / "tuned" / "README.md").read_text()
 
 
 def test_names_of_inputs():
@@ -138,7 +151,7 @@ def test_a_record_without_its_facts_is_refused():
     from gradmerge.errors import ArgumentError
 
     with pytest.raises(ArgumentError, match="inputs"):
-        model_card({"command": "merge", "method": "task_arithmetic"}, title="t",
+        model_card({"command": "merge", "method": "task_arithmetic"},
                    config_yaml="", library=None)  # fmt: skip
 
 
@@ -155,7 +168,7 @@ def test_approximate_solves_above_their_tolerance_are_named():
         },
         "max_residual": 3e-3,
     }  # fmt: skip
-    card = model_card(record, title="t", config_yaml="method: gradient_matching\n", library=None)
+    card = model_card(record, config_yaml="method: gradient_matching\n", library=None)
     assert "2 systems solved (cg: 2; 16 CG iterations in all)" in card
     assert "**3.00e-03** (tolerance: 1e-05)" in card
     assert "1 approximate solves (`solver: {approximate: true}`) stopped above the tolerance: " \

@@ -276,11 +276,7 @@ def test_one_rank_merge_writes_the_single_process_files(one_rank_group, tmp_path
     names = sorted(p.name for p in single.files)
     assert sorted(p.name for p in report.files) == names and len(names) > 3
     for name in names:
-        if name == "README.md":  # the model card: the same but for its title, the folder's name
-            cards = [(tmp_path / f / name).read_text().replace(f"# {f}\n", "# \n", 1)
-                     for f in ("single", "dist")]  # fmt: skip
-            assert cards[0] == cards[1]
-        elif name != "gradmerge_merge.json":  # the record holds times and the split
+        if name != "gradmerge_merge.json":  # the record holds times and the split
             assert filecmp.cmp(tmp_path / "single" / name, tmp_path / "dist" / name, shallow=False)
     assert (report.tensors, report.units, report.bytes_written) == (
         single.tensors,
