@@ -152,6 +152,12 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.models, args.datas = args.paths[:-1], args.paths[-1:]
     else:
         args.models = args.paths
+    for data in args.datas:
+        if (Path(data) / "config.json").is_file():  # --data takes every argument after it
+            parser.error(
+                f"DATA {data} is a model folder (it holds config.json): give the MODELs before "
+                "--data DATA..."
+            )
     for flag in ("--data", "MODEL"):
         values = args.datas if flag == "--data" else args.models
         repeated = sorted({v for v in values if values.count(v) > 1})

@@ -183,6 +183,8 @@ BAD = [
     ("no resamples", lambda f, t: [f["bert0"], f["bert1"], f["reviews"], "--compare", "bert0",
                                    "--resamples", 0], 2, "at least 1"),
     ("no DATA", lambda f, t: [f["bert0"]], 2, "give MODEL... DATA"),
+    ("a model after --data", lambda f, t: [f["bert0"], "--data", f["reviews"], f["bert1"]], 2,
+     "is a model folder"),
     ("a file given twice", lambda f, t: [f["bert0"], "--data", f["reviews"], f["reviews"]], 2,
      "given twice"),
     ("--out is the second DATA", lambda f, t: [f["bert0"], "--data", f["reviews"], f["animals"],
@@ -252,3 +254,34 @@ def test_mse_differences_have_no_accuracy(tmp_path, capsys):
         assert math.isclose(figures["mean_loss"]["difference"], by_hand, rel_tol=1e-12)
     assert math.isclose(entry["pooled"]["mean_loss"]["difference"], sum(losses) / 2, rel_tol=1e-12)
     assert report["mean_over_data"][0]["accuracy"] is None
+
+
+DRIFTING = """
+import torch
+
+calls = 0
+
+def data():
+    global calls
+    calls += 1
+    g = torch.Generator().manual_seed(0)
+    n = 4 + calls  # another size on every call: no pairs to compare
+    return [(torch.randn(n, 3, generator=g, dtype=torch.float64),
+             torch.randn(n, 2, generator=g, dtype=torch.float64))]
+"""
+
+
+def test_data_that_changes_between_models_is_refused(tmp_path, capsys):
+    (tmp_path / "m.py").write_text(MLP)
+    (tmp_path / "n.py").write_text(MLP.replace("seed=0", "seed=1"))
+    (tmp_path / "d.py").write_text(DRIFTING)
+    out = tmp_path / "scores.json"
+    args = ["evaluate", f"{tmp_path / 'm.py'}:mlp", f"{tmp_path / 'n.py'}:mlp",
+            f"{tmp_path / 'd.py'}:data", "--loss", "mse", "--compare", "mlp", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    with pytest.raises(SystemExit):  # "mlp" is no MODEL's name: entry points go by their spec
+        cli.main(args)
+    args[args.index("mlp")] = f"{tmp_path / 'm.py'}:mlp"
+    assert cli.main(args) == 1
+    assert "a paired comparison needs the same examples" in capsys.readouterr().err
+    assert not out.exists()
