@@ -18,17 +18,9 @@ import pytest
 
 from gradmerge import cli
 from gradmerge.bootstrap import paired_bootstrap
+from proofs_tests.sources.test_evaluate_command import REVIEWS
 from proofs_tests.text_models import bert_classifier
 
-REVIEWS = [
-    ("the movie was very good", "positive"),
-    ("a dull film", "negative"),
-    ("the plot is not bad", "neutral"),
-    ("big red dog", "positive"),
-    ("the cat sat on the mat", "neutral"),
-    ("slow", "negative"),
-    ("a very very good film with a big fun plot", "positive"),
-]
 ANIMALS = [
     ("the cat ran fast", "positive"),
     ("a small dog", "neutral"),
