@@ -113,7 +113,7 @@ def paired_bootstrap(
         a_weights, b_weights: per stratum, each example's weight w_i for A and for B (e.g.
             scored positions); ``None``: 1 per example, so that m_k is the mean of the values.
         resamples: R, at least 1.
-        seed: the seed of the draws (the same seed draws the same indices).
+        seed: the seed of the draws, ≥ 0 (the same seed draws the same indices).
         level: coverage of the percentile interval, in (0, 1).
 
     Returns:
@@ -121,13 +121,15 @@ def paired_bootstrap(
 
     Raises:
         ArgumentError: no stratum, a stratum without examples (or without weight), R < 1, a
-            level outside (0, 1), negative weights.
+            negative seed, a level outside (0, 1), negative weights.
         StructureError: A and B (or a weight list) differ in their number of strata or of a
             stratum's examples: a paired bootstrap needs the same examples.
         NonFiniteError: a NaN or infinite value or weight.
     """
     if resamples < 1:
         raise ArgumentError(f"resamples must be at least 1, got {resamples}")
+    if seed < 0:
+        raise ArgumentError(f"seed must be a non-negative integer, got {seed}")
     if not 0.0 < level < 1.0:
         raise ArgumentError(f"level must lie in (0, 1), got {level}")
     if len(a) == 0:

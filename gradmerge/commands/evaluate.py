@@ -177,6 +177,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error("--compare needs at least two MODELs: REF and a model to compare to it")
         if args.resamples is not None and args.resamples < 1:
             parser.error(f"--resamples must be at least 1, got {args.resamples}")
+        if args.seed is not None and args.seed < 0:
+            parser.error(f"--seed must be a non-negative integer, got {args.seed}")
     if args.per_example and args.out is None:
         parser.error("--per-example adds lists to the JSON: give --out FILE (or --out -)")
     if args.out is not None and args.out != "-":

@@ -174,6 +174,8 @@ BAD = [
      "applies to --compare"),
     ("no resamples", lambda f, t: [f["bert0"], f["bert1"], f["reviews"], "--compare", "bert0",
                                    "--resamples", 0], 2, "at least 1"),
+    ("negative seed", lambda f, t: [f["bert0"], f["bert1"], f["reviews"], "--compare", "bert0",
+                                    "--seed", -1], 2, "non-negative"),
     ("no DATA", lambda f, t: [f["bert0"]], 2, "give MODEL... DATA"),
     ("a model after --data", lambda f, t: [f["bert0"], "--data", f["reviews"], f["bert1"]], 2,
      "is a model folder"),

@@ -152,6 +152,8 @@ BAD = [
      "NaN"),
     ("no resamples", lambda: paired_bootstrap([[1]], [[0]], resamples=0), ArgumentError,
      "at least 1"),
+    ("negative seed", lambda: paired_bootstrap([[1]], [[0]], seed=-1), ArgumentError,
+     "non-negative"),
     ("level 1", lambda: paired_bootstrap([[1]], [[0]], level=1.0), ArgumentError, "(0, 1)"),
     ("negative weight", lambda: paired_bootstrap([[1, 1]], [[0, 1]], a_weights=[[1, -1]],
                                                  b_weights=[[1, 1]]), ArgumentError, "negative"),
