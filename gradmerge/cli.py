@@ -9,6 +9,8 @@ gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases),
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
 gradmerge evaluate MODEL... DATA    accuracy and mean loss of models on labelled data (JSON)
+gradmerge evaluate MODEL... --data DATA... --compare REF   several files; differences to REF with
+                                    paired-bootstrap intervals, per file and mean over files
 gradmerge tune CONFIG DATA...       choose α (and δ) on the tasks' training data, no test labels
 gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table, JSON, plots
 """

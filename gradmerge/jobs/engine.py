@@ -10,7 +10,8 @@ unit at a time, the output is written as it comes. A dense curvature couples eve
 covers, so with one the whole model is a single unit (and must fit in memory).
 
 The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
-shards, the base's config and tokenizer files (``dtype`` in config.json updated) and a record,
+shards, the base's config and tokenizer files (``dtype`` in config.json updated), a model card
+(README.md, :mod:`gradmerge.jobs.card`; never the base's own) and a record,
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
 and torch versions, each input's fingerprint (a SHA-256 content hash of its values, exact on
 every small tensor and on 16 evenly spaced rows of every large one:
@@ -20,8 +21,9 @@ file's metadata.
 The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
 gives each rank its own units): :func:`open_job` opens the inputs and builds the plan,
 :meth:`Job.compute_unit` computes one unit's output tensors, :meth:`Job.check_output` refuses an
-output folder that holds an input, :meth:`Job.copy_assets` and :meth:`Job.record` finish the
-output folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` in a staged folder.
+output folder that holds an input, :meth:`Job.copy_assets`, :meth:`Job.record` and
+:meth:`Job.write_card` finish the output folder. :func:`run_merge` is these steps with one
+:class:`ShardedWriter` in a staged folder.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from gradmerge.errors import (
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.jobs import methods, rules
+from gradmerge.jobs import card, methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
@@ -443,6 +445,22 @@ class Job:
     def record(self, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
         """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints, output."""
         return _record(self, config, shards, seconds)
+
+    def write_card(self, folder: Path, config: Options, record: Mapping[str, Any]) -> Path:
+        """Write ``folder``/README.md, the model card made from ``record``
+        (:mod:`gradmerge.jobs.card`), with ``config``'s YAML file when it still reads as
+        ``config`` (``gradmerge tune`` runs settings the file does not hold)."""
+        source = None
+        if config.source is not None and config.source.is_file():
+            try:
+                with warnings.catch_warnings():  # read once more: its warnings were given
+                    warnings.simplefilter("ignore")
+                    if type(config).from_yaml(config.source) == config:
+                        source = config.source.read_text()
+            except GradmergeError:
+                source = None
+        base = Path(self.base.folder or self.base.path)
+        return card.write(folder, record, source=source, base=base)
 
 
 def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
@@ -827,8 +845,10 @@ def _execute(
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
         record = stage / f"gradmerge_{job.command}.json"
-        record.write_text(json.dumps(job.record(config, shards, seconds), indent=2) + "\n")
-        names = [p.name for p in (*shards, *assets, record)]
+        facts = job.record(config, shards, seconds)
+        record.write_text(json.dumps(facts, indent=2) + "\n")
+        readme = job.write_card(stage, config, facts)
+        names = [p.name for p in (*shards, *assets, record, readme)]
     return MergeReport(
         out_dir=target,
         files=tuple(target / n for n in names),

@@ -120,6 +120,7 @@ def _part(module: str) -> str:
 LAYERS: dict[str, tuple[str, ...]] = {
     "core": (
         "gradmerge.errors",
+        "gradmerge.bootstrap",
         "gradmerge.params",
         "gradmerge.merge",
         "gradmerge.spectral",
