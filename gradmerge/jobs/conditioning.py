@@ -197,7 +197,11 @@ def _regmean_checks(
             for t in range(len(config.models))
         ]
         found = rules.regmean_grams(
-            hs, config.damping, keys=unit.keys, scales=config.curvature_scales
+            hs,
+            config.damping,
+            keys=unit.keys,
+            scales=config.curvature_scales,
+            embeddings=config.embeddings == "gram",
         )
         if found is None:
             continue

@@ -511,6 +511,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             solver=solver,
             off_diagonal=config.off_diagonal,
             curvature_scales=config.curvature_scales,
+            embeddings=config.embeddings,
         )
         try:
             return rule(unit_inputs)

@@ -45,7 +45,7 @@ Need = Literal["required", "optional", "forbidden"]
 Job = Literal["merge", "remove"]
 
 KEYS: dict[Job, tuple[str, ...]] = {
-    "merge": ("base_model", "curvature", "prior", "damping", "off_diagonal"),
+    "merge": ("base_model", "curvature", "prior", "damping", "off_diagonal", "embeddings"),
     "remove": ("model", "curvature", "prior", "gradient"),
 }
 """The method-specific YAML keys of each job (``curvature`` of a merge: each ``models[i]``'s)."""
@@ -56,6 +56,7 @@ MEANING = {
     "prior": "the prior H_0",
     "damping": "`damping` (δ·I added to each H_t)",
     "off_diagonal": "`off_diagonal` (Jin et al.'s factor on the Gram matrices' off-diagonals)",
+    "embeddings": "`embeddings` (whether RegMean averages the embeddings or solves them)",
     "model": "the fine-tuned model θ_t",
     "gradient": "the gradient ∇ℓ̄_t(θ_LLM)",
 }
@@ -192,15 +193,17 @@ REGISTRY: tuple[MergeMethod, ...] = (
     MergeMethod(
         "regmean",
         "merge",
-        "RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's\n"
-        "K-FAC input factor, a mean over M_t rows), its off-diagonal entries times\n"
-        "`off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.9; 1: the plain closed\n"
-        "form); other tensors are averaged; optional `damping`",
+        "RegMean (Jin et al.): each linear layer's weight from Gram_t = M_t·A_t = Σ x xᵀ\n"
+        "(A_t: each curvature's K-FAC input factor, a mean over M_t rows), off-diagonal\n"
+        "entries times `off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.1; 1: the\n"
+        "plain closed form); biases, embeddings (`embeddings: gram` solves them too) and\n"
+        "other tensors are averaged; optional `damping`",
         {
             "base_model": "optional",
             "curvature": "required",
             "damping": "optional",
             "off_diagonal": "optional",
+            "embeddings": "optional",
         },
         rules.regmean,
         coverage="kfac",
