@@ -20,7 +20,7 @@ uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``): for a
 system δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖. A computed unit that fails — a singular
 system, CG that does not converge within ``solver.maxiter``, a result that overflows the compute
 or the output dtype — is computed again at other values of that key (:func:`least_delta`): up
-from the configured one by factors of 10, starting at the δ the failure suggests (the error's
+from the configured one by factors of :data:`CLIMB`, starting at the δ the failure suggests (the error's
 own, :func:`_cg_delta` for CG, 10× the configured δ for an overflow), then bisected
 geometrically to a factor 2, so that the dry run names the least δ it found finite and
 certified and the largest it found failing below it (or, when none up to far above the
@@ -77,6 +77,10 @@ from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
 from gradmerge.jobs.engine import Job, Rounding, StepSize, open_job
 from gradmerge.jobs.plan import Unit
 from gradmerge.merge import regmean_systems
+
+CLIMB = 100.0
+"""The factor between the δ tried while none works (:func:`least_delta`): from δ = 1e-12 to a
+pooler's 0.83, 7 tries, then 3 bisections to a factor 2 (each try one solve of that unit)."""
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
@@ -195,15 +199,15 @@ def least_delta(
     (far above the curvature's scale, where H̄ ≈ δ·I and nothing changes any more) does.
 
     The configured value fails; the search tries ``guess`` (at least twice the configured
-    value), then ten times more until a value works, then bisects geometrically between the
+    value), then :data:`CLIMB` times more until a value works, then bisects geometrically between the
     largest failing and the least working value until they are within a factor 2, and finally
     rounds the least working value up to two significant digits (computed too), the figure
     printed. Every value returned was computed as the real run computes the unit."""
     lo = _delta(config)
     hi = max(guess, 2 * lo, torch.finfo(torch.float64).tiny)
-    cap = max(1e12 * magnitude, 10 * hi)
+    cap = max(1e12 * magnitude, CLIMB * hi)
     while not _works(config, unit, hi):
-        lo, hi = hi, 10 * hi
+        lo, hi = hi, CLIMB * hi
         if hi > cap:
             return math.inf, lo
     while lo == 0.0:  # damping 0 configured: find a failing value below the working one
