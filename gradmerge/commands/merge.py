@@ -188,7 +188,7 @@ def describe_systems(config: Any) -> int:
         print(
             f"set `{bad[0].key}` to at least {max(fixable):.2g} (the largest above) and run again"
         )
-    elif isinstance(config, RemoveConfig):
+    if not bad and isinstance(config, RemoveConfig):
         return _removal_verdict(config)
     note = delta_note(config) if isinstance(config, MergeConfig) else None
     if note:

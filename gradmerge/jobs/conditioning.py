@@ -20,8 +20,8 @@ uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``): for a
 system δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖. A computed unit that fails — a singular
 system, CG that does not converge within ``solver.maxiter``, a result that overflows the compute
 or the output dtype — is computed again at other values of that key (:func:`least_delta`): up
-from the configured one by factors of :data:`CLIMB`, starting at the δ the failure suggests (the error's
-own, :func:`_cg_delta` for CG, 10× the configured δ for an overflow), then bisected
+from the configured one by factors of :data:`CLIMB`, starting at the δ the failure suggests
+(the error's own, :func:`_cg_delta` for CG, 10× the configured δ for an overflow), then bisected
 geometrically to a factor 2, so that the dry run names the least δ it found finite and
 certified and the largest it found failing below it (or, when none up to far above the
 curvature's scale works, why). This assumes that a larger δ does not break a unit that a smaller
@@ -199,8 +199,9 @@ def least_delta(
     (far above the curvature's scale, where H̄ ≈ δ·I and nothing changes any more) does.
 
     The configured value fails; the search tries ``guess`` (at least twice the configured
-    value), then :data:`CLIMB` times more until a value works, then bisects geometrically between the
-    largest failing and the least working value until they are within a factor 2, and finally
+    value), then :data:`CLIMB` times more until a value works, then bisects geometrically
+    between the largest failing and the least working value until they are within a factor 2
+    (from a configured 0, down by :data:`CLIMB` until a value fails first), and finally
     rounds the least working value up to two significant digits (computed too), the figure
     printed. Every value returned was computed as the real run computes the unit."""
     lo = _delta(config)
@@ -211,7 +212,7 @@ def least_delta(
         if hi > cap:
             return math.inf, lo
     while lo == 0.0:  # damping 0 configured: find a failing value below the working one
-        lower = hi / 10
+        lower = hi / CLIMB
         if lower < torch.finfo(torch.float64).tiny or not _works(config, unit, lower):
             lo = lower
         else:
@@ -254,7 +255,8 @@ def _failure(job: Job, unit: Unit) -> Exception | None:
 def _reason(err: Exception) -> str:
     """What failed, in a few words."""
     if isinstance(err, ResultOverflowError):
-        return "its result overflows: " + str(err).split(" although")[0].split(" (largest")[0]
+        what = str(err).split(" although")[0].split(" (largest")[0]
+        return f"its result overflows ({what})"
     if isinstance(err, NotConvergedError):
         return "CG does not reach solver.tol within solver.maxiter"
     return "the system is singular or not positive definite"

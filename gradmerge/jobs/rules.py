@@ -213,6 +213,8 @@ def regmean_grams(
     layers = [_kfac_of(c) for c in curvatures]
     if all(k is None for k in layers):
         return None
+    first = next(k for k in layers if k is not None)  # decides which layers are embeddings
+    skipped = set() if embeddings else {n for n in first.terms if is_embedding(first, n)}
     grams: list[dict[str, Tensor]] = []
     transposed: set[str] = set()
     factors = list(scales or [1.0] * len(curvatures))
@@ -232,7 +234,7 @@ def regmean_grams(
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            if not embeddings and is_embedding(k, name):
+            if name in skipped:
                 continue
             a = terms[0][0][:-1, :-1] if name in k.bias else terms[0][0]  # the weight's inputs
             a = _rows(k, name, t, len(curvatures)) * factors[t] * a  # s·M·A = s·Σ x xᵀ
