@@ -180,12 +180,14 @@ class MergeConfig(Options):
 
     ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
     (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
-    ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
-    their off-diagonal entries times ``off_diagonal``, Jin et al.'s r, default 0.9, and
-    ``damping`` added to each), and the data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
+    ``regmean`` (the K-FAC input factors of each model's curvature, bias column left out, as
+    RegMean's Gram matrices of the linear layers' weights, their off-diagonal entries times
+    ``off_diagonal``, Jin et al.'s r, default :data:`gradmerge.merge.REGMEAN_OFF_DIAGONAL`, and
+    ``damping`` added to each; biases and, unless ``embeddings: gram``, embeddings averaged).
+    Every α_t is multiplied by ``scale``; each model's ``scale``
+    multiplies its H_t. The data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
     (:mod:`gradmerge.spectral`; ``average``: globs of 2-D tensors merged by the mean of the task
-    vectors; Iso-CTS's ``common_space_fraction``, default 0.8). Every α_t is multiplied by
-    ``scale``; each model's ``scale`` multiplies its H_t.
+    vectors; Iso-CTS's ``common_space_fraction``, default 0.8).
 
     Example:
         >>> cfg = MergeConfig.from_dict(
@@ -201,7 +203,8 @@ class MergeConfig(Options):
     prior: CurvatureTerm | None = None
     scale: float = 1.0
     damping: float = 0.0
-    off_diagonal: float = 1.0
+    off_diagonal: float = REGMEAN_OFF_DIAGONAL
+    embeddings: str = "average"
     common_space_fraction: float = ISO_CTS_COMMON_SPACE_FRACTION
     average: tuple[str, ...] = ()
 
@@ -231,6 +234,7 @@ class MergeConfig(Options):
             "off_diagonal",
             "common_space_fraction",
             "average",
+            "embeddings",
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
@@ -247,7 +251,11 @@ class MergeConfig(Options):
         else:
             damping = 0.0
             r.forbid("damping", method, spec.refusal("damping"))
-        off_diagonal = 1.0
+        off_diagonal, embeddings = REGMEAN_OFF_DIAGONAL, "average"
+        if spec.need("embeddings") != "forbidden":
+            embeddings = r.choice("embeddings", ("average", "gram"), default="average")
+        else:
+            r.forbid("embeddings", method, spec.refusal("embeddings"))
         if spec.need("off_diagonal") != "forbidden":
             off_diagonal = r.number("off_diagonal", default=REGMEAN_OFF_DIAGONAL, minimum=0.0)
             if off_diagonal > 1.0:
@@ -282,6 +290,7 @@ class MergeConfig(Options):
             off_diagonal=off_diagonal,
             common_space_fraction=fraction,
             average=average,
+            embeddings=embeddings,
             source=source,
             **_options(r),
         )
@@ -841,6 +850,8 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
 def _unused(value: Any, name: str) -> bool:
     """An optional key left out of records when not given (records of runs without it stay as
     they were)."""
+    if name == "embeddings":  # RegMean's alone
+        return getattr(value, "method", None) != "regmean"
     return name == "adapter_base" and getattr(value, name) is None
 
 

@@ -535,6 +535,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             curvature_scales=config.curvature_scales,
             common_space_fraction=config.common_space_fraction,
             average=average,
+            embeddings=config.embeddings,
         )
         try:
             return rule(unit_inputs)
