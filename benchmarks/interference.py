@@ -278,7 +278,10 @@ class Study:
             d: write_jsonl(root / "data" / f"{d}-fisher.jsonl", train[d][:n_f]) for d in self.sets
         }
         models: dict[str, dict[str, Path]] = {"a": {}, "b": {}}
-        for recipe, delta in (("a", 0.0), ("b", args.delta)):
+        self.extras = not args.extras_seeds or seed in args.extras_seeds
+        self.recipes = ("a", "b") if self.extras else ("a",)
+        self.criteria = [c for c in args.criteria if self.extras or c != "mismatch"]
+        for recipe, delta in (("a", 0.0), ("b", args.delta))[: len(self.recipes)]:
             for i, d in enumerate(self.added):
                 folder = root / recipe / d
                 if not done(folder):
@@ -314,7 +317,7 @@ class Study:
         start = time.perf_counter()
         curv: dict[str, dict[str, dict[str, Path]]] = {"a": {}, "b": {}}
         calls = []
-        for recipe in ("a", "b"):
+        for recipe in self.recipes:
             for d in self.added:
                 curv[recipe][d] = {}
                 for s in args.structures:
@@ -445,7 +448,7 @@ class Study:
         calls, pending = [], []
         for T in Ts:
             tasks = self.added[:T]
-            for criterion in self.args.criteria:
+            for criterion in self.criteria:
                 key = f"{self.seed_id} | tune {criterion} T={T}"
                 if key in self.cache:
                     continue
@@ -493,7 +496,7 @@ class Study:
         return {
             (T, c): self.cache[f"{self.seed_id} | tune {c} T={T}"]
             for T in Ts
-            for c in self.args.criteria
+            for c in self.criteria
         }
 
     def study1(self) -> list[dict[str, Any]]:
@@ -542,7 +545,7 @@ class Study:
             curve = {n.split("α=")[1]: mean(val[n]) for n in grid if n.startswith(f"T={T} |")}
             oracle = max(curve, key=lambda a: (curve[a], -abs(float(a) - 1)))
             chosen[T] = {"validation (oracle)": oracle}
-            for c in args.criteria:
+            for c in self.criteria:
                 chosen[T][f"tune --criterion {c}"] = f"{tuned[T, c]['chosen α']:g}"
         needed = {f"T={T} | task arithmetic α={a}" for T in Ts for a in chosen[T].values()}
         test_items = {
@@ -608,7 +611,7 @@ class Study:
                 "models": self.models_of(tasks, structure="kfac"),
                 "damping": REGMEAN_DAMPING,
             }
-        for s in self.args.structures:
+        for s in self.args.structures if "b" in self.recipes else ():
             out[f"T={T} | grad. matching (Eq. 15 recipe, H_0=δI), {s}"] = {
                 "method": "gradient_matching",
                 "base_model": base,
@@ -1194,6 +1197,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remove", default="dutch", choices=ADDED)
     p.add_argument("--negation-alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument(
+        "--extras-seeds",
+        type=int,
+        nargs="*",
+        default=[],
+        help="seeds that also run recipe (b) (Eq. 15 fine-tunes) and the mismatch criterion "
+        "(default: every seed)",
+    )
     p.add_argument("--work", type=Path, default=Path("/tmp/interference"))
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--stem", default="interference-cpu")
