@@ -16,6 +16,8 @@ run. The sides:
 - ``baseline``: ``safetensors.numpy.load_file`` of every file, then ``numpy.percentile`` (float64)
   of each file's concatenated entries (min, p1, p10, p50, p90, p99, max), of each tensor, and of
   the positive entries of the files' sum (p10, p90: the δ window), with every value in memory;
+  each phase is timed inside the process (``phases_seconds``: load, files, tensors, window), so
+  that the ratio to its first two alone (loading and the files' own percentiles) can be read too;
 - ``inspect``: ``gradmerge inspect FILES --json OUT`` (its text on stdout, its numbers in OUT).
 
 The report also checks that the two agree EXACTLY (every percentile of every file and tensor, and
@@ -97,17 +99,34 @@ def baseline(paths: list[str]) -> dict[str, Any]:
     from safetensors.numpy import load_file
 
     qs = list(PERCENTILES.values())
+    clock = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = round(now - clock, 3)
+        clock = now
+
     files = [{k.removeprefix("diag/"): v for k, v in load_file(p).items()} for p in paths]
+    lap("load")
     out: dict[str, Any] = {"files": []}
     for f in files:
         values = {k: v.astype(np.float64).reshape(-1) for k, v in f.items()}
         whole = np.percentile(np.concatenate(list(values.values())), qs)
-        tensors = {k: np.percentile(v, qs).tolist() for k, v in values.items()}
-        out["files"].append({"scale": whole.tolist(), "tensors": tensors})
+        out["files"].append({"scale": whole.tolist()})
+    lap("files")
+    for f, report in zip(files, out["files"], strict=True):
+        report["tensors"] = {
+            k: np.percentile(v.astype(np.float64), qs).tolist() for k, v in f.items()
+        }
+    lap("tensors")
     keys = [k for k in files[0] if all(k in f for f in files)]
     total = np.concatenate([sum(f[k].astype(np.float64).reshape(-1) for f in files) for k in keys])
     p10, p90 = np.percentile(total[total > 0], [10, 90])
     out["window"] = [RHO / (1 - RHO) * p90, (1 - RHO) / RHO * p10]
+    lap("window")
+    out["seconds"] = seconds
     return out
 
 
@@ -168,12 +187,12 @@ def measure(case: str, paths: list[Path], repeats: int, tmp: Path) -> dict[str, 
                 f"({row['peak_rss_anon_bytes'] / 2**20:.0f} MiB anonymous), load {load[0]:.2f}",
                 flush=True,
             )
-            if r == 0:
-                numbers = json.loads(out.read_text())
-                if side == "baseline":
-                    base_numbers = numbers
-                else:
-                    report = numbers
+            numbers = json.loads(out.read_text())
+            if side == "baseline":
+                row["phases_seconds"] = numbers["seconds"]  # inside the process
+                base_numbers = base_numbers or numbers
+            else:
+                report = report or numbers
     assert base_numbers is not None and report is not None
     best = {side: min(rows, key=lambda x: x["wall_seconds"]) for side, rows in runs.items()}
     return {

@@ -1,5 +1,7 @@
-"""``gradmerge inspect CURVATURE...``: the scale of curvature files, and the δ where gradient
-matching is its own method (:mod:`gradmerge.curvature.summary`)."""
+"""``gradmerge inspect CURVATURE...`` / ``gradmerge inspect CONFIG.yaml``: the scale of curvature
+files, and the δ where gradient matching is its own method (:mod:`gradmerge.curvature.summary`),
+for the files summed or for exactly the merge a YAML describes
+(:mod:`gradmerge.jobs.inspection`)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,26 @@ together (their sum, as a merge with alpha 1 forms Σ_t H_t), the δ window:
   10th-90th percentile coordinates: below it the merge is Fisher averaging, above it task
   arithmetic, to three digits of that mixing. Coordinates with H = 0 get task arithmetic.
 
+Every percentile is exact (numpy.percentile of the entries), computed in a few streamed passes
+over the files with bounded memory.
+
 A subsample's curvature: files are SUMS over their examples (num_examples); a curvature from n
 of a task's N examples stands for the task at `scale: N/n` (merge YAML, per model).
 
+with a merge CONFIG.yaml instead (one .yaml/.yml path): the merge's own H̄ = δI + s·C_0 +
+Σ_t α_t·scale_t·H_t, as `gradmerge merge` builds it (its alphas, the global and per-model
+`scale`, the prior's curvature, scale and δ), and for it:
+  - the δ window, with a prior curvature c: [p90 of ρ/(1−ρ)·H − c, p10 of (1−ρ)/ρ·H − c];
+  - the prior's share s = (δ + c)/(δ + c + H) at the configured δ: percentiles, and how many
+    coordinates are Fisher averaging (s < ρ) or task arithmetic (s > 1 − ρ);
+  - each merged unit's conditioning: [λ_min, λ_max] and κ of its system (exact for diagonal,
+    dense, one-term and small K-FAC layers; "(bounds)": Weyl bounds, κ an upper bound), its
+    K-FAC factors' spectra, and the worst-conditioned units.
+
 examples:
   gradmerge inspect a.curvature.safetensors b.curvature.safetensors
+  gradmerge inspect merge.yaml                            # exactly that merge's H̄
+  gradmerge inspect merge.yaml --json hbar.json --no-layers
   gradmerge inspect a.curvature.safetensors --json scale.json --no-layers
   gradmerge inspect *.curvature.safetensors --json -      # JSON on stdout only
 """
@@ -37,17 +54,26 @@ def add_parser(sub: Any) -> None:
     """Register ``gradmerge inspect``."""
     p = sub.add_parser(
         "inspect",
-        help="scale of curvature files (percentiles, zeros, K-FAC spectra) and the δ window",
+        help="scale of curvature files, or of a merge CONFIG's H̄: percentiles, K-FAC spectra, "
+        "conditioning, the δ window",
         description="Summarise curvature files: per file and per layer the diagonal entries' "
         "percentiles and zeros, num_examples, structure, each K-FAC factor's spectrum range, "
         "and the δ range in which gradient matching differs from both Fisher averaging and task "
-        "arithmetic.",
+        "arithmetic. Given a merge CONFIG.yaml instead: the same δ window, the prior's share and "
+        "each unit's conditioning for exactly the system that merge solves.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )
-    p.add_argument("curvatures", nargs="+", metavar="CURVATURE", help="curvature files")
+    p.add_argument(
+        "curvatures",
+        nargs="+",
+        metavar="CURVATURE|CONFIG",
+        help="curvature files, or one merge CONFIG.yaml",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (- : stdout)")
-    p.add_argument("--no-layers", action="store_true", help="print no per-layer lines")
+    p.add_argument(
+        "--no-layers", action="store_true", help="print no per-layer (CONFIG: per-unit) lines"
+    )
     p.add_argument(
         "--no-spectra",
         action="store_true",
