@@ -49,30 +49,22 @@ def layout(name: str) -> dict[str, Any]:
     import torch
     import transformers
 
-    if name == "minilm":  # sentence-transformers/all-MiniLM-L6-v2
-        config = transformers.BertConfig(
-            vocab_size=30522,
-            hidden_size=384,
-            num_hidden_layers=6,
-            num_attention_heads=12,
-            intermediate_size=1536,
-            max_position_embeddings=512,
-            type_vocab_size=2,
-        )
-        cls: Any = transformers.BertModel
-    elif name == "gpt2":
+    sizes = {  # (vocabulary, width, layers, heads, MLP width)
+        "minilm": (30522, 384, 6, 12, 1536),  # sentence-transformers/all-MiniLM-L6-v2
+        "tiny": (500, 32, 2, 2, 64),
+    }
+    if name == "gpt2":
         config, cls = transformers.GPT2Config(), transformers.GPT2Model
-    elif name == "tiny":
+    else:
+        vocab, width, layers, heads, mlp = sizes[name]
         config = transformers.BertConfig(
-            vocab_size=500,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
+            vocab_size=vocab,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=mlp,
         )
         cls = transformers.BertModel
-    else:
-        raise ValueError(name)
     with torch.device("meta"):
         model = cls(config)
     return {k: v.shape for k, v in model.named_parameters()}

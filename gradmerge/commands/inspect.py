@@ -273,29 +273,49 @@ def describe(report: dict[str, Any], *, layers: bool = True) -> str:
         lines.append(f"  {_row(f['scale'])}  all entries")
         if layers:
             for layer in f["layers"]:
-                keys = layer["keys"]
-                name = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1})"
-                lines.append(f"  {_row(layer['scale'])}  {name} [{layer['structure']}]")
+                lines.append(
+                    f"  {_row(layer['scale'])}  {_name(layer['keys'])} [{layer['structure']}]"
+                )
                 lines += _factor_lines(layer)
     w = report["delta_window"]
     what = "the file" if w["files"] == 1 else f"the {w['files']} files summed (alpha 1)"
-    if w["low"] is None:
-        lines.append(f"δ window for {what}: none ({w.get('reason', 'no positive entry')})")
-    elif w["empty"]:
-        lines.append(
-            f"δ window for {what}: empty — the entries span p90/p10 = "
-            f"{_ratio(w['low'], w['high'], w['rho']):.3g} > {((1 - w['rho']) / w['rho']) ** 2:.3g}: "
-            f"no single δ keeps gradient matching apart from both on 80% of the coordinates; "
-            f"δ ≥ {w['low']:.3g} is not Fisher averaging on 90%, δ ≤ {w['high']:.3g} not task "
-            "arithmetic on 90%"
+    span = ""
+    if w["low"] is not None and w["empty"]:
+        ratio = _ratio(w["low"], w["high"], w["rho"])
+        span = (
+            f" — the entries span p90/p10 = {ratio:.3g} > {((1 - w['rho']) / w['rho']) ** 2:.3g}:"
         )
-    else:
-        lines.append(
-            f"δ window for {what}: [{w['low']:.3g}, {w['high']:.3g}] — gradient matching differs "
-            f"from Fisher averaging (below) and task arithmetic (above) there: prior share s in "
-            f"[{w['rho']:g}, {1 - w['rho']:g}] on the 10th-90th percentile coordinates"
+    lines.append(
+        _window_line(
+            what, w["low"], w["high"], w["rho"], w.get("reason", "no positive entry"), span
         )
+    )
     return "\n".join(lines)
+
+
+def _window_line(
+    what: str, low: float | None, high: float | None, rho: float, reason: str, span: str = ""
+) -> str:
+    """The δ window [low, high] as a sentence: none (``reason``), empty (``span`` says why), or
+    the interval in which gradient matching is its own method."""
+    if low is None or high is None:
+        return f"δ window for {what}: none ({reason})"
+    if low > high:
+        return (
+            f"δ window for {what}: empty{span or ' —'} no single δ keeps gradient matching apart "
+            f"from both on 80% of the coordinates; δ ≥ {low:.3g} is not Fisher averaging on 90%, "
+            f"δ ≤ {high:.3g} not task arithmetic on 90%"
+        )
+    return (
+        f"δ window for {what}: [{low:.3g}, {high:.3g}] — gradient matching differs from Fisher "
+        f"averaging (below) and task arithmetic (above) there: prior share s in [{rho:g}, "
+        f"{1 - rho:g}] on at least 80% of the coordinates"
+    )
+
+
+def _name(keys: list[str]) -> str:
+    """A layer's or unit's first parameter, and how many more it has."""
+    return keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1})"
 
 
 def _factor_lines(layer: dict[str, Any]) -> list[str]:
@@ -341,19 +361,8 @@ def describe_config(report: dict[str, Any], *, layers: bool = True) -> str:
     if share is not None:
         rho, n = share["rho"], share["coordinates"]
         what = "this merge (its alphas, scales and prior curvature)"
-        if share["low"] is None:
-            lines.append(f"δ window for {what}: none (no coordinate with Σ α_t H_t > 0)")
-        elif share["empty"]:
-            lines.append(
-                f"δ window for {what}: empty — no single δ keeps gradient matching apart from "
-                f"both on 80% of the coordinates; δ ≥ {share['low']:.3g} is not Fisher averaging "
-                f"on 90%, δ ≤ {share['high']:.3g} not task arithmetic on 90%"
-            )
-        else:
-            lines.append(
-                f"δ window for {what}: [{share['low']:.3g}, {share['high']:.3g}] — prior share "
-                f"s in [{rho:g}, {1 - rho:g}] on 80% or more of the coordinates there"
-            )
+        reason = "no coordinate with Σ α_t H_t > 0"
+        lines.append(_window_line(what, share["low"], share["high"], rho, reason))
         if n:
             p = share["share"]
             lines.append(
@@ -386,8 +395,7 @@ def _condition_rank(unit: dict[str, Any]) -> float:
 
 
 def _unit_line(unit: dict[str, Any]) -> str:
-    keys = unit["keys"]
-    name = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1})"
+    name = _name(unit["keys"])
     if unit["structure"] is None:
         return f"{name}: no system (no curvature covers it)"
     bound = "" if unit["exact"] else " (bounds)"
