@@ -100,7 +100,7 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
     import torch
 
     from gradmerge.curvature.io import open_curvature
-    from gradmerge.curvature.quantiles import OrderStatistics, finish
+    from gradmerge.curvature.quantiles import CHUNK, OrderStatistics, finish
     from gradmerge.curvature.summary import (
         PERCENTILES,
         WINDOW,
@@ -154,11 +154,12 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                 if total.wants_pass:
                     keys = [k for _, _, group in unit for k in group if k in shared]
                     for key in dict.fromkeys(keys):
-                        parts = [d[key] for d in diagonals.values()]
-                        summed = parts[0].double()  # a fresh float64 copy
-                        for other in parts[1:]:
-                            summed += other
-                        total.add(summed)
+                        parts = [d[key].reshape(-1) for d in diagonals.values()]
+                        for start in range(0, parts[0].numel(), CHUNK):  # no float64 copy
+                            summed = parts[0][start : start + CHUNK].double()  # of a whole tensor
+                            for other in parts[1:]:
+                                summed += other[start : start + CHUNK]
+                            total.add(summed)
             for s in [*stats, total]:
                 if s.wants_pass:
                     s.end_pass()

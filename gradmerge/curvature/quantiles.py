@@ -57,8 +57,9 @@ from gradmerge.errors import ArgumentError, NonFiniteError
 
 GATHER = 1 << 20
 """Entries of one bucket kept to read a rank off (8 MiB of int64 keys); a larger bucket is split."""
-CHUNK = 1 << 22
-"""Values handled at once: temporaries stay a few times this, whatever a tensor's size."""
+CHUNK = 1 << 20
+"""Values handled at once: temporaries stay a few times this (8 MiB in float64), whatever a
+tensor's size."""
 _FIRST = 20
 """Bits of the key in the first pass's histogram."""
 _NEXT = 16
