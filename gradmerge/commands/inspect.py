@@ -114,12 +114,15 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
     with ExitStack() as stack:
         opened = [stack.enter_context(open_curvature(path)) for path in paths]
         dtypes = [_summary_dtype(f.structure, f.metadata.get("dtype")) for f in opened]
-        stats = [OrderStatistics(PERCENTILES, dtype=d) for d in dtypes]
-        total = OrderStatistics({}, positive=WINDOW)
+        single = len(opened) == 1  # the sum is the file itself: its own statistics hold it
+        window = WINDOW if single else None
+        stats = [OrderStatistics(PERCENTILES, positive=window, dtype=d) for d in dtypes]
+        total = stats[0] if single else OrderStatistics({}, positive=WINDOW)
+        selectors = stats if single else [*stats, total]
         shared = set.intersection(*({k for k, _ in f.layout} for f in opened))
         layers: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in opened]
         first = True
-        while first or any(s.wants_pass for s in [*stats, total]):
+        while first or any(s.wants_pass for s in selectors):
             for unit in _joint_units([f.couplings() for f in opened]):
                 diagonals: dict[int, dict[str, torch.Tensor]] = {}
                 for i, index, group in unit:
@@ -151,7 +154,7 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                             name: terms for k in kfacs for name, terms in factor_spectra(k).items()
                         }
                     layers[i].append((index, layer))
-                if total.wants_pass:
+                if total.wants_pass and not single:
                     keys = [k for _, _, group in unit for k in group if k in shared]
                     for key in dict.fromkeys(keys):
                         parts = [d[key].reshape(-1) for d in diagonals.values()]
@@ -160,7 +163,7 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                             for other in parts[1:]:
                                 summed += other[start : start + CHUNK]
                             total.add(summed)
-            for s in [*stats, total]:
+            for s in selectors:
                 if s.wants_pass:
                     s.end_pass()
             first = False
@@ -177,13 +180,13 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
             }
             for path, f, stat, found in zip(paths, opened, stats, layers, strict=True)
         ]
-    window: dict[str, Any] = {"rho": rho, "files": len(paths), "parameters": len(shared)}
+    found: dict[str, Any] = {"rho": rho, "files": len(paths), "parameters": len(shared)}
     try:
         low, high = window_from(total, rho=rho)
-        window.update(low=low, high=high, empty=low > high)
+        found.update(low=low, high=high, empty=low > high)
     except Exception as err:  # no positive entry
-        window.update(low=None, high=None, empty=True, reason=str(err))
-    return {"files": files, "delta_window": window}
+        found.update(low=None, high=None, empty=True, reason=str(err))
+    return {"files": files, "delta_window": found}
 
 
 def _summary_dtype(structure: str, dtype: str | None) -> Any:

@@ -78,7 +78,9 @@ def sort_keys(values: Tensor) -> Tensor:
     """
     width = _KEY[values.dtype]
     bits = values.view(width)
-    if bool(bits.min() >= 0):  # no sign bit set: the common case, nothing to flip
+    if bits.numel() == 0 or bool(
+        bits.min() >= 0
+    ):  # no sign bit set: the common case, nothing to flip
         return bits
     bits = (values + 0.0).view(width)  # −0.0 + 0.0 = +0.0
     flip = torch.iinfo(width).max
@@ -198,7 +200,7 @@ class OrderStatistics:
             return
         top = (keys >> (self._bits - _FIRST)) + (1 << (_FIRST - 1))
         counts = torch.bincount(top, minlength=1 << _FIRST)
-        self._first = counts if self._first is None else self._first + counts
+        self._first = counts if self._first is None else self._first.add_(counts)
 
     def absorb(self, other: OrderStatistics) -> None:
         """Count ``other``'s first pass as part of this one's (``other``: the same dtype, its
@@ -216,8 +218,10 @@ class OrderStatistics:
                 self._first = other._first.clone()
                 for k in gathered:
                     self._keys_first(k)
-            else:
-                self._first = other._first if self._first is None else self._first + other._first
+            else:  # a copy: other's own histogram goes on to its later passes
+                self._first = (
+                    other._first.clone() if self._first is None else self._first.add_(other._first)
+                )
 
     def _add_later(self, keys: Tensor) -> None:
         assert self._mask is not None

@@ -50,7 +50,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,15 +266,6 @@ def check_rho(rho: float) -> None:
     """Refuse a share ρ outside (0, 0.5) (the window [ρ, 1 − ρ] would be empty or all)."""
     if not 0 < rho < 0.5:
         raise ArgumentError(f"rho must be in (0, 0.5), got {rho!r}")
-
-
-def summed_diagonals(curvatures: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Σ_t of per-parameter diagonal entries (the same parameters in each), float64."""
-    total: dict[str, Tensor] = {}
-    for values in curvatures:
-        for k, v in values.items():
-            total[k] = total[k] + v.double() if k in total else v.double().clone()
-    return total
 
 
 class PriorShare:
