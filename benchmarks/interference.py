@@ -854,8 +854,7 @@ def row(T: int, method: str, scores: dict[str, dict[str, Any]], **facts: Any) ->
         "T": T,
         "method": method,
         **facts,
-        "accuracy": {d: s["accuracy"] for d, s in scores.items()}
-        | ({"mean": mean(scores)} if len(scores) > 1 else {}),
+        "accuracy": {d: s["accuracy"] for d, s in scores.items()} | {"mean": mean(scores)},
         "n": {d: s["n"] for d, s in scores.items()},
         "correct": {d: s["correct"] for d, s in scores.items()},
     }
@@ -892,6 +891,14 @@ def removal_row(name: str, s: dict[str, Any], gold: dict[str, Any], t: str) -> d
 
 
 # ----- report ------------------------------------------------------------------------------------------
+AGAINST = (
+    "task arithmetic α=1",
+    "task arithmetic, α by tune --criterion loss+base",
+    "grad. matching (official), kfac",
+)
+"""The rows every merge is compared with: task arithmetic at the α a user takes without a second
+thought, and at the label-free α the README recommends (``gradmerge tune``, training loss with
+θ_LLM's own data); and K-FAC gradient matching, the method under study, head to head."""
 KEY_METHODS = (
     "task arithmetic α=1",
     "task arithmetic, α by tune --criterion loss",
@@ -914,7 +921,7 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
             for r in seeds[0]["rows"]
             if r["T"] == T and "correct" in r and r.get("kind") != "reference"
         ]
-        for against in ("task arithmetic α=1", "task arithmetic, α by tune --criterion loss"):
+        for against in AGAINST:
             for method in methods:
                 if method == against or method.startswith("task arithmetic α="):
                     continue
@@ -1163,6 +1170,72 @@ def write(report: dict[str, Any], out: Path, stem: str) -> Path:
     return path
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The report's key tables as Markdown (docs/interference.md is this, for the committed run):
+    at the largest T every method's mean accuracy (± std over seeds) and its pooled paired
+    difference to task arithmetic at α = 1 and at the label-free α; the mean accuracy by T; the
+    interference; the removal rows against the gold model."""
+
+    def ci(c: dict[str, Any] | None) -> str:
+        if not c:
+            return "—"
+        p = c.get("pooled", c)
+        lo, hi = p["ci95"]
+        return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    last = max(e["T"] for e in report["summary"])
+    sets = [BASE, *ADDED[:last]]
+    comps = {(c["T"], c["method"], c["against"]): c for c in report["comparisons"]}
+    out = [f"Mean test accuracy at T = {last} ({', '.join(sets)}; n = 500 each), mean ± std over "
+           f"{len(report['seeds'])} seeds; differences in points, pooled paired bootstrap 95% CI.",
+           "", "| method | seeds | mean accuracy | − task arithmetic α=1 | − TA, α by tune loss+base "
+           "| − grad. matching K-FAC |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for e in report["summary"]:
+        if e["T"] != last:
+            continue
+        if not e["seeds"]:
+            out.append(f"| {e['method']} | 0 | failed: {str(e['failed'])[:80]} | | | |")
+            continue
+        m = e["accuracy"].get("mean")
+        acc = f"{m['mean']:.3f} ± {m['std']:.3f}" if m else "—"
+        diffs = " | ".join(ci(comps.get((last, e["method"], a))) for a in AGAINST)
+        out.append(f"| {e['method']} | {e['seeds']} | {acc} | {diffs} |")
+    out += ["", "Mean test accuracy by T (mean over seeds):", "",
+            "| method | " + " | ".join(f"T={T}" for T in range(1, last + 1)) + " |",
+            "|---|" + "---|" * last]  # fmt: skip
+    by = {(e["T"], e["method"]): e for e in report["summary"] if e["seeds"]}
+    for method in (*KEY_METHODS, "tsv_merge", "task arithmetic, α by validation (oracle)",
+                   "task arithmetic, α by tune --criterion loss", "θ_LLM"):  # fmt: skip
+        cells = [f"{by[T, method]['accuracy']['mean']['mean']:.3f}" if (T, method) in by else "—"
+                 for T in range(1, last + 1)]  # fmt: skip
+        out.append(f"| {method} | " + " | ".join(cells) + " |")
+    gap = report["interference (fine-tuned − task arithmetic α=1, largest T)"]
+    out += ["", f"Interference at T = {last} (fine-tuned θ_t − task arithmetic α=1 on t's test set, "
+            "points; per seed):", ""]  # fmt: skip
+    for d, v in gap["mean over seeds"].items():
+        per = ", ".join(f"{100 * p[d]:+.1f}" for p in gap["per seed"])
+        out.append(f"- {d}: {100 * v:+.1f} ({per})")
+    crits: dict[str, list[str]] = {}
+    for s in report["seeds"]:
+        for r in s["rows"]:
+            if r["method"].startswith("task arithmetic, α by") and "alpha" in r:
+                crits.setdefault(r["method"].split("α by ")[1], []).append(
+                    f"seed {s['seed']} T={r['T']}: {r['alpha']:g}"
+                )
+    out += ["", "α chosen per criterion (every seed and T):", ""]
+    out += [f"- {c}: {', '.join(v)}" for c, v in crits.items()]
+    if report.get("removal comparisons"):
+        t = report["removal"][0]["removed"]
+        out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
+                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
+                "", f"| method | on `{t}` | on the remaining sets | KL per seed |", "|---|---|---|---|"]  # fmt: skip
+        for c in report["removal comparisons"]:
+            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
+            out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
+                       f"{ci(c.get('remaining: model − gold'))} | {kl} |")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="≤ 3 min smoke run, tiny splits")
@@ -1208,7 +1281,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/interference"))
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--stem", default="interference-cpu")
+    p.add_argument(
+        "--markdown", type=Path, help="print the Markdown tables of this report and stop"
+    )
+    p.add_argument(
+        "--recompute",
+        type=Path,
+        help="rebuild this report's summary, comparisons and table from its seeds' rows (the "
+        "statistics of the current code; no model is run) and write it to --out/--stem",
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())), end="")
+        return 0
+    if args.recompute:
+        old = json.loads(args.recompute.read_text())
+        keep = ("seconds", "stage seconds", "cli log",
+                "load average (1, 5, 15 min) at start and after each seed")  # fmt: skip
+        extra = {"command": old["command"]} | {k: old[k] for k in keep if k in old}
+        data = Path(old["config"]["work"]) / "data" / "interference.jsonl.gz"
+        report = report_of(old["seeds"], old["base"], old["config"], extra, data)
+        report["environment"] = old["environment"]
+        print(write(report, args.out, args.stem))
+        return 0
     if args.quick:
         args.seeds, args.train, args.val, args.test = [0], 24, 8, 16
         args.curvature_examples, args.epochs, args.base_epochs = 12, 1, 1

@@ -136,3 +136,43 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     assert "environment" in report and report["command"].startswith(
         "python -m benchmarks.interference"
     )
+
+
+def test_recompute_and_markdown_of_a_report(tmp_path):
+    """--recompute rebuilds summary and comparisons from the seeds' rows alone; --markdown
+    renders them (a two-seed report built from rows, not from a run)."""
+
+    def rows(shift: int) -> list[dict]:
+        out = []
+        for method, correct in (
+            ("task arithmetic α=1", "1100"),
+            ("task arithmetic, α by tune --criterion loss+base", "1110"),
+            ("grad. matching (official), kfac", "1111"),
+        ):
+            c = correct[shift:] + correct[:shift]
+            out.append(study.row(1, method, {study.BASE: {"accuracy": c.count("1") / 4, "n": 4,
+                                                          "correct": c}}))  # fmt: skip
+        return out
+
+    seeds = [
+        {"seed": s, "rows": rows(s), "removal": {"removed": "dutch", "rows": []}} for s in (0, 1)
+    ]
+    report = {
+        "command": "python -m benchmarks.interference",
+        "config": {"work": str(tmp_path), "bootstrap": 200, "datasets": 1},
+        "base": {},
+        "seeds": seeds,
+        "environment": {"machine": "test"},
+    }
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "interference.provenance.json").write_text("{}")
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(report))
+    assert study.main(["--recompute", str(src), "--out", str(tmp_path), "--stem", "r"]) == 0
+    out = json.loads((tmp_path / "r.json").read_text())
+    by = {(c["method"], c["against"]): c for c in out["comparisons"]}
+    gm = by["grad. matching (official), kfac", "task arithmetic α=1"]
+    assert gm["pooled"]["difference"] == pytest.approx(0.5)  # 4/4 − 2/4 in both seeds
+    assert [s["difference"] for s in gm["per seed"]] == pytest.approx([0.5, 0.5])
+    text = study.markdown(out)
+    assert "| grad. matching (official), kfac | 2 | 1.000 ± 0.000 | +50.0" in text
