@@ -1287,20 +1287,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--recompute",
         type=Path,
-        help="rebuild this report's summary, comparisons and table from its seeds' rows (the "
-        "statistics of the current code; no model is run) and write it to --out/--stem",
+        nargs="+",
+        help="rebuild a report's summary, comparisons and table from the seeds' rows of these "
+        "reports (a seed in a later file replaces the same seed in an earlier one; the "
+        "statistics of the current code, no model run) and write it to --out/--stem",
     )
     args = p.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
     if args.recompute:
-        old = json.loads(args.recompute.read_text())
+        olds = [json.loads(f.read_text()) for f in args.recompute]
+        old, seeds = olds[0], {}
+        for o in olds:
+            seeds |= {sd["seed"]: sd for sd in o["seeds"]}
         keep = ("seconds", "stage seconds", "cli log",
                 "load average (1, 5, 15 min) at start and after each seed")  # fmt: skip
         extra = {"command": old["command"]} | {k: old[k] for k in keep if k in old}
+        extra["recomputed from"] = [str(f) for f in args.recompute]
         data = Path(old["config"]["work"]) / "data" / "interference.jsonl.gz"
-        report = report_of(old["seeds"], old["base"], old["config"], extra, data)
+        report = report_of(
+            [seeds[k] for k in sorted(seeds)], old["base"], old["config"], extra, data
+        )
+        report["config"]["seeds"] = sorted(seeds)
         report["environment"] = old["environment"]
         print(write(report, args.out, args.stem))
         return 0

@@ -166,10 +166,13 @@ def test_recompute_and_markdown_of_a_report(tmp_path):
     }
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "interference.provenance.json").write_text("{}")
-    src = tmp_path / "in.json"
-    src.write_text(json.dumps(report))
-    assert study.main(["--recompute", str(src), "--out", str(tmp_path), "--stem", "r"]) == 0
+    src, other = tmp_path / "in.json", tmp_path / "other.json"
+    src.write_text(json.dumps(report | {"seeds": seeds[:1]}))
+    other.write_text(json.dumps(report | {"seeds": seeds[1:]}))
+    args = ["--recompute", str(src), str(other), "--out", str(tmp_path), "--stem", "r"]
+    assert study.main(args) == 0
     out = json.loads((tmp_path / "r.json").read_text())
+    assert [s["seed"] for s in out["seeds"]] == [0, 1]  # seeds of both files
     by = {(c["method"], c["against"]): c for c in out["comparisons"]}
     gm = by["grad. matching (official), kfac", "task arithmetic α=1"]
     assert gm["pooled"]["difference"] == pytest.approx(0.5)  # 4/4 − 2/4 in both seeds
