@@ -1229,10 +1229,13 @@ def markdown(report: dict[str, Any]) -> str:
         out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
                 "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
                 "", f"| method | on `{t}` | on the remaining sets | KL per seed |", "|---|---|---|---|"]  # fmt: skip
+        chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
+        out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
         for c in report["removal comparisons"]:
             kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
             out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
                        f"{ci(c.get('remaining: model − gold'))} | {kl} |")  # fmt: skip
+        out += out_tail
     return "\n".join(out) + "\n"
 
 
