@@ -40,6 +40,8 @@ from gradmerge.errors import (
     NotConvergedError,
     NotPositiveDefiniteError,
     OutputExistsError,
+    OutputOverlapError,
+    OutputWriteError,
     ResultOverflowError,
     StructureError,
 )
@@ -143,4 +145,6 @@ __all__ = [
     "ConfigError",
     "MissingInputError",
     "OutputExistsError",
+    "OutputOverlapError",
+    "OutputWriteError",
 ]

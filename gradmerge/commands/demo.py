@@ -43,22 +43,26 @@ def add_parser(sub: Any) -> None:
         default=1,
         help="torch CPU threads (1: fastest for these small matrices, and on a busy machine)",
     )
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject an unusable --out or --seed before any work (exit 2 with usage)."""
-    from gradmerge.demo import check_output
-    from gradmerge.errors import GradmergeError
-
+    """Reject an unusable --seed or --threads before any work (exit 2 with usage); --out is
+    the output guard's (:func:`writes`)."""
     if args.seed < 0:
         parser.error(f"--seed must be 0 or more, got {args.seed}")
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    try:
-        check_output(args.out, overwrite=args.overwrite)
-    except GradmergeError as error:
-        parser.error(str(error))
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration: the folder --out; the study reads no file."""
+    from pathlib import Path
+
+    from gradmerge._guard import Output
+    from gradmerge.commands._writes import Writes
+
+    return Writes([Output("--out", Path(args.out), "folder")], [])
 
 
 def run(args: argparse.Namespace) -> int:

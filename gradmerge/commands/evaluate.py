@@ -12,20 +12,18 @@ import json
 import sys
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from gradmerge.commands._inputs import (
     DATA_HELP,
     MODEL_HELP,
     add_reading_arguments,
-    check_out,
     check_reading,
-    input_paths,
     load,
     progress,
     provenance,
 )
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 
 FORMAT = "gradmerge-evaluate/1"
 DESCRIPTION = """\
@@ -79,19 +77,20 @@ def add_parser(sub: Any) -> None:
         help="add each example's loss, correct count and prediction to the JSON",
     )
     add_reading_arguments(p)
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    model_kinds, data_kind = check_reading(parser, args, args.models)
+    check_reading(parser, args, args.models)
     if args.per_example and args.out is None:
         parser.error("--per-example adds lists to the JSON: give --out FILE (or --out -)")
-    if args.out is not None and args.out != "-":
-        out = Path(args.out)
-        if out.is_dir():
-            parser.error(f"--out {out} is a folder; give a file name such as scores.json")
-        check_out(parser, args, out, "--out", input_paths(args, model_kinds, data_kind))
+
+
+def writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration: ``--out`` FILE, every MODEL (with a LoRA adapter's
+    base), DATA and the reading flags' folders."""
+    return Writes(file_output("--out", args.out), reading_inputs(args, args.models, [args.data]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,9 +142,9 @@ def execute(args: argparse.Namespace) -> int:
         return 0
     print(table)
     if args.out is not None:
-        from gradmerge._files import write_json
+        from gradmerge._guard import write_json
 
-        write_json(report, Path(args.out))
+        write_json(report, args.out, "--out")
         print(f"wrote {args.out}")
     return 0
 

@@ -56,7 +56,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--rho", type=float, default=1e-3, help="share s counted as a difference (default 1e-3)"
     )
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, writes=writes)
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration: ``--json`` PATH (not ``-``) and every CURVATURE."""
+    from gradmerge._guard import Input
+    from gradmerge.commands._writes import Writes, file_output
+
+    inputs = [Input("CURVATURE", Path(p)) for p in args.curvatures]
+    return Writes(file_output("--json", args.json), inputs)
 
 
 def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3) -> dict[str, Any]:
@@ -143,7 +152,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(describe(report, layers=not args.no_layers))
     if args.json:
-        Path(args.json).write_text(text)
+        from gradmerge._guard import write_text
+
+        try:
+            write_text(text, args.json, "--json")
+        except GradmergeError as err:
+            print(f"gradmerge inspect: error: {err}", file=sys.stderr)
+            return 1
     return 0
 
 

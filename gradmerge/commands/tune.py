@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from gradmerge.commands._inputs import DATA_HELP, add_reading_arguments, check_reading
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 
 FORMAT = "gradmerge-tune/1"
 DESCRIPTION = """\
@@ -124,7 +125,7 @@ def add_parser(sub: Any) -> None:
         "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
     )
     add_reading_arguments(p)
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -136,19 +137,20 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--model-arg does not apply: tune's models are CONFIG's merged folders")
     if not Path(args.config).is_file():
         parser.error(f"CONFIG {args.config} is not a file")
-    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
-        if value is None:
-            continue
-        path = Path(value)
-        if path.exists() and not args.overwrite:
-            parser.error(f"{flag} {path} exists; pass --overwrite to replace it")
-        if flag == "--out" and path.is_dir():
-            parser.error(f"--out {path} is a folder; give a file name such as tune.json")
-        if flag == "--out-dir" and path.exists() and not path.is_dir():
-            parser.error(f"--out-dir {path} is a file; give a folder name")
-        for spec in (args.config, *args.datas, *args.validation):
-            if Path(spec).exists() and path.resolve() == Path(spec).resolve():
-                parser.error(f"{flag} {path} is an input ({spec}); write it elsewhere")
+
+
+def writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration: ``--out`` FILE and ``--out-dir`` DIR against CONFIG
+    with every path it names, each DATA and ``--validation`` file and the reading flags'
+    folders."""
+    from gradmerge._guard import Output
+    from gradmerge.jobs.config import MergeConfig
+
+    outputs = file_output("--out", args.out)
+    if args.out_dir is not None:
+        outputs.append(Output("--out-dir", Path(args.out_dir), "folder"))
+    inputs = MergeConfig.from_yaml(args.config).inputs()
+    return Writes(outputs, inputs + reading_inputs(args, [], [*args.datas, *args.validation]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace) -> int:
     """Load CONFIG, build the grid, run :func:`gradmerge.jobs.tune.tune`, report."""
     from gradmerge._devices import resolve_device
-    from gradmerge._files import write_json
+    from gradmerge._guard import write_json
     from gradmerge.errors import ArgumentError
     from gradmerge.jobs.config import MergeConfig
     from gradmerge.jobs.tune import Point, settings, tune
@@ -183,20 +185,6 @@ def execute(args: argparse.Namespace) -> int:
             "scores each merged model as a Hugging Face model, and a merge's folder takes its "
             "config and tokenizer from the base; give the base as such a folder"
         )
-    inputs = [config.base_model, *(m.model for m in config.models)]
-    inputs += [m.curvature for m in config.models if m.curvature is not None]
-    inputs += list(config.prior.files) if config.prior is not None else []
-    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
-        if value is None:
-            continue
-        target = Path(value).resolve()
-        for path in inputs:
-            inside = Path(path).resolve()
-            if target == inside or inside in target.parents:
-                raise ArgumentError(
-                    f"{flag} {value} is, or is inside, the merge's input {path}: writing there "
-                    "would replace or add to an input; write it elsewhere"
-                )
     if args.validation and len(args.validation) != len(config.models):
         raise ArgumentError(
             f"CONFIG {args.config} merges {len(config.models)} models but "
@@ -240,7 +228,7 @@ def execute(args: argparse.Namespace) -> int:
         body["validation"] = validation_summary(body)
     print(_table(body))
     if args.out is not None:
-        write_json(body, Path(args.out))
+        write_json(body, args.out, "--out")
         print(f"wrote {args.out}")
     if result.chosen is None:
         print("gradmerge tune: error: every setting failed (errors above)", file=sys.stderr)

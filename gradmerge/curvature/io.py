@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmerge._files import publish, temp_file_beside
+from gradmerge._guard import staged_file
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.codec import decode, encode
@@ -42,7 +42,14 @@ def fingerprint(layout: Layout) -> str:
 
 
 def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
-    """Write ``curvature`` to ``path`` (a ``.safetensors`` file), atomically."""
+    """Write ``curvature`` to ``path`` (a ``.safetensors`` file), atomically.
+
+    Raises:
+        ArgumentError: δ·I alone, or Blocks/Sums nested too deep for a file.
+        OutputWriteError: ``path`` could not be written (a full disk, a read-only folder, a
+            parent that is a file, a folder at ``path``); nothing is left of it
+            (:func:`gradmerge._guard.staged_file`).
+    """
     from safetensors.torch import save_file
 
     if curvature.layout is None:
@@ -75,16 +82,10 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         **{f"info.{k}": str(v) for k, v in curvature.meta.items()},
     }
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file_beside(target)
-    try:
+    with staged_file(target, "the curvature file") as tmp:
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta
         )
-        publish(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
 
 

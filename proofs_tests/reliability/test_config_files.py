@@ -146,12 +146,15 @@ def test_case7_output_folder_holding_the_config_is_refused(folder, capsys):
     cfgdir.mkdir()
     (cfgdir / "m.yaml").write_text(yaml.safe_dump(config))
     argv = ["merge", str(cfgdir / "m.yaml"), str(cfgdir), "--overwrite", "--no-progress"]
-    assert cli.main(argv) == 1
-    assert "holds the configuration file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # the output guard: an argument error, before work
+        cli.main(argv)
+    assert info.value.code == 2
+    assert f"OUT_DIR {cfgdir} contains CONFIG" in capsys.readouterr().err
     assert (cfgdir / "m.yaml").is_file()
     # a parent of the config folder too
     argv = ["merge", str(cfgdir / "m.yaml"), str(folder), "--overwrite", "--no-progress"]
-    assert cli.main(argv) == 1
+    with pytest.raises(SystemExit):
+        cli.main(argv)
     assert (cfgdir / "m.yaml").is_file()
     # another folder is fine
     assert cli.main(["merge", str(cfgdir / "m.yaml"), str(folder / "out"), "--no-progress"]) == 0

@@ -305,7 +305,7 @@ BAD = [
     ("one --validation for two models", ("task_arithmetic", {}),
      ["--alphas", "1", "--validation", "@a"], None, 1, "--validation DATA were given"),
     ("--out-dir inside the base", ("task_arithmetic", {}),
-     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 1, "is, or is inside, the merge's input"),
+     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 2, "lies inside base_model"),
     ("a base that is no model folder", ("task_arithmetic", {"base_model": "base/model.safetensors"}),
      ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
     ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "."], None, 2,
