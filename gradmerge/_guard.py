@@ -148,7 +148,7 @@ def refuse_unwritable(output: Output) -> None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".gradmerge-probe-", dir=folder)
     except OSError as err:
-        raise _write_error(output.role, output.path, err, folder) from err
+        raise write_error(output.role, output.path, err, folder) from err
     os.close(fd)
     os.unlink(probe)
 
@@ -179,7 +179,7 @@ def staged_file(target: str | os.PathLike[str], role: str = "OUT") -> Iterator[P
         tmp = temp_file_beside(target)
     except OSError as err:
         _remove_empty(made)
-        raise _write_error(role, target, err) from err
+        raise write_error(role, target, err) from err
     try:
         yield tmp
         publish(tmp, target)
@@ -235,7 +235,7 @@ def staged_folder(
         stage = temp_dir_beside(target, "gradmerge")
     except OSError as err:
         _remove_empty(made)
-        raise _write_error(role, target, err) from err
+        raise write_error(role, target, err) from err
     try:
         yield stage
         publish_folder(stage, target, overwrite, role)
@@ -308,12 +308,14 @@ def _typed(
     ours = inside is not None and named is not None and Path(named).is_relative_to(inside)
     if not (any_errno or code in _WRITE_ONLY or ours):
         return None
-    return _write_error(role, target, err)
+    return write_error(role, target, err)
 
 
-def _write_error(
+def write_error(
     role: str, target: Path, err: BaseException, folder: Path | None = None
 ) -> OutputWriteError:
+    """The one-line :class:`OutputWriteError` for ``err`` (an ``OSError``, or a safetensors error
+    wrapping one) met while writing ``role`` ``target`` (``folder``: where, if not beside it)."""
     code = _errno(err)
     cause = os.strerror(code).lower() if code is not None else str(err)
     where = f" ({folder})" if folder is not None else ""
@@ -338,7 +340,7 @@ def _make_parents(target: Path, role: str) -> list[Path]:
                 f"{role} {target} cannot be written: {folder} is a file, not a folder; choose "
                 "another path"
             ) from err
-        raise _write_error(role, target, err) from err
+        raise write_error(role, target, err) from err
     return made
 
 

@@ -66,7 +66,8 @@ def writes(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the study, print its tables; 2 on an unusable --out or --device."""
+    """Run the study, print its tables; 1 when it fails (an unusable --device, an --out that
+    could not be written: one line of stderr, as the other commands)."""
     from gradmerge.demo import run_demo
     from gradmerge.errors import GradmergeError
 
@@ -86,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             log=lambda line: print(line, flush=True),
         )
-    except GradmergeError as error:
+    except (GradmergeError, OSError) as error:
         print(f"gradmerge demo: error: {error}", file=sys.stderr)
-        return 2
+        return 1
     print("\n" + results.summary())
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0

@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("curvatures", nargs="+", metavar="CURVATURE", help="curvature files")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (- : stdout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json PATH")
     p.add_argument("--no-layers", action="store_true", help="print no per-layer lines")
     p.add_argument(
         "--no-spectra",

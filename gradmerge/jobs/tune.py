@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge import _guard
-from gradmerge._guard import Output, publish_folder
+from gradmerge._guard import Output, publish_folder, write_error
 from gradmerge.errors import ArgumentError, GradmergeError, OutputWriteError
 from gradmerge.jobs.config import MergeConfig
 
@@ -255,8 +255,10 @@ def tune(
                     point.criterion = float(criterion)
                 else:
                     point.error = f"the criterion is {criterion} (non-finite)"
-            except OutputWriteError:  # a full or read-only disk fails every point: stop
-                raise
+            except OutputWriteError as err:  # a full or read-only disk fails every point: stop
+                if keep is None:
+                    raise
+                raise write_error("--out-dir", keep, err) from err
             except GradmergeError as err:
                 point.error = f"{type(err).__name__}: {err}"
             scored.append(point)
