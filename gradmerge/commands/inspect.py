@@ -57,7 +57,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--rho", type=float, default=1e-3, help="share s counted as a difference (default 1e-3)"
     )
-    p.set_defaults(run=run, writes=writes)
+    p.set_defaults(run=run, check=check, writes=writes)
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """argparse errors (exit 2) for an unusable --rho, before any file is read."""
+    from gradmerge.curvature.summary import check_rho
+    from gradmerge.errors import ArgumentError
+
+    try:
+        check_rho(args.rho)
+    except ArgumentError as err:
+        parser.error(str(err))
 
 
 def writes(args: argparse.Namespace) -> Any:
@@ -71,11 +82,22 @@ def writes(args: argparse.Namespace) -> Any:
 
 def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3) -> dict[str, Any]:
     """The numbers ``gradmerge inspect`` prints, as plain JSON values: ``files`` (one entry per
-    path: structure, info, scale, layers) and ``delta_window`` for their sum."""
+    path: structure, info, scale, layers) and ``delta_window`` for their sum.
+
+    A file whose values a merge refuses — NaN/Inf (found decoding them), a clearly negative
+    eigenvalue (:meth:`Curvature.check_psd`, which the merge rules call) — is reported with
+    ``refused`` (the same message), and no δ window is given while one is. A file a merge cannot
+    open (damaged, or a ``num_examples`` that is not a whole number ≥ 1:
+    :func:`gradmerge.curvature.io.recorded_examples`) raises the same error as there.
+
+    Raises:
+        ArgumentError: ``rho`` outside (0, 0.5).
+        FileFormatError: a file that is not a readable curvature file."""
     import torch
 
     from gradmerge.curvature.io import open_curvature
     from gradmerge.curvature.summary import (
+        check_rho,
         delta_window,
         diagonal_values,
         factor_spectra,
@@ -83,13 +105,24 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
         scale_of,
         summed_diagonals,
     )
+    from gradmerge.errors import ArgumentError, NonFiniteError
+    from gradmerge.errors import NotPositiveDefiniteError as NotPD
 
-    files, diagonals = [], []
+    check_rho(rho)
+    files: list[dict[str, Any]] = []
+    diagonals: list[dict[str, Any]] = []
+    refusals: list[str] = []
     for path in paths:
         with open_curvature(path) as f:
-            layers, values = [], {}
+            layers, values, refused = [], {}, None
             for group in f.couplings():
-                part = f.restrict(group, dtype=torch.float64)
+                part = None
+                try:  # a merge's checks of the values: finite (decoding them), PSD
+                    part = f.restrict(group, dtype=torch.float64)
+                    if part is not None:
+                        part.check_psd(name=f"{path} ({group[0]})")
+                except (NonFiniteError, NotPD) as err:
+                    refused = refused or str(err)
                 if part is None:
                     continue
                 diag = diagonal_values(part)
@@ -111,33 +144,33 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                     "structure": f.structure,
                     "dtype": f.metadata.get("dtype"),
                     "info": dict(f.info),
-                    "num_examples": _int(f.info.get("num_examples")),
+                    "num_examples": f.num_examples,
                     "parameters": sum(s.numel() for _, s in f.layout),
                     "scale": scale_of(values.values()).to_json(),
                     "layers": layers,
+                    "refused": refused,
                 }
             )
             diagonals.append(values)
-    shared = set.intersection(*(set(d) for d in diagonals))
+            if refused:
+                refusals.append(refused)
+    shared = set.intersection(*(set(d) for d in diagonals)) if diagonals else set()
     total = summed_diagonals({k: v for k, v in d.items() if k in shared} for d in diagonals)
     window: dict[str, Any] = {"rho": rho, "files": len(paths), "parameters": len(shared)}
     try:
+        if refusals:
+            raise ArgumentError(f"a merge refuses {len(refusals)} of the files (above)")
         low, high = delta_window(list(total.values()), rho=rho)
         window.update(low=low, high=high, empty=low > high)
-    except Exception as err:  # no positive entry
+    except ArgumentError as err:  # refused, or no positive entry
         window.update(low=None, high=None, empty=True, reason=str(err))
     return {"files": files, "delta_window": window}
 
 
-def _int(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run ``gradmerge inspect``; 0 on success, 1 on a bad file (the message goes to stderr)."""
+    """Run ``gradmerge inspect``; 0 on success, 1 on a file that cannot be read (the message
+    goes to stderr) or that a merge refuses (reported, as ``merge --dry-run`` returns 1 where the
+    real run would refuse)."""
     from gradmerge.errors import GradmergeError
 
     try:
@@ -148,9 +181,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradmerge inspect: error: {err}", file=sys.stderr)
         return 1
     text = json.dumps(report, indent=2) + "\n"
+    refused = any(f["refused"] for f in report["files"])
     if args.json == "-":
         sys.stdout.write(text)
-        return 0
+        return 1 if refused else 0
     print(describe(report, layers=not args.no_layers))
     if args.json:
         from gradmerge._guard import write_text
@@ -160,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         except GradmergeError as err:
             print(f"gradmerge inspect: error: {err}", file=sys.stderr)
             return 1
-    return 0
+    return 1 if refused else 0
 
 
 _COLUMNS = ("min", "p10", "p50", "p90", "max")
@@ -182,6 +216,8 @@ def describe(report: dict[str, Any], *, layers: bool = True) -> str:
             f"num_examples {n if n is not None else 'not recorded'}, dtype {f['dtype']}"
             + "".join(f", {k} {v}" for k, v in sorted(f["info"].items()) if k in ("fisher", "loss"))
         )
+        if f["refused"]:
+            lines.append(f"  REFUSED (a merge refuses it too): {f['refused']}")
         lines.append(head)
         lines.append(f"  {_row(f['scale'])}  all entries")
         if layers:

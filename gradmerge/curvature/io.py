@@ -89,6 +89,38 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
     return target
 
 
+def recorded_examples(info: Mapping[str, str], *, where: str) -> int | None:
+    """The ``num_examples`` a curvature file records (``info``: its ``info.*`` metadata), or
+    ``None`` when it records none (files made by hand, or before it was recorded).
+
+    Checked where every reader opens a file (:class:`CurvatureFile`: ``merge``, ``remove``,
+    ``tune``, ``gm.load_curvature``, ``inspect``), so that all treat it alike.
+
+    Example:
+        >>> recorded_examples({"num_examples": "12"}, where="a.safetensors")
+        12
+
+    Raises:
+        FileFormatError: a value that is not a whole number ≥ 1 (zero, negative, ``"abc"``,
+            ``"1.5"``), naming the file (``where``): a curvature is a SUM over its examples, and
+            a count that is not one says the file is not what it claims to be.
+    """
+    value = info.get("num_examples")
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1 or str(count) != value.strip():
+        raise FileFormatError(
+            f"{where}: num_examples is {value!r}, expected a whole number ≥ 1 (a curvature is a "
+            "SUM over its examples): the file is damaged or was edited; estimate it again, or "
+            "record the right count (gradmerge convert-curvature --num-examples N)"
+        )
+    return count
+
+
 def load_curvature(
     path: str | os.PathLike[str],
     *,
@@ -284,6 +316,7 @@ class CurvatureFile:
         self._groups = groups
         self.metadata: dict[str, str] = dict(meta)
         self.info: dict[str, str] = {k[5:]: v for k, v in meta.items() if k.startswith("info.")}
+        self.num_examples = recorded_examples(self.info, where=str(self.path))
         self.bytes_read = 0
 
     def __repr__(self) -> str:

@@ -229,8 +229,7 @@ def delta_window(total: Tensor | Iterable[Tensor], *, rho: float = RHO) -> tuple
     Raises:
         ArgumentError: no positive entry, or ρ outside (0, 0.5).
     """
-    if not 0 < rho < 0.5:
-        raise ArgumentError(f"rho must be in (0, 0.5), got {rho!r}")
+    check_rho(rho)
     tensors = [total] if isinstance(total, Tensor) else list(total)
     positive = [p for t in tensors if (p := t[t > 0]).numel()]
     if not positive:
@@ -242,6 +241,20 @@ def delta_window(total: Tensor | Iterable[Tensor], *, rho: float = RHO) -> tuple
         rho / (1 - rho) * scale.percentiles["p90"],
         (1 - rho) / rho * scale.percentiles["p10"],
     )
+
+
+def check_rho(rho: float) -> None:
+    """ρ, the prior share counted as a difference, must lie in (0, 0.5): at 0 every δ counts,
+    from 0.5 on the window's ends cross (NaN is refused too).
+
+    Raises:
+        ArgumentError: ρ outside (0, 0.5).
+    """
+    if not 0 < rho < 0.5:
+        raise ArgumentError(
+            f"rho (--rho) must be in (0, 0.5), got {rho!r}: the share of the prior counted as a "
+            "difference, e.g. 1e-3"
+        )
 
 
 def summed_diagonals(curvatures: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
