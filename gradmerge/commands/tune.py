@@ -194,6 +194,7 @@ def execute(args: argparse.Namespace) -> int:
         config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales
     )
     scorer = Scorer(args, config, resolve_device(args.device))
+    scorer.read(Path(config.base_model))  # DATA errors (no labels, ...) before the first merge
     print(
         f"{config.method}: {len(points)} settings, criterion {args.criterion} on "
         f"{len(args.datas)} tasks' training data",
@@ -231,7 +232,10 @@ def execute(args: argparse.Namespace) -> int:
         write_json(body, args.out, "--out")
         print(f"wrote {args.out}")
     if result.chosen is None:
-        print("gradmerge tune: error: every setting failed (errors above)", file=sys.stderr)
+        print(
+            "gradmerge tune: error: every setting failed (each one's error is in the table)",
+            file=sys.stderr,
+        )
         return 1
     if result.kept is not None:
         print(f"wrote the chosen merge to {result.kept}")
@@ -264,8 +268,8 @@ class Scorer:
         model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
         model = model.to(self.device).eval()
         if self.data is None:
-            self.data = [self._load(model, folder, spec, args.max_examples) for spec in args.datas]
-            self.validation = [self._load(model, folder, spec, None) for spec in args.validation]
+            self.read(folder, model)
+        assert self.data is not None
         tasks: list[dict[str, Any]] = []
         total = 0.0
         for t, (spec, data) in enumerate(zip(args.datas, self.data, strict=True)):
@@ -308,6 +312,21 @@ class Scorer:
                     }
                 )
         return total, figures
+
+    def read(self, folder: Path, model: torch.nn.Module | None = None) -> None:
+        """Read DATA and ``--validation`` for the model of ``folder`` (the base, before any
+        merge: every merged folder has its config and tokenizer, so the batches are the same).
+
+        Raises:
+            GradmergeError: unusable DATA (records without labels, ...), before any merge runs.
+        """
+        from gradmerge.io import sources
+
+        args = self.args
+        if model is None:
+            model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
+        self.data = [self._load(model, folder, spec, args.max_examples) for spec in args.datas]
+        self.validation = [self._load(model, folder, spec, None) for spec in args.validation]
 
     def _use_head(self, t: int, model: torch.nn.Module) -> None:
         """Copy task t's head (the parameters matching ``--task-heads``, read from CONFIG's t-th
@@ -464,8 +483,8 @@ def _table(body: dict[str, Any]) -> str:
     lines = [f"{'setting':<40} {body['criterion']:>12}  training loss per task"]
     for index, point in enumerate(body["points"]):
         mark = " <- chosen" if index == body["chosen_index"] else ""
-        if point["criterion"] is None:
-            value, losses = "failed", ""
+        if point["criterion"] is None:  # the reason, whether progress lines were printed or not
+            value, losses = "failed", f"({point['error']})"
         else:
             value = f"{point['criterion']:.6g}"
             losses = " ".join(f"{task['mean_loss']:.4f}" for task in point["tasks"])

@@ -812,6 +812,11 @@ def _load_yaml(path: str | os.PathLike[str]) -> tuple[Any, Path]:
         data = yaml.load(text, Loader=_strict_loader())  # a yaml.SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"{source} is not valid YAML: {err}") from err
+    except RecursionError:  # PyYAML reads nested lists and mappings recursively
+        raise ConfigError(
+            f"{source} nests deeper than gradmerge reads (lists or mappings inside one another, "
+            "hundreds of levels deep); a configuration needs a few levels: check the file"
+        ) from None
     return data, source.absolute().parent
 
 
