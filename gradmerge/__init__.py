@@ -33,6 +33,7 @@ from gradmerge.errors import (
     DTypeError,
     FileFormatError,
     GradmergeError,
+    InputChangedError,
     InputWarning,
     MissingExtraError,
     MissingInputError,
@@ -122,6 +123,7 @@ __all__ = [
     "distributed",
     # errors
     "GradmergeError",
+    "InputChangedError",
     "InputWarning",
     "MissingExtraError",
     "StructureError",

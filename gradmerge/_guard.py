@@ -53,7 +53,12 @@ from pathlib import Path
 from typing import Literal
 
 from gradmerge._files import publish, temp_dir_beside, temp_file_beside
-from gradmerge.errors import OutputExistsError, OutputOverlapError, OutputWriteError
+from gradmerge.errors import (
+    InputChangedError,
+    OutputExistsError,
+    OutputOverlapError,
+    OutputWriteError,
+)
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,62 @@ def refuse_unwritable(output: Output) -> None:
         raise write_error(output.role, output.path, err, folder) from err
     os.close(fd)
     os.unlink(probe)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The size and modification time of every file of the inputs, taken before a run reads
+    them, to find those that changed while it read (:meth:`check`, before the output is
+    renamed into place): a checkpoint rewritten or appended to mid-merge would give an output
+    that mixes two versions. A file truncated while it is memory-mapped cannot be caught this
+    way: reading past its new end kills the process (SIGBUS) before the check; the output is
+    not created either way (rule 4), docs/reliability.md.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = Path(d, "a.bin"); _ = path.write_bytes(b"12")
+        ...     snapshot = Snapshot.of([Input("MODEL", path)])
+        ...     _ = path.write_bytes(b"123")
+        ...     try:
+        ...         snapshot.check()
+        ...     except InputChangedError as err:
+        ...         print(str(err).split(" (")[0].replace(d, "D"))
+        MODEL D/a.bin changed while the run read it
+    """
+
+    files: tuple[tuple[str, Path, int, int], ...]
+    """(role, file, size, modification time in ns) of every file of every input."""
+
+    @classmethod
+    def of(cls, inputs: Sequence[Input]) -> Snapshot:
+        """The inputs' files as they are now (a folder: every file under it; missing: none)."""
+        found = []
+        for item in inputs:
+            paths = [item.path] if item.path.is_file() else []
+            if item.path.is_dir():
+                paths = sorted(p for p in item.path.rglob("*") if p.is_file())
+            for path in paths:
+                stat = path.stat()
+                found.append((item.role, path, stat.st_size, stat.st_mtime_ns))
+        return cls(tuple(found))
+
+    def check(self) -> None:
+        """Raise :class:`InputChangedError` naming the first file whose size or modification
+        time differs from the snapshot's (or that is gone)."""
+        for role, path, size, mtime in self.files:
+            try:
+                stat = path.stat()
+                now: tuple[int, int] | None = (stat.st_size, stat.st_mtime_ns)
+            except OSError:
+                now = None
+            if now != (size, mtime):
+                what = "is gone" if now is None else f"{size:,} -> {now[0]:,} bytes"
+                raise InputChangedError(
+                    f"{role} {path} changed while the run read it ({what}): the output could mix "
+                    "two versions of it, so nothing was written; run again once it no longer "
+                    "changes"
+                )
 
 
 # ----- writing: staged beside the target, renamed when complete ----------------------------------

@@ -106,6 +106,11 @@ class OutputWriteError(GradmergeError, OSError):
     (:mod:`gradmerge._guard`)."""
 
 
+class InputChangedError(GradmergeError, RuntimeError):
+    """An input file that changed (size or modification time) while the run read it: the output
+    could mix two versions of it, so it is not written (:class:`gradmerge._guard.Snapshot`)."""
+
+
 class StepTooLargeError(GradmergeError, ValueError):
     """A removal step far larger than what it undoes: a near-zero curvature direction exploded."""
 

@@ -142,6 +142,7 @@ def run_merge(
         StructureError, DTypeError: inputs that do not fit together (the tensor is named).
         NotPositiveDefiniteError: a singular system (the message says which prior/damping to raise).
         FileFormatError: a corrupt or truncated input.
+        InputChangedError: an input file changed while the merge read it (nothing written).
 
     Example:
         >>> import tempfile, torch
@@ -161,9 +162,9 @@ def run_merge(
     """
     with ExitStack() as stack:
         start = time.perf_counter()
-        check_output(config, out_dir, overwrite=overwrite)
+        snapshot = check_output(config, out_dir, overwrite=overwrite)
         job = _open_merge(config, stack)
-        return _execute(job, config, out_dir, overwrite, progress, start)
+        return _execute(job, config, out_dir, overwrite, progress, start, snapshot)
 
 
 def run_remove(
@@ -181,9 +182,9 @@ def run_remove(
     """
     with ExitStack() as stack:
         start = time.perf_counter()
-        check_output(config, out_dir, overwrite=overwrite)
+        snapshot = check_output(config, out_dir, overwrite=overwrite)
         job = _open_remove(config, stack)
-        return _execute(job, config, out_dir, overwrite, progress, start)
+        return _execute(job, config, out_dir, overwrite, progress, start, snapshot)
 
 
 def plan_merge(config: MergeConfig) -> Plan:
@@ -758,6 +759,7 @@ def _execute(
     overwrite: bool,
     progress: bool,
     start: float,
+    snapshot: _guard.Snapshot,
 ) -> MergeReport:
     target = Path(out_dir).absolute()
     plan = job.plan
@@ -807,6 +809,7 @@ def _execute(
         record = stage / f"gradmerge_{job.command}.json"
         record.write_text(json.dumps(job.record(config, shards, seconds), indent=2) + "\n")
         names = [p.name for p in (*shards, *assets, record)]
+        snapshot.check()  # an input rewritten while read: nothing is published
     return MergeReport(
         out_dir=target,
         files=tuple(target / n for n in names),
@@ -921,16 +924,20 @@ def _progress(enabled: bool, total: int, command: str, tensors: int) -> Progress
 
 def check_output(
     config: MergeConfig | RemoveConfig, out_dir: str | os.PathLike[str], *, overwrite: bool
-) -> None:
+) -> _guard.Snapshot:
     """The output guard (:func:`gradmerge._guard.check`) for ``out_dir`` against every input of
-    ``config`` (:meth:`~gradmerge.jobs.config.FromYaml.inputs`), before any input is opened.
+    ``config`` (:meth:`~gradmerge.jobs.config.FromYaml.inputs`), before any input is opened;
+    returns the inputs' :class:`~gradmerge._guard.Snapshot`, checked again before the output is
+    renamed into place.
 
     Raises:
         OutputOverlapError: ``out_dir`` is, lies inside or contains an input.
         OutputExistsError: ``out_dir`` exists and not ``overwrite``.
         OutputWriteError: ``out_dir`` is a file, lies below one, or its folder is not writable.
     """
-    _guard.check([Output("OUT_DIR", Path(out_dir), "folder")], config.inputs(), overwrite=overwrite)
+    inputs = config.inputs()
+    _guard.check([Output("OUT_DIR", Path(out_dir), "folder")], inputs, overwrite=overwrite)
+    return _guard.Snapshot.of(inputs)
 
 
 def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]:
