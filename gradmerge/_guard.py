@@ -146,10 +146,7 @@ def refuse_unwritable(output: Output) -> None:
     while not folder.exists() and not folder.is_symlink():
         folder = folder.parent
     if not folder.is_dir():
-        raise OutputWriteError(
-            f"{output.role} {output.path} cannot be written: {folder} is a file, not a folder; "
-            "choose another path"
-        )
+        raise _parent_is_a_file(output.role, output.path, folder)
     try:
         fd, probe = tempfile.mkstemp(prefix=".gradmerge-probe-", dir=folder)
     except OSError as err:
@@ -233,8 +230,7 @@ def staged_file(target: str | os.PathLike[str], role: str = "OUT") -> Iterator[P
         done
     """
     target = Path(target)
-    if target.is_dir():
-        raise OutputWriteError(f"{role} {target} is a folder; give a file name")
+    refuse_existing(Output(role, target, "file"), overwrite=True)  # a folder in the way
     made = _make_parents(target, role)
     try:
         tmp = temp_file_beside(target)
@@ -397,12 +393,15 @@ def _make_parents(target: Path, role: str) -> list[Path]:
         _remove_empty(made)
         folder = next((p for p in target.absolute().parents if p.exists()), None)
         if folder is not None and not folder.is_dir():
-            raise OutputWriteError(
-                f"{role} {target} cannot be written: {folder} is a file, not a folder; choose "
-                "another path"
-            ) from err
+            raise _parent_is_a_file(role, target, folder) from err
         raise write_error(role, target, err) from err
     return made
+
+
+def _parent_is_a_file(role: str, target: Path, folder: Path) -> OutputWriteError:
+    return OutputWriteError(
+        f"{role} {target} cannot be written: {folder} is a file, not a folder; choose another path"
+    )
 
 
 def _remove_empty(made: list[Path]) -> None:
