@@ -937,7 +937,8 @@ def check_output(
     """
     inputs = config.inputs()
     _guard.check([Output("OUT_DIR", Path(out_dir), "folder")], inputs, overwrite=overwrite)
-    return _guard.Snapshot.of(inputs)
+    # the files read while the merge runs (the configuration was read once, before)
+    return _guard.Snapshot.of([i for i in inputs if i.role != "CONFIG"])
 
 
 def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]:

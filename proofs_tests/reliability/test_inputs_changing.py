@@ -90,3 +90,17 @@ sys.exit(main(["merge", {str(folder / "m.yaml")!r}, {str(folder / "out")!r}, "--
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == -signal.SIGBUS, done.stderr  # killed: no error message is possible
     assert not (folder / "out").exists()
+
+
+def test_the_configuration_edited_mid_merge_is_not_a_change(folder, capsys, monkeypatch):
+    """The YAML was read once, before the merge: editing it afterwards changes nothing read."""
+    original = writer.ShardedWriter.write
+
+    def write_and_edit(self, name, tensor):
+        with open(folder / "m.yaml", "a") as handle:
+            handle.write("# edited\n")
+        return original(self, name, tensor)
+
+    monkeypatch.setattr(writer.ShardedWriter, "write", write_and_edit)
+    assert cli.main(["merge", str(folder / "m.yaml"), str(folder / "out"), "--no-progress"]) == 0
+    assert (folder / "out" / "model.safetensors").is_file()
