@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch lies on disk on these machines; pin it so no multi-GB CUDA build is fetched.
 TORCH ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-# test-time oracles, installed without their declared torchvision (see pyproject's test extra)
-ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1
+# test-time oracles, installed without their declared dependencies (see pyproject's test extra):
+# BackPACK and curvlinops declare torchvision (a CUDA torch); fusion-bench's method files need
+# torch only (proofs_tests/oracles/test_fusion_bench.py), its package import Lightning, Hydra, ...
+ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 fusion-bench==0.2.33
 
 .PHONY: setup demo verify test lint format clean
 

@@ -1043,27 +1043,26 @@ def paired_bootstrap(
     pairs: list[dict[str, tuple[str, str]]], resamples: int, seed: int = 0
 ) -> dict[str, float]:
     """95% interval of mean over seeds of [mean over tasks of acc(A) − acc(B)]: ``pairs`` holds,
-    per seed, task → (A's correctness string, B's), on the same texts; the texts of each task of
-    each seed are resampled with replacement, the same indices for A and B (paired)."""
-    gen = torch.Generator().manual_seed(seed)
-    diffs = []
-    for per_task in pairs:
-        per_seed = torch.zeros(resamples, dtype=torch.float64)
-        for a, b in per_task.values():
-            d = torch.tensor(
-                [int(x) - int(y) for x, y in zip(a, b, strict=True)], dtype=torch.float64
-            )
-            idx = torch.randint(len(d), (resamples, len(d)), generator=gen)
-            per_seed += d[idx].mean(1) / len(per_task)
-        diffs.append(per_seed)
-    boot = torch.stack(diffs).mean(0)
-    point = sum(
-        sum(sum(int(x) - int(y) for x, y in zip(a, b, strict=True)) / len(a) for a, b in p.values())
-        / len(p)
-        for p in pairs
-    ) / len(pairs)
-    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"difference": point, "ci95": [lo, hi], "resamples": resamples}
+    per seed, task → (A's correctness string, B's), on the same texts. Every (seed, task) is a
+    stratum of :func:`gradmerge.bootstrap.paired_bootstrap` (the statistic of ``gradmerge
+    evaluate --compare``): its texts are resampled with replacement, the same indices for A and
+    B, and the mean over strata is the mean over seeds of the mean over tasks (every seed has
+    the same tasks)."""
+    from gradmerge.bootstrap import paired_bootstrap as bootstrap
+
+    strata = [pair for per_task in pairs for pair in per_task.values()]
+    result = bootstrap(
+        [[int(x) for x in a] for a, _ in strata],
+        [[int(y) for y in b] for _, b in strata],
+        resamples=resamples,
+        seed=seed,
+    )
+    pooled = result.pooled
+    return {
+        "difference": pooled.estimate,
+        "ci95": [pooled.low, pooled.high],
+        "resamples": resamples,
+    }
 
 
 def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:

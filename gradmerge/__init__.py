@@ -44,6 +44,7 @@ from gradmerge.errors import (
     OutputOverlapError,
     OutputWriteError,
     ResultOverflowError,
+    SelectionWarning,
     StructureError,
 )
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
@@ -59,6 +60,7 @@ from gradmerge.merge import (
     task_arithmetic,
 )
 from gradmerge.solvers import Solution, SolverSpec
+from gradmerge.spectral import iso_c, iso_cts, tsv_merge
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge import distributed, io, jobs, kernels
@@ -92,6 +94,10 @@ __all__ = [
     "influence_remove",
     "refine",
     "regmean",
+    # data-free merges in each weight matrix's singular basis (TSV-M, Iso-C, Iso-CTS)
+    "tsv_merge",
+    "iso_c",
+    "iso_cts",
     "fused_kernels",
     "kernels",
     # curvature operators
@@ -125,6 +131,7 @@ __all__ = [
     "GradmergeError",
     "InputChangedError",
     "InputWarning",
+    "SelectionWarning",
     "MissingExtraError",
     "StructureError",
     "DTypeError",

@@ -82,6 +82,11 @@ class InputWarning(UserWarning):
     merge, a curvature estimated at other weights than the model it is paired with)."""
 
 
+class SelectionWarning(InputWarning):
+    """A label-free choice of a merge's setting (``gradmerge tune``) that may not be what it
+    seems: the chosen point on the edge of its grid, or a criterion kept as a diagnostic only."""
+
+
 class ConfigError(ArgumentError):
     """A merge/remove configuration with an unknown key, a missing one, or an unusable value."""
 

@@ -37,6 +37,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ def evaluate(
     loss: str = "cross_entropy",
     ignore_index: int = -100,
     device: torch.device | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Evaluation:
     """Accuracy and mean loss of ``model`` on ``data`` (module docstring), without gradients.
 
@@ -173,6 +175,11 @@ def evaluate(
         loss: ``"cross_entropy"`` (class or token ids as targets) or ``"mse"``.
         ignore_index: targets with this value are not scored (cross-entropy).
         device: move each batch there (the model's device); ``None``: leave them.
+        autocast: run the model's forward under ``torch.autocast`` in this dtype
+            (``torch.bfloat16`` or ``torch.float16``; the weights stay as they are) and score its
+            logits in float32: 3-4x faster on CPUs with AMX and on GPUs, at the price of
+            bfloat16's rounding in the logits (a prediction within that rounding of a tie may
+            flip). ``None`` (default): the model's own dtype.
 
     Returns:
         An :class:`Evaluation`.
@@ -187,8 +194,16 @@ def evaluate(
     result = Evaluation(loss=LossFunction.check(loss, "loss").value)
     cross_entropy = result.loss == LossFunction.CROSS_ENTROPY.value
     token_level: bool | None = None
+    if autocast not in (None, torch.bfloat16, torch.float16):
+        raise ArgumentError(
+            f"autocast: expected torch.bfloat16, torch.float16 or None, got {autocast}"
+        )
     for index, inputs, targets in batches(data, device=device):
-        outputs = forward(model, inputs)
+        kind = (device or _device_of(model)).type
+        with torch.autocast(kind, dtype=autocast) if autocast else contextlib.nullcontext():
+            outputs = forward(model, inputs)
+        if autocast is not None:
+            outputs = outputs.float()
         losses = per_example_loss(outputs, targets, spec, batch=index)  # checks shapes, finite
         result.loss_per_example.extend(float(v) for v in losses.double().cpu())
         if not cross_entropy:
@@ -217,3 +232,8 @@ def evaluate(
             "check the labels (and --ignore-index)"
         )
     return result
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))

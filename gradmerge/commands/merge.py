@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
 
   method: gradient_matching      # task_arithmetic | fisher_average | gradient_matching | regmean
+                                 # | tsv_merge | iso_c | iso_cts (data-free, no curvature)
   base_model: path/to/base        # θ_LLM: .safetensors file, shard folder or Hugging Face folder
   models:
     - {model: path/to/finetuned_a, curvature: a.curvature.safetensors, alpha: 1.0}
@@ -22,7 +24,8 @@ configuration (YAML; relative paths are relative to the YAML file), for example:
   prior: {delta: 1.0e-6}          # H_0 = δI (+ s·C from curvature files)
 
 Every key (dtype, compute_dtype, device, passthrough, max_shard_size, allow_mixed_dtypes,
-curvature_weights, solver, scale, damping, off_diagonal, models[].scale, ...) is described once, with examples, in
+curvature_weights, solver, scale, damping, off_diagonal, common_space_fraction, average,
+models[].scale, ...) is described once, with examples, in
 docs/config.md of the gradmerge repository.
 
 methods:
@@ -47,8 +50,8 @@ def add_parser(sub: Any) -> None:
         "merge",
         help="merge fine-tuned checkpoints (Eq. 6 and its special cases), streaming",
         description="Merge fine-tuned checkpoints into OUT_DIR by task arithmetic, Fisher "
-        "averaging, uncertainty-based gradient matching (Eq. 6) or RegMean, reading and writing "
-        "safetensors tensor group by tensor group (bounded memory).",
+        "averaging, uncertainty-based gradient matching (Eq. 6), RegMean, TSV-M, Iso-C or "
+        "Iso-CTS, reading and writing safetensors tensor group by tensor group (bounded memory).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG.replace("{methods}", help_table("merge")),
     )
@@ -197,17 +200,37 @@ def describe_systems(config: Any) -> int:
     bad = [c for c in checks if not c.ok]
     if checks:
         print(f"systems: {len(checks) - len(bad)} of {len(checks)} units solvable as configured")
+        print(f"  {_checked(checks)}")
     for check in bad:
         print(f"  {check.describe()}")
-    if bad:
-        needed = max(c.needed for c in bad)
-        print(f"set `{bad[0].key}` to at least {needed:.2g} (the largest above) and run again")
-    elif isinstance(config, RemoveConfig):
+    fixable = [c.needed for c in bad if math.isfinite(c.needed)]
+    if fixable:
+        print(
+            f"set `{bad[0].key}` to at least {max(fixable):.2g} (the largest above) and run again"
+        )
+    if not bad and isinstance(config, RemoveConfig):
         return _removal_verdict(config)
     note = delta_note(config) if isinstance(config, MergeConfig) else None
     if note:
         print(f"gradmerge merge: warning: {note}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _checked(checks: Any) -> str:
+    """What the dry run checked of the units' values, by how it judged them."""
+    computed = sum(c.solved is not None for c in checks)
+    parts = []
+    if computed:
+        parts.append(
+            f"{computed} computed as the real run computes them (solve, certificate, overflow "
+            "of the compute and output dtypes)"
+        )
+    if len(checks) > computed:
+        parts.append(
+            f"{len(checks) - computed} judged by their smallest eigenvalue without computing "
+            "(their results' overflow is checked by the real run only)"
+        )
+    return "; ".join(parts)
 
 
 def _removal_verdict(config: Any) -> int:
@@ -235,8 +258,8 @@ def describe_plan(plan: Any, config: Any) -> str:
     """A short description of a plan, for ``--dry-run``."""
     largest = list(plan.largest_unit.keys)
     return (
-        f"{config.method}: inputs fit together (names, shapes, dtypes; their values — NaN/Inf, "
-        "definiteness, overflow — are checked only by the real run).\n"
+        f"{config.method}: inputs fit together (names, shapes, dtypes; their values — NaN/Inf — "
+        "are checked only by the real run, as is any result not computed below).\n"
         f"{len(plan.shapes)} tensors: {len(plan.merged)} merged in {sum(u.merged for u in plan.units)} "
         f"groups, {len(plan.copied)} copied from the base; output {_size(plan.out_bytes())}\n"
         f"largest group: {largest[:4]}{' ...' if len(largest) > 4 else ''} ({len(largest)} tensors)"

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradmerge.commands._inputs import DATA_HELP, add_reading_arguments, check_reading
+from gradmerge.commands._inputs import (
+    AUTOCAST,
+    DATA_HELP,
+    add_autocast_argument,
+    add_reading_arguments,
+    check_reading,
+)
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
+from gradmerge.jobs.tune import CRITERIA
 
 FORMAT = "gradmerge-tune/1"
 DESCRIPTION = """\
@@ -23,33 +31,40 @@ Runs the merge of CONFIG (a gradmerge merge YAML file, any method) once per poin
 --alphas × --deltas × --prior-scales and scores each merged model on the tasks' own
 TRAINING data — DATA, one file per model of CONFIG, in the order of its models: — read as
 gradmerge curvature reads data (the same flags). No test or validation label is read; the
-training data's labels are. The grid point of least criterion is chosen (gradmerge.jobs.tune):
+training data's labels are. --base-data DATA adds the base model's own training data (the task
+base_model was trained on) as one more task, scored like the others and reported separately. The
+criterion is a sum of one term per task, each task weighted alike; the grid point of least
+criterion is chosen (gradmerge.jobs.tune):
 
-- --criterion loss (default): Σ_t L̄_t(θ), each task's mean training loss (per example for a
-  classifier, per token for a causal LM);
-- --criterion mismatch: Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's gradient mismatch of the
-  mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG (one more backward pass
-  per task and point).
+- --criterion loss (default, recommended): Σ_t L̄_t(θ), each task's mean training loss (per
+  example for a classifier, per token for a causal LM), the base task's included;
+- --criterion mismatch (a diagnostic, warns): Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's
+  gradient mismatch of the mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG
+  (at base_model for the base task; one more backward pass per task and point). It measures how
+  far the merge is from each fine-tune, so it prefers the point nearest to them (α = 1/T for
+  tasks alike) whatever the data say: docs/guide.md, "Choosing α without labels".
 
 --alphas sets CONFIG's scale (every α_t becomes scale·α_t); --deltas and
---prior-scales set gradient matching's prior: {delta, scale}. A table goes to stdout;
---out FILE writes the JSON (the chosen setting, the criterion and every task's training loss
-and accuracy per point); --out-dir DIR keeps the chosen merged model (with its
-gradmerge_merge.json). Points whose merge fails (e.g. δ too small to solve) are listed with
-their error and skipped.
+--prior-scales set gradient matching's prior: {delta, scale}. A table goes to stdout (per point
+the criterion and each task's term); --out FILE writes the JSON (the chosen setting, whether it
+is at the grid's edge, and per point the criterion and every task's term, training loss and
+accuracy); --out-dir DIR keeps the chosen merged model (with its gradmerge_merge.json). Points
+whose merge fails (e.g. δ too small to solve) are listed with their error and skipped. A choice
+at the lowest or highest value of a grid warns: the best setting may lie beyond it.
 
 Tasks with their own heads over one merged body (--task-heads 'classifier.*'): task t is
-scored with the parameters matching the globs taken from CONFIG's t-th model, the rest from the
-merged model (give CONFIG passthrough: [classifier.*] so the heads are not merged).
+scored with the parameters matching the globs taken from CONFIG's t-th model (the base task:
+from base_model), the rest from the merged model (give CONFIG passthrough: [classifier.*] so the
+heads are not merged).
 """
 EXAMPLES = """\
 examples:
-  # task arithmetic: α from a grid, by the tasks' training loss (labels of TRAINING data only)
-  gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --alphas 0.2,0.4,0.6,0.8,1.0 \\
-      --max-examples 500 --out ta_tune.json --out-dir merged-ta-tuned
-  # gradient matching: α × δ, by Eq. 2's gradient mismatch
-  gradmerge tune gm.yaml train_a.jsonl train_b.jsonl --alphas 0.5,1 --deltas 1e-4,1e-2,1 \\
-      --criterion mismatch --out gm_tune.json
+  # task arithmetic: α from a grid, by the training loss of the tasks and of the base's own task
+  gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --base-data train_base.jsonl \\
+      --alphas 0.2,0.4,0.6,0.8,1.0,1.5 --max-examples 500 --out ta_tune.json --out-dir merged-ta-tuned
+  # gradient matching: α × δ
+  gradmerge tune gm.yaml train_a.jsonl train_b.jsonl --base-data train_base.jsonl \\
+      --alphas 0.5,1 --deltas 1e-4,1e-2,1 --out gm_tune.json
   # tasks with their own classifier heads over one merged encoder
   gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --alphas 0.3,0.6,1 --task-heads 'classifier.*'
 """
@@ -101,7 +116,20 @@ def add_parser(sub: Any) -> None:
         metavar="GRID",
         help="values of prior.scale (the prior curvature's factor)",
     )
-    p.add_argument("--criterion", choices=["loss", "mismatch"], default="loss")
+    p.add_argument(
+        "--base-data",
+        default=None,
+        metavar="DATA",
+        help="the base model's own training data (the task base_model was trained on): scored "
+        "as one more task, its term weighted like the others and reported separately",
+    )
+    p.add_argument(
+        "--criterion",
+        choices=CRITERIA,
+        default=CRITERIA[0],
+        help="loss (default): the mean training losses; mismatch: Eq. 2's gradient mismatch, a "
+        "diagnostic that prefers the point nearest to the fine-tunes (it warns)",
+    )
     p.add_argument(
         "--task-heads",
         action="append",
@@ -120,17 +148,24 @@ def add_parser(sub: Any) -> None:
         "at every point and REPORTED beside the choice (best setting on it, and how the chosen "
         "one does there); never used to choose. --max-examples does not cut it",
     )
+    p.add_argument(
+        "--base-validation",
+        default=None,
+        metavar="DATA",
+        help="held-out labelled data of the base model's own task, reported like --validation",
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON report to FILE")
     p.add_argument(
         "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
     )
     add_reading_arguments(p)
+    add_autocast_argument(p)
     p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    for spec in [*args.datas, *args.validation]:
+    for spec in _inputs(args):
         args.data = spec
         check_reading(parser, args, [])
     if args.model_arg:
@@ -141,7 +176,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def writes(args: argparse.Namespace) -> Writes:
     """The output guard's declaration: ``--out`` FILE and ``--out-dir`` DIR against CONFIG
-    with every path it names, each DATA and ``--validation`` file and the reading flags'
+    with every path it names, each DATA (the tasks', ``--base-data``) and held-out file (``--validation``,
+    ``--base-validation``) and the reading flags'
     folders."""
     from gradmerge._guard import Output
     from gradmerge.jobs.config import MergeConfig
@@ -150,7 +186,13 @@ def writes(args: argparse.Namespace) -> Writes:
     if args.out_dir is not None:
         outputs.append(Output("--out-dir", Path(args.out_dir), "folder"))
     inputs = MergeConfig.from_yaml(args.config).inputs()
-    return Writes(outputs, inputs + reading_inputs(args, [], [*args.datas, *args.validation]))
+    return Writes(outputs, inputs + reading_inputs(args, [], _inputs(args)))
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """Every DATA the command reads: the tasks', the base's, the held-out ones."""
+    extra = [spec for spec in (args.base_data, args.base_validation) if spec is not None]
+    return [*args.datas, *args.validation, *extra]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,9 +211,9 @@ def execute(args: argparse.Namespace) -> int:
     """Load CONFIG, build the grid, run :func:`gradmerge.jobs.tune.tune`, report."""
     from gradmerge._devices import resolve_device
     from gradmerge._guard import write_json
-    from gradmerge.errors import ArgumentError
+    from gradmerge.errors import ArgumentError, SelectionWarning
     from gradmerge.jobs.config import MergeConfig
-    from gradmerge.jobs.tune import Point, settings, tune
+    from gradmerge.jobs.tune import DIAGNOSTIC_ONLY, Point, settings, tune
 
     config = MergeConfig.from_yaml(args.config)
     if len(args.datas) != len(config.models):
@@ -193,11 +235,14 @@ def execute(args: argparse.Namespace) -> int:
     points = settings(
         config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales
     )
+    if args.criterion in DIAGNOSTIC_ONLY:
+        warnings.warn(DIAGNOSTIC_ONLY[args.criterion], SelectionWarning, stacklevel=1)
     scorer = Scorer(args, config, resolve_device(args.device))
     scorer.read(Path(config.base_model))  # DATA errors (no labels, ...) before the first merge
+    base = "" if args.base_data is None else " and the base model's"
     print(
         f"{config.method}: {len(points)} settings, criterion {args.criterion} on "
-        f"{len(args.datas)} tasks' training data",
+        f"{len(args.datas)} tasks'{base} training data",
         file=sys.stderr,
     )
 
@@ -222,10 +267,11 @@ def execute(args: argparse.Namespace) -> int:
         "config": str(Path(args.config).resolve()),
         "method": config.method,
         "criterion": args.criterion,
-        "data": [str(Path(d).resolve()) if Path(d).exists() else d for d in args.datas],
+        "data": [_resolved(d) for d in args.datas],
+        "base_data": None if args.base_data is None else _resolved(args.base_data),
         **result.to_dict(config),
     }
-    if args.validation:
+    if args.validation or args.base_validation is not None:
         body["validation"] = validation_summary(body)
     print(_table(body))
     if args.out is not None:
@@ -246,23 +292,34 @@ class Scorer:
     """A merged folder ↦ (criterion, figures) on the tasks' training data (and, reported only,
     on ``--validation`` data).
 
-    The data are read once, with the first merged model (every merged folder has the base's
-    config and tokenizer, so the tokenised batches are the same for all); for ``mismatch`` the
-    reference gradients ∇ℓ̄_t(θ_t) are computed once per task, at CONFIG's θ_t.
+    Task t < T is CONFIG's t-th model with the t-th DATA; with ``--base-data``, task T is the
+    base task: base_model with that DATA (its head is base_model's under ``--task-heads``, its
+    mismatch reference ∇ℓ̄_0(θ_LLM)). The data are read once, with base_model before the first
+    merge (:meth:`read`; every merged folder has the base's config and tokenizer, so the
+    tokenised batches are the same for all); for ``mismatch`` the reference gradients ∇ℓ̄_t(θ_t) are computed once per task.
     """
 
     def __init__(self, args: argparse.Namespace, config: Any, device: torch.device) -> None:
         self.args, self.config, self.device = args, config, device
+        self.sources = [str(m.model) for m in config.models]  # task t's own model
+        self.training = list(args.datas)
+        self.held_out: list[tuple[int, str]] = list(enumerate(args.validation))
+        if args.base_data is not None:
+            self.training.append(args.base_data)
+        if args.base_data is not None or args.base_validation is not None:
+            self.sources.append(str(config.base_model))
+        if args.base_validation is not None:
+            self.held_out.append((len(config.models), args.base_validation))
         self.data: list[Iterable[Any]] | None = None
         self.validation: list[Iterable[Any]] = []
         self.references: dict[int, dict[str, torch.Tensor]] = {}
         self.heads: dict[int, dict[str, torch.Tensor]] = {}
 
     def __call__(self, folder: Path) -> tuple[float, dict[str, Any]]:
-        from gradmerge import params as P
         from gradmerge.estimate import gradient_fn
         from gradmerge.evaluation import evaluate
         from gradmerge.io import sources
+        from gradmerge.jobs.tune import term
 
         args = self.args
         model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
@@ -271,12 +328,16 @@ class Scorer:
             self.read(folder, model)
         assert self.data is not None
         tasks: list[dict[str, Any]] = []
-        total = 0.0
-        for t, (spec, data) in enumerate(zip(args.datas, self.data, strict=True)):
+        for t, (spec, data) in enumerate(zip(self.training, self.data, strict=True)):
             if args.task_heads:
                 self._use_head(t, model)
             result = evaluate(
-                model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
+                model,
+                data,
+                loss=args.loss,
+                ignore_index=args.ignore_index,
+                device=self.device,
+                autocast=AUTOCAST.get(args.autocast or ""),
             )
             entry: dict[str, Any] = {
                 "data": spec,
@@ -284,38 +345,53 @@ class Scorer:
                 "mean_loss": result.mean_loss,
                 "accuracy": result.accuracy,
             }
+            gradient = reference = None
             if args.criterion == "mismatch":
-                gradient = gradient_fn(model, data, loss=args.loss, ignore_index=args.ignore_index)
+                grad = gradient_fn(model, data, loss=args.loss, ignore_index=args.ignore_index)
                 theta = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
-                reference = self._reference(t, gradient, theta)
-                mismatch = P.norm(P.sub(gradient(theta), reference)) / result.examples
-                entry["mismatch"] = mismatch
-                total += mismatch
-            else:
-                total += result.mean_loss
+                gradient, reference = grad(theta), self._reference(t, grad, theta)
+            entry["term"] = term(
+                args.criterion,
+                mean_loss=result.mean_loss,
+                examples=result.examples,
+                gradient=gradient,
+                reference=reference,
+            )
             tasks.append(entry)
-        figures: dict[str, Any] = {"tasks": tasks}
-        if args.validation:  # reported only: the criterion above never reads these labels
-            figures["validation"] = []
-            for t, (spec, data) in enumerate(zip(args.validation, self.validation, strict=True)):
-                if args.task_heads:
-                    self._use_head(t, model)
-                held_out = evaluate(
-                    model, data, loss=args.loss, ignore_index=args.ignore_index, device=self.device
-                )
-                figures["validation"].append(
-                    {
-                        "data": spec,
-                        "examples": held_out.examples,
-                        "mean_loss": held_out.mean_loss,
-                        "accuracy": held_out.accuracy,
-                    }
-                )
+        total = sum(entry["term"] for entry in tasks)
+        figures: dict[str, Any] = {"tasks": tasks[: len(args.datas)]}
+        if args.base_data is not None:
+            figures["base"] = tasks[-1]
+        held_out = []  # reported only: the criterion above never reads these labels
+        for (t, spec), data in zip(self.held_out, self.validation, strict=True):
+            if args.task_heads:
+                self._use_head(t, model)
+            result = evaluate(
+                model,
+                data,
+                loss=args.loss,
+                ignore_index=args.ignore_index,
+                device=self.device,
+                autocast=AUTOCAST.get(args.autocast or ""),
+            )
+            held_out.append(
+                {
+                    "data": spec,
+                    "examples": result.examples,
+                    "mean_loss": result.mean_loss,
+                    "accuracy": result.accuracy,
+                }
+            )
+        if args.validation:
+            figures["validation"] = held_out[: len(args.validation)]
+        if args.base_validation is not None:
+            figures["base_validation"] = held_out[-1]
         return total, figures
 
     def read(self, folder: Path, model: torch.nn.Module | None = None) -> None:
-        """Read DATA and ``--validation`` for the model of ``folder`` (the base, before any
-        merge: every merged folder has its config and tokenizer, so the batches are the same).
+        """Read DATA, ``--base-data`` and the held-out files for the model of ``folder`` (the
+        base, before any merge: every merged folder has its config and tokenizer, so the
+        batches are the same).
 
         Raises:
             GradmergeError: unusable DATA (records without labels, ...), before any merge runs.
@@ -325,12 +401,12 @@ class Scorer:
         args = self.args
         if model is None:
             model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
-        self.data = [self._load(model, folder, spec, args.max_examples) for spec in args.datas]
-        self.validation = [self._load(model, folder, spec, None) for spec in args.validation]
+        self.data = [self._load(model, folder, s, args.max_examples) for s in self.training]
+        self.validation = [self._load(model, folder, s, None) for _, s in self.held_out]
 
     def _use_head(self, t: int, model: torch.nn.Module) -> None:
-        """Copy task t's head (the parameters matching ``--task-heads``, read from CONFIG's t-th
-        model) into the merged ``model``."""
+        """Copy task t's head (the parameters matching ``--task-heads``, read from task t's own
+        model: CONFIG's t-th, or base_model for the base task) into the merged ``model``."""
         from fnmatch import fnmatchcase
 
         from gradmerge.errors import StructureError
@@ -346,8 +422,7 @@ class Scorer:
                     f"--task-heads {' '.join(self.args.task_heads)} matches no parameter of the "
                     "merged model; give globs of its head's names, e.g. 'classifier.*'"
                 )
-            spec = str(self.config.models[t].model)
-            self.heads[t] = fine_tuned_weights(spec, like, self.args.allow_new_weights)
+            self.heads[t] = fine_tuned_weights(self.sources[t], like, self.args.allow_new_weights)
         with torch.no_grad():
             for name, value in self.heads[t].items():
                 model.get_parameter(name).copy_(value)
@@ -384,11 +459,10 @@ class Scorer:
     def _reference(
         self, t: int, gradient: Any, theta: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """∇ℓ̄_t(θ_t), θ_t read from CONFIG's t-th model under θ's names, dtypes and device."""
+        """∇ℓ̄_t(θ_t), θ_t read from task t's own model (CONFIG's t-th, or base_model for the
+        base task) under θ's names, dtypes and device."""
         if t not in self.references:
-            weights = fine_tuned_weights(
-                str(self.config.models[t].model), theta, self.args.allow_new_weights
-            )
+            weights = fine_tuned_weights(self.sources[t], theta, self.args.allow_new_weights)
             self.references[t] = gradient(weights)
         return self.references[t]
 
@@ -436,13 +510,16 @@ def fine_tuned_weights(
 def validation_summary(body: dict[str, Any]) -> dict[str, Any]:
     """How the chosen setting does on the held-out data against the best setting there.
 
-    A point's held-out score is its mean accuracy over the ``--validation`` tasks (each task
-    weighted alike), or minus its mean loss when there is no accuracy (``--loss mse``); the best
-    point has the highest score (the first on ties). Returns ``best_index``, ``best`` (its
-    setting), ``best_score``, ``chosen_score`` and ``regret`` = best − chosen (≥ 0)."""
+    A point's held-out score is its mean accuracy over the ``--validation`` tasks and the
+    ``--base-validation`` one (each task weighted alike), or minus their mean loss when there is
+    no accuracy (``--loss mse``); the best point has the highest score (the first on ties).
+    Returns ``best_index``, ``best`` (its setting), ``best_score``, ``chosen_score`` and
+    ``regret`` = best − chosen (≥ 0)."""
     scores: list[float | None] = []
     for point in body["points"]:
-        held_out = point.get("validation")
+        held_out = point.get("validation", []) + (
+            [point["base_validation"]] if "base_validation" in point else []
+        )
         if point["criterion"] is None or not held_out:
             scores.append(None)
         elif all(task["accuracy"] is not None for task in held_out):
@@ -469,6 +546,11 @@ def validation_summary(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _resolved(spec: str) -> str:
+    """A DATA as the JSON records it: the absolute path of a file or folder, else as given."""
+    return str(Path(spec).resolve()) if Path(spec).exists() else spec
+
+
 def _setting(values: dict[str, Any]) -> str:
     parts = [f"scale={values['scale']:g}"]
     if "delta" in values:
@@ -479,18 +561,27 @@ def _setting(values: dict[str, Any]) -> str:
 
 
 def _table(body: dict[str, Any]) -> str:
-    """One line per point: the setting, the criterion, each task's training loss."""
-    lines = [f"{'setting':<40} {body['criterion']:>12}  training loss per task"]
+    """One line per point: the setting, the criterion, each task's term of it (the base task's
+    first, then CONFIG's order); the choice, whether it is at the grid's edge, the validation."""
+    base = body["base_data"] is not None
+    order = "base | CONFIG's order" if base else "CONFIG's order"
+    lines = [f"{'setting':<40} {body['criterion']:>12}  term per task ({order})"]
     for index, point in enumerate(body["points"]):
         mark = " <- chosen" if index == body["chosen_index"] else ""
         if point["criterion"] is None:  # the reason, whether progress lines were printed or not
-            value, losses = "failed", f"({point['error']})"
+            value, terms = "failed", f"({point['error']})"
         else:
             value = f"{point['criterion']:.6g}"
-            losses = " ".join(f"{task['mean_loss']:.4f}" for task in point["tasks"])
-        lines.append(f"{_setting(point):<40} {value:>12}  {losses}{mark}")
+            terms = " ".join(f"{task['term']:.4g}" for task in point["tasks"])
+            if base:
+                terms = f"{point['base']['term']:.4g} | {terms}"
+        lines.append(f"{_setting(point):<40} {value:>12}  {terms}{mark}")
     if body["chosen"] is not None:
-        lines.append(f"chosen: {_setting(body['chosen'])} (alphas {body['chosen']['alphas']})")
+        edges = ", ".join(f"the {e['side']} {e['axis']}" for e in body["grid_edges"])
+        lines.append(
+            f"chosen: {_setting(body['chosen'])} (alphas {body['chosen']['alphas']})"
+            + (f", at {edges} of the grid" if edges else "")
+        )
     held_out = body.get("validation")
     if held_out and held_out.get("best_index") is not None:
         lines.append(

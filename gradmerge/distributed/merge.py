@@ -322,7 +322,8 @@ def _finish(
     world_size: int,
     start: float,
 ) -> list[str]:
-    """Rank 0: the index (several shards), the base's assets and the record. The files' names."""
+    """Rank 0: the index (several shards), the base's assets, the record and the model card.
+    The files' names."""
     shards = [n for per_rank in names for n in per_rank]
     files = list(shards)
     if len(shards) > 1:
@@ -347,7 +348,8 @@ def _finish(
     }
     name = f"gradmerge_{job.command}.json"
     (stage / name).write_text(json.dumps(record, indent=2) + "\n")
-    return [*files, *(a.name for a in assets), name]
+    readme = job.write_card(stage, config, record)
+    return [*files, *(a.name for a in assets), name, readme.name]
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 from gradmerge.solvers.spec import PRECISIONS, Precision
+from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -197,10 +198,14 @@ class MergeConfig(Options):
 
     ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
     (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
-    ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
-    their off-diagonal entries times ``off_diagonal``, Jin et al.'s r, default 0.9, and
-    ``damping`` added to each). Every α_t is multiplied by ``scale``; each model's ``scale``
-    multiplies its H_t.
+    ``regmean`` (the K-FAC input factors of each model's curvature, bias column left out, as
+    RegMean's Gram matrices of the linear layers' weights, their off-diagonal entries times
+    ``off_diagonal``, Jin et al.'s r, default :data:`gradmerge.merge.REGMEAN_OFF_DIAGONAL`, and
+    ``damping`` added to each; biases and, unless ``embeddings: gram``, embeddings averaged).
+    Every α_t is multiplied by ``scale``; each model's ``scale``
+    multiplies its H_t. The data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
+    (:mod:`gradmerge.spectral`; ``average``: globs of 2-D tensors merged by the mean of the task
+    vectors; Iso-CTS's ``common_space_fraction``, default 0.8).
 
     Example:
         >>> cfg = MergeConfig.from_dict(
@@ -216,7 +221,10 @@ class MergeConfig(Options):
     prior: CurvatureTerm | None = None
     scale: float = 1.0
     damping: float = 0.0
-    off_diagonal: float = 1.0
+    off_diagonal: float = REGMEAN_OFF_DIAGONAL
+    embeddings: str = "average"
+    common_space_fraction: float = ISO_CTS_COMMON_SPACE_FRACTION
+    average: tuple[str, ...] = ()
 
     @property
     def alphas(self) -> list[float]:
@@ -242,6 +250,9 @@ class MergeConfig(Options):
             "scale",
             "damping",
             "off_diagonal",
+            "common_space_fraction",
+            "average",
+            "embeddings",
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
@@ -258,7 +269,11 @@ class MergeConfig(Options):
         else:
             damping = 0.0
             r.forbid("damping", method, spec.refusal("damping"))
-        off_diagonal = 1.0
+        off_diagonal, embeddings = REGMEAN_OFF_DIAGONAL, "average"
+        if spec.need("embeddings") != "forbidden":
+            embeddings = r.choice("embeddings", ("average", "gram"), default="average")
+        else:
+            r.forbid("embeddings", method, spec.refusal("embeddings"))
         if spec.need("off_diagonal") != "forbidden":
             off_diagonal = r.number("off_diagonal", default=REGMEAN_OFF_DIAGONAL, minimum=0.0)
             if off_diagonal > 1.0:
@@ -268,6 +283,21 @@ class MergeConfig(Options):
                 )
         else:
             r.forbid("off_diagonal", method, spec.refusal("off_diagonal"))
+        fraction = ISO_CTS_COMMON_SPACE_FRACTION
+        if spec.need("common_space_fraction") != "forbidden":
+            fraction = r.number("common_space_fraction", default=fraction, minimum=0.0)
+            if fraction > 1.0:
+                raise ConfigError(
+                    "`common_space_fraction` (the share of each matrix's directions Iso-CTS keeps "
+                    f"from the sum of the task matrices) must be in [0, 1], got {_shown(fraction)}"
+                )
+        else:
+            r.forbid("common_space_fraction", method, spec.refusal("common_space_fraction"))
+        average: tuple[str, ...] = ()
+        if spec.need("average") != "forbidden":
+            average = r.strings("average")
+        else:
+            r.forbid("average", method, spec.refusal("average"))
         return cls(
             method=method,
             base_model=base if base is not None else models[0].model,
@@ -276,6 +306,9 @@ class MergeConfig(Options):
             scale=r.number("scale", default=1.0),
             damping=damping,
             off_diagonal=off_diagonal,
+            common_space_fraction=fraction,
+            average=average,
+            embeddings=embeddings,
             source=source,
             **_options(r),
         )
@@ -866,6 +899,8 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
 def _unused(value: Any, name: str) -> bool:
     """An optional key left out of records when not given (records of runs without it stay as
     they were)."""
+    if name == "embeddings":  # RegMean's alone
+        return getattr(value, "method", None) != "regmean"
     return name == "adapter_base" and getattr(value, name) is None
 
 

@@ -10,7 +10,8 @@ unit at a time, the output is written as it comes. A dense curvature couples eve
 covers, so with one the whole model is a single unit (and must fit in memory).
 
 The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
-shards, the base's config and tokenizer files (``dtype`` in config.json updated) and a record,
+shards, the base's config and tokenizer files (``dtype`` in config.json updated), a model card
+(README.md, :mod:`gradmerge.jobs.card`; never the base's own) and a record,
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
 and torch versions, each input's fingerprint (a SHA-256 content hash of its values, exact on
 every small tensor and on 16 evenly spaced rows of every large one:
@@ -21,7 +22,8 @@ The same steps are public for drivers that split the work (:mod:`gradmerge.distr
 gives each rank its own units): :func:`open_job` opens the inputs and builds the plan,
 :meth:`Job.compute_unit` computes one unit's output tensors, :func:`check_output` refuses an
 output folder the guard refuses (:mod:`gradmerge._guard`: one that is, lies inside or holds an
-input), :meth:`Job.copy_assets` and :meth:`Job.record` finish the output folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` in a staged folder.
+input), :meth:`Job.copy_assets`, :meth:`Job.record` and :meth:`Job.write_card` finish the output
+folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` in a staged folder.
 """
 
 from __future__ import annotations
@@ -67,12 +69,13 @@ from gradmerge.errors import (
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.jobs import methods, rules
+from gradmerge.jobs import card, methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
-from gradmerge.jobs.plan import Plan, Unit, build_plan
+from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
+from gradmerge.spectral import iso_cts_split
 
 UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
 """A unit's computation: its tensors, and the report of its solve (``None``: none ran)."""
@@ -441,6 +444,22 @@ class Job:
         """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints, output."""
         return _record(self, config, shards, seconds)
 
+    def write_card(self, folder: Path, config: Options, record: Mapping[str, Any]) -> Path:
+        """Write ``folder``/README.md, the model card made from ``record``
+        (:mod:`gradmerge.jobs.card`), with ``config``'s YAML file when it still reads as
+        ``config`` (``gradmerge tune`` runs settings the file does not hold)."""
+        source = None
+        if config.source is not None and config.source.is_file():
+            try:
+                with warnings.catch_warnings():  # read once more: its warnings were given
+                    warnings.simplefilter("ignore")
+                    if type(config).from_yaml(config.source) == config:
+                        source = config.source.read_text()
+            except GradmergeError:
+                source = None
+        base = Path(self.base.folder or self.base.path)
+        return card.write(folder, record, source=source, base=base)
+
 
 def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
     """Open the inputs of ``config``, check they fit together and build the plan.
@@ -491,6 +510,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     device, dtype = resolve_device(config.device), config.math_dtype
     alphas, solver = config.alphas, solver_spec(config)
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
+    average = frozenset(matching(base.keys(), config.average, key="average"))
+    if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
+        _check_common_space(config, plan, average)
 
     def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
@@ -509,6 +531,9 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             solver=solver,
             off_diagonal=config.off_diagonal,
             curvature_scales=config.curvature_scales,
+            common_space_fraction=config.common_space_fraction,
+            average=average,
+            embeddings=config.embeddings,
         )
         try:
             return rule(unit_inputs)
@@ -541,6 +566,18 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         if delta > 0
         else Job.example,
     )
+
+
+def _check_common_space(config: MergeConfig, plan: Plan, average: frozenset[str]) -> None:
+    """Refuse a ``common_space_fraction`` that some merged matrix cannot be split by
+    (:func:`gradmerge.spectral.iso_cts_split`), naming it, before a tensor is read."""
+    for k in plan.merged:
+        shape = plan.shapes[k]
+        if len(shape) == 2 and k not in average:
+            try:
+                iso_cts_split(min(shape), len(config.models), config.common_space_fraction)
+            except ArgumentError as err:
+                raise ConfigError(f"{err} ({k!r}, {shape[0]}×{shape[1]})") from err
 
 
 def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
@@ -807,8 +844,10 @@ def _execute(
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
         record = stage / f"gradmerge_{job.command}.json"
-        record.write_text(json.dumps(job.record(config, shards, seconds), indent=2) + "\n")
-        names = [p.name for p in (*shards, *assets, record)]
+        facts = job.record(config, shards, seconds)
+        record.write_text(json.dumps(facts, indent=2) + "\n")
+        readme = job.write_card(stage, config, facts)
+        names = [p.name for p in (*shards, *assets, record, readme)]
         snapshot.check()  # an input rewritten while read: nothing is published
     return MergeReport(
         out_dir=target,

@@ -20,7 +20,7 @@ record here and its rule in :mod:`gradmerge.jobs.rules`:
 
 Example:
     >>> [m.name for m in methods("merge")]
-    ['task_arithmetic', 'fisher_average', 'gradient_matching', 'regmean']
+    ['task_arithmetic', 'fisher_average', 'gradient_matching', 'regmean', 'tsv_merge', 'iso_c', 'iso_cts']
     >>> get("fisher_average").need("damping"), get("fisher_average").need("prior")
     ('optional', 'forbidden')
     >>> import gradmerge as gm
@@ -45,7 +45,16 @@ Need = Literal["required", "optional", "forbidden"]
 Job = Literal["merge", "remove"]
 
 KEYS: dict[Job, tuple[str, ...]] = {
-    "merge": ("base_model", "curvature", "prior", "damping", "off_diagonal"),
+    "merge": (
+        "base_model",
+        "curvature",
+        "prior",
+        "damping",
+        "off_diagonal",
+        "common_space_fraction",
+        "average",
+        "embeddings",
+    ),
     "remove": ("model", "curvature", "prior", "gradient"),
 }
 """The method-specific YAML keys of each job (``curvature`` of a merge: each ``models[i]``'s)."""
@@ -56,6 +65,9 @@ MEANING = {
     "prior": "the prior H_0",
     "damping": "`damping` (δ·I added to each H_t)",
     "off_diagonal": "`off_diagonal` (Jin et al.'s factor on the Gram matrices' off-diagonals)",
+    "common_space_fraction": "`common_space_fraction` (Iso-CTS's share of the common subspace)",
+    "average": "`average` (2-D tensors merged by the mean of the task vectors)",
+    "embeddings": "`embeddings` (whether RegMean averages the embeddings or solves them)",
     "model": "the fine-tuned model θ_t",
     "gradient": "the gradient ∇ℓ̄_t(θ_LLM)",
 }
@@ -192,20 +204,51 @@ REGISTRY: tuple[MergeMethod, ...] = (
     MergeMethod(
         "regmean",
         "merge",
-        "RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's\n"
-        "K-FAC input factor, a mean over M_t rows), its off-diagonal entries times\n"
-        "`off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.9; 1: the plain closed\n"
-        "form); other tensors are averaged; optional `damping`",
+        "RegMean (Jin et al.): each linear layer's weight from Gram_t = M_t·A_t = Σ x xᵀ\n"
+        "(A_t: each curvature's K-FAC input factor, a mean over M_t rows), off-diagonal\n"
+        "entries times `off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.1; 1: the\n"
+        "plain closed form); biases, embeddings (`embeddings: gram` solves them too) and\n"
+        "other tensors are averaged; optional `damping`",
         {
             "base_model": "optional",
             "curvature": "required",
             "damping": "optional",
             "off_diagonal": "optional",
+            "embeddings": "optional",
         },
         rules.regmean,
         coverage="kfac",
         damping_key="damping",
         hint="set `damping:` ({example}) so that the summed Gram matrices are invertible",
+    ),
+    MergeMethod(
+        "tsv_merge",
+        "merge",
+        "TSV-M (Gargiulo et al., CVPR 2025): per matrix, each task's top ⌊r/T⌋\n"
+        "singular directions, whitened (U ↦ PQᵀ), θ_LLM + polar(U) S polar(V)ᵀ;\n"
+        "other tensors and `average`: the mean of the α_t τ_t; no curvature",
+        {"base_model": "required", "average": "optional"},
+        rules.tsv_merge,
+        coverage="none",
+    ),
+    MergeMethod(
+        "iso_c",
+        "merge",
+        "Iso-C (Marczak et al., ICML 2025): per matrix, Σ α_t τ_t = U S Vᵀ with a flat\n"
+        "spectrum, θ_LLM + mean(S)·U Vᵀ; other tensors and `average`: the mean",
+        {"base_model": "required", "average": "optional"},
+        rules.iso_c,
+        coverage="none",
+    ),
+    MergeMethod(
+        "iso_cts",
+        "merge",
+        "Iso-CTS (Marczak et al.): Iso-C's common subspace (`common_space_fraction`,\n"
+        "default 0.8, of the directions) plus each task's own directions outside it,\n"
+        "whitened, flat spectrum; other tensors and `average`: the mean",
+        {"base_model": "required", "common_space_fraction": "optional", "average": "optional"},
+        rules.iso_cts,
+        coverage="none",
     ),
     _removal(
         "remove",

@@ -106,7 +106,7 @@ def build_plan(
     for name, ckpt in models:
         _check_same_tensors(base, role, ckpt, f"{name} ({ckpt.path})", allow_mixed_dtypes)
     floating = [k for k in keys if base.dtype(k).is_floating_point]
-    copied = _passthrough(keys, passthrough)
+    copied = matching(keys, passthrough, key="passthrough")
     merged = [k for k in floating if k not in copied]
     if floating and not merged:
         warnings.warn(
@@ -255,14 +255,19 @@ def _check_same_layers(curvatures: Sequence[tuple[str, CurvatureFile]]) -> None:
             )
 
 
-def _passthrough(keys: list[str], patterns: Sequence[str]) -> set[str]:
+def matching(keys: Sequence[str], patterns: Sequence[str], *, key: str) -> set[str]:
+    """The ``keys`` that some name or glob (``fnmatch``) of ``patterns`` matches.
+
+    Raises:
+        ConfigError: a pattern that matches no key (``key``: the YAML key that lists them).
+    """
     chosen: set[str] = set()
     for pattern in patterns:
         hits = [k for k in keys if fnmatch.fnmatchcase(k, pattern)]
         if not hits:
             raise ConfigError(
-                f"passthrough pattern {pattern!r} matches no tensor of the base model; "
-                f"its tensors are named like {keys[:3]}"
+                f"{key} pattern {pattern!r} matches no tensor of the base model; "
+                f"its tensors are named like {list(keys[:3])}"
             )
         chosen.update(hits)
     return chosen

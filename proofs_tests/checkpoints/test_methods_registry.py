@@ -48,9 +48,9 @@ def _regmean_reference(ws: Workspace) -> dict[str, Any]:
     for path in ws.curvatures:
         c = gm.load_curvature(path)
         kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
-        grams.append({m: kfac.counts[m] * t[0][0] for m, t in kfac.terms.items()})
-    r = gm.merge.REGMEAN_OFF_DIAGONAL  # the YAML default of Jin et al.'s off-diagonal factor
-    return gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
+        # the weights' inputs (bias column left out: RegMean averages the biases)
+        grams.append({m: kfac.counts[m] * t[0][0][:-1, :-1] for m, t in kfac.terms.items()})
+    return gm.regmean(fts, grams, alphas=ALPHAS)  # the YAML's default r is gm.regmean's
 
 
 REST = {"delta": 1e-1, "curvature": "base.curvature.safetensors"}
@@ -81,6 +81,34 @@ CASES: dict[str, Case] = {
         ),
     ),
     "regmean": Case(lambda ws: {"models": _models(ws)}, _regmean_reference),
+    "tsv_merge": Case(
+        lambda ws: {"base_model": ws.base.name, "models": _models(ws, False)},
+        lambda ws: gm.tsv_merge(ws.load(ws.base), [ws.load(m) for m in ws.models], alphas=ALPHAS),
+    ),
+    "iso_c": Case(
+        lambda ws: {"base_model": ws.base.name, "models": _models(ws, False), "average": ["2.*"]},
+        lambda ws: gm.iso_c(
+            ws.load(ws.base),
+            [ws.load(m) for m in ws.models],
+            alphas=ALPHAS,
+            average=["2.weight", "2.bias"],  # the LayerNorm; its weight is 1-D: averaged anyway
+        ),
+    ),
+    "iso_cts": Case(
+        lambda ws: {
+            "base_model": ws.base.name,
+            "models": _models(ws, False),
+            "common_space_fraction": 0.5,
+            "average": ["3.weight"],
+        },
+        lambda ws: gm.iso_cts(
+            ws.load(ws.base),
+            [ws.load(m) for m in ws.models],
+            alphas=ALPHAS,
+            common_space_fraction=0.5,
+            average=["3.weight"],
+        ),
+    ),
     "remove": Case(
         lambda ws: {
             "base_model": ws.base.name,
@@ -166,6 +194,9 @@ VALUES = {
     "prior": {"delta": 1.0},
     "damping": 1.0,
     "off_diagonal": 0.5,
+    "common_space_fraction": 0.5,
+    "average": ["*"],
+    "embeddings": "gram",
 }
 
 REFUSED = [

@@ -52,16 +52,17 @@ ROWS = [
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     """base/, ft/ (another BERT), adapter/ (a LoRA adapter over ``base``), tok/ (a tokenizer
-    folder), data.jsonl, ft.curvature.safetensors, fisher/ (an official-format Fisher) and the
-    merge, remove and refine YAML files."""
+    folder), data.jsonl and data2.jsonl, ft.curvature.safetensors, fisher/ (an official-format
+    Fisher) and the merge, inspect, remove and refine YAML files."""
     root = tmp_path_factory.mktemp("guard")
     bert_classifier(root / "base")
     bert_classifier(root / "ft", seed=1)
     _adapter(root / "adapter", "base")
     transformers.AutoTokenizer.from_pretrained(root / "base").save_pretrained(root / "tok")
-    (root / "data.jsonl").write_text(
-        "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in ROWS)
-    )
+    for name in ("data.jsonl", "data2.jsonl"):
+        (root / name).write_text(
+            "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in ROWS)
+        )
     argv = ["curvature", str(root / "ft"), str(root / "data.jsonl")]
     assert cli.main([*argv, str(root / "ft.curvature.safetensors"), "--no-progress"]) == 0
     (root / "fisher").mkdir()
@@ -81,6 +82,12 @@ def ws(tmp_path_factory) -> Path:
             "remaining": {"delta": 1.0},
             "step_check": "ignore",
             "rounding_check": "ignore",
+        },
+        "inspect.yaml": {
+            "method": "gradient_matching",
+            "base_model": "base",
+            "models": [{"model": "ft", "curvature": "ft.curvature.safetensors"}],
+            "prior": {"delta": 1.0},
         },
         "refine.yaml": {
             "start": "ft",
@@ -166,6 +173,18 @@ CASES: dict[str, Case] = {
     "curvature": Case(_reading("curvature", "--structure", "diag"), "OUT", "file", READING),
     "gradient": Case(_reading("gradient"), "OUT", "file", READING),
     "evaluate": Case(_reading("evaluate"), "--out", "file", READING),
+    "evaluate --data": Case(  # several DATA: each one is an input
+        lambda ws, out: ["evaluate", str(ws / "ft"), "--data", str(ws / "data.jsonl"),
+                         str(ws / "data2.jsonl"), "--out", str(out), "--no-progress"],
+        "--out",
+        "file",
+        {
+            "is": (lambda ws: ws / "data2.jsonl", "is", "DATA"),
+            "inside": (lambda ws: ws / "ft" / "out.json", "lies inside", "MODEL"),
+            "contains": (lambda ws: ws, "contains", "MODEL"),
+            "symlink": (lambda ws: _link(ws, ws / "data2.jsonl"), "is", "DATA"),
+        },
+    ),
     "convert-curvature": Case(
         lambda ws, out: ["convert-curvature", str(ws / "fisher"), str(out)],
         "OUT",
@@ -191,6 +210,17 @@ CASES: dict[str, Case] = {
             ),
             "contains": (lambda ws: ws, "contains", "CURVATURE"),
             "symlink": (lambda ws: _link(ws, ws / "ft.curvature.safetensors"), "is", "CURVATURE"),
+        },
+    ),
+    "inspect --json CONFIG": Case(  # the YAML and every path in it are the inputs
+        lambda ws, out: ["inspect", str(ws / "inspect.yaml"), "--json", str(out)],
+        "--json",
+        "file",
+        {
+            "is": (lambda ws: ws / "ft.curvature.safetensors", "is", "models[0].curvature"),
+            "inside": (lambda ws: ws / "ft" / "x.json", "lies inside", "models[0].model"),
+            "contains": (lambda ws: ws, "contains", "CONFIG"),
+            "symlink": (lambda ws: _link(ws, ws / "inspect.yaml"), "is", "CONFIG"),
         },
     ),
     "merge": Case(

@@ -98,7 +98,8 @@ def test_classifiers_equal_hugging_faces_loss_and_argmax(folders, capsys):
         "--batch-size",
         3,
     )
-    assert report["format"] == "gradmerge-evaluate/1"
+    assert report["format"] == "gradmerge-evaluate/2"
+    assert report["data"] == [str(folders["reviews"])]
     assert [row["model"] for row in report["models"]] == [
         str(folders["bert0"]),
         str(folders["bert1"]),

@@ -108,20 +108,20 @@ def _load(root, weights):
 
 
 def _mean_loss(model, root, task):
-    """HF's cross-entropy, one example at a time, averaged."""
+    """HF's cross-entropy, one example at a time, averaged; ``task`` a name of TASKS or rows."""
     tok = transformers.AutoTokenizer.from_pretrained(root / "base")
     with torch.no_grad():
         losses = [
             float(model(**tok(t, return_tensors="pt"), labels=torch.tensor([LABELS.index(y)])).loss)
-            for t, y in TASKS[task]
+            for t, y in (TASKS[task] if isinstance(task, str) else task)
         ]
     return sum(losses) / len(losses)
 
 
 def _gradient(model, root, task):
-    """Σ_i ∇ℓ_i: HF's mean loss × N on the padded batch, by autograd."""
+    """Σ_i ∇ℓ_i: HF's mean loss × N on the padded batch, by autograd; ``task`` as above."""
     tok = transformers.AutoTokenizer.from_pretrained(root / "base")
-    rows = TASKS[task]
+    rows = TASKS[task] if isinstance(task, str) else task
     enc = tok([t for t, _ in rows], padding=True, return_tensors="pt")
     model.zero_grad()
     labels = torch.tensor([LABELS.index(y) for _, y in rows])
@@ -273,7 +273,7 @@ def test_the_gradient_mismatch_criterion(setup, tmp_path):
             g, g_t = _gradient(merged, setup, task), _gradient(fts[task], setup, task)
             norm = math.sqrt(sum(float(((g[k] - g_t[k]) ** 2).sum()) for k in g))
             expected = norm / len(TASKS[task])
-            assert math.isclose(entry["mismatch"], expected, rel_tol=1e-8), (scale, task)
+            assert math.isclose(entry["term"], expected, rel_tol=1e-8), (scale, task)
             total += expected
         assert math.isclose(point["criterion"], total, rel_tol=1e-8)
         values.append(total)
@@ -311,6 +311,8 @@ BAD = [
      ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
     ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "."], None, 2,
      "exists; pass --overwrite"),
+    ("a --base-data that does not exist", ("task_arithmetic", {}),
+     ["--alphas", "1", "--base-data", "no-base.jsonl"], None, 2, "no-base.jsonl does not exist"),
 ]  # fmt: skip
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 
+import torch
+
 from proofs_tests.sources.test_tune_command import (
     TASKS,
     _config,
@@ -58,3 +60,27 @@ def test_a_glob_that_matches_nothing_is_an_error(setup, tmp_path, capsys):  # no
     (point,) = json.loads((tmp_path / "o.json").read_text())["points"]  # the point's error
     assert "--task-heads head.* matches no parameter" in point["error"]
     assert point["criterion"] is None
+
+
+def test_the_base_task_is_scored_with_the_base_models_head(setup, tmp_path):  # noqa: F811
+    from proofs_tests.sources.test_tune_base_and_edges import BASE, _write
+
+    config = _config(setup, "merged-heads.yaml", "task_arithmetic")  # heads merged too
+    out = tmp_path / "tune.json"
+    base_data = _write(tmp_path / "base.jsonl", BASE)
+    flags = [
+        "--alphas",
+        "1",
+        "--out",
+        out,
+        "--task-heads",
+        "classifier.*",
+        "--base-data",
+        base_data,
+    ]
+    assert _tune(setup, config, *flags) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    merged, base = _task_arithmetic(setup, 1.0), _weights(setup / "base")
+    assert not all(torch.equal(merged[k], base[k]) for k in HEAD)  # the merged head is another
+    loss = _mean_loss(_load(setup, merged | {k: base[k] for k in HEAD}), setup, BASE)
+    assert math.isclose(point["base"]["term"], loss, rel_tol=1e-9)

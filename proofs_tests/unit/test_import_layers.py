@@ -120,8 +120,10 @@ def _part(module: str) -> str:
 LAYERS: dict[str, tuple[str, ...]] = {
     "core": (
         "gradmerge.errors",
+        "gradmerge.bootstrap",
         "gradmerge.params",
         "gradmerge.merge",
+        "gradmerge.spectral",
         "gradmerge.diagnostics",
         "gradmerge.curvature",
         "gradmerge.solvers",

