@@ -36,6 +36,7 @@ from gradmerge.commands import (
     tune,
     verify,
 )
+from gradmerge.commands._writes import guard
 from gradmerge.errors import MissingExtraError
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:
             check(parser, args)
+        guard(parser, args)  # the output guard, for every command that declares what it writes
         with one_line_warnings():
             return int(args.run(args))
     except MissingExtraError as err:  # an optional feature without its extra installed

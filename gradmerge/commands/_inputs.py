@@ -1,7 +1,8 @@
 """MODEL, DATA and OUT of the commands that read models and data (``curvature``, ``gradient``,
 ``evaluate``, ``tune``).
 
-The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`),
+The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`;
+OUT and what the run reads are declared to the output guard, :func:`source_writes`),
 loading through :mod:`gradmerge.io.sources` (:func:`load`), the ``source.*`` metadata
 (:func:`provenance`) and the progress bar over batches (:func:`progress`).
 """
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
 from gradmerge.io import sources
 from gradmerge.io.lora import is_adapter
@@ -41,6 +41,7 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("data", metavar="DATA", help=DATA_HELP)
     p.add_argument("out", metavar="OUT", help=out_help)
     add_reading_arguments(p)
+    p.set_defaults(writes=source_writes)
 
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -139,12 +140,15 @@ def add_reading_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """argparse errors (exit 2) for unusable MODEL, DATA, OUT or source flags."""
-    model_kinds, data_kind = check_reading(parser, args, [args.model])
-    out = Path(args.out)
-    if out.is_dir():
-        parser.error(f"OUT {out} is a folder; give a file name such as task.safetensors")
-    check_out(parser, args, out, "OUT", input_paths(args, model_kinds, [(args.data, data_kind)]))
+    """argparse errors (exit 2) for unusable MODEL, DATA or source flags (OUT: the output guard,
+    :func:`source_writes`)."""
+    check_reading(parser, args, [args.model])
+
+
+def source_writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration of ``curvature`` and ``gradient``: the file OUT, MODEL
+    (with a LoRA adapter's base), DATA and the reading flags' folders."""
+    return Writes(file_output("OUT", args.out), reading_inputs(args, [args.model], [args.data]))
 
 
 def check_reading(
@@ -198,67 +202,6 @@ def check_reading(
     ):
         parser.error("--adapter-base applies to a LoRA adapter MODEL; none is given")
     return model_kinds, data_kind
-
-
-def check_out(
-    parser: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    out: Path,
-    name: str,
-    inputs: Sequence[tuple[str, Path]],
-) -> None:
-    """argparse errors (exit 2) for an output file ``out`` (called ``name`` in messages) that is,
-    or is inside, one of ``inputs`` (:func:`input_paths`), exists without ``--overwrite``, or cannot
-    be written."""
-    for flag, path in inputs:
-        inside = path.resolve()
-        if out.resolve() == inside or inside in out.resolve().parents:
-            parser.error(
-                f"{name} {out} is, or is inside, {flag} ({path}): writing it would replace or add "
-                "to an input; write it elsewhere"
-            )
-    if out.exists() and not args.overwrite:
-        parser.error(f"{name} {out} exists; pass --overwrite to replace it")
-    problem = _not_writable(out)
-    if problem:
-        parser.error(f"{name} {out} cannot be written ({problem}): choose another path")
-
-
-def input_paths(
-    args: argparse.Namespace, models: Sequence[tuple[str, str]], data: Sequence[tuple[str, str]]
-) -> list[tuple[str, Path]]:
-    """The files and folders the run reads, from ``models`` and ``data`` (spec, kind): an
-    output must be none of them nor inside one."""
-    inputs = []
-    named = [("MODEL", spec, kind) for spec, kind in models]
-    for flag, spec, kind in (*named, *(("DATA", spec, kind) for spec, kind in data)):
-        if kind == "entry point":
-            module = spec.rpartition(":")[0]
-            if module.endswith(".py") or "/" in module:
-                inputs.append((flag, Path(module)))
-        else:
-            inputs.append((flag, Path(spec)))
-    for flag, value in (("--tokenizer", args.tokenizer), ("--adapter-base", args.adapter_base)):
-        if value:
-            inputs.append((flag, Path(value)))
-    return inputs
-
-
-def _not_writable(out: Path) -> str | None:
-    """Why no file can be created in OUT's folder (probed with a temporary file in its nearest
-    existing ancestor: the folders below it are made when OUT is written), or ``None``."""
-    folder = out.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"{folder} is not a folder"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".gradmerge-probe-", dir=folder)
-    except OSError as err:
-        return f"{folder}: {err.strerror or err}"
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def load(

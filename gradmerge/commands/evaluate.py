@@ -31,14 +31,13 @@ from gradmerge.commands._inputs import (
     MODEL_HELP,
     add_autocast_argument,
     add_reading_arguments,
-    check_out,
     check_reading,
-    input_paths,
     load_data,
     load_model,
     progress,
     provenance,
 )
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 
 FORMAT = "gradmerge-evaluate/2"
 RESAMPLES = 2000
@@ -140,7 +139,7 @@ def add_parser(sub: Any) -> None:
     )
     add_reading_arguments(p)
     add_autocast_argument(p)
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -166,9 +165,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             parser.error(f"{flag} {', '.join(repeated)} given twice; give each once")
-    kinds = [check_reading(parser, args, args.models, data) for data in args.datas]
-    model_kinds = kinds[0][0]
-    data_kinds = [(data, kind) for data, (_, kind) in zip(args.datas, kinds, strict=True)]
+    for data in args.datas:
+        check_reading(parser, args, args.models, data)
     args.reference = None
     if args.compare is None:
         for flag, value in (("--resamples", args.resamples), ("--seed", args.seed)):
@@ -184,11 +182,13 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--seed must be a non-negative integer, got {args.seed}")
     if args.per_example and args.out is None:
         parser.error("--per-example adds lists to the JSON: give --out FILE (or --out -)")
-    if args.out is not None and args.out != "-":
-        out = Path(args.out)
-        if out.is_dir():
-            parser.error(f"--out {out} is a folder; give a file name such as scores.json")
-        check_out(parser, args, out, "--out", input_paths(args, model_kinds, data_kinds))
+
+
+def writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration: ``--out`` FILE, every MODEL (with a LoRA adapter's
+    base), every DATA and the reading flags' folders (after :func:`check`, which sets
+    ``args.models`` and ``args.datas``)."""
+    return Writes(file_output("--out", args.out), reading_inputs(args, args.models, args.datas))
 
 
 def reference(parser: argparse.ArgumentParser, models: Sequence[str], ref: str) -> int:
@@ -279,9 +279,9 @@ def execute(args: argparse.Namespace) -> int:
         return 0
     print(text)
     if args.out is not None:
-        from gradmerge._files import write_json
+        from gradmerge._guard import write_json
 
-        write_json(report, Path(args.out))
+        write_json(report, args.out, "--out")
         print(f"wrote {args.out}")
     return 0
 

@@ -71,6 +71,7 @@ def add_parser(sub: Any) -> None:
         help="curvature files, or one merge CONFIG.yaml",
     )
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (- : stdout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json PATH")
     p.add_argument(
         "--no-layers", action="store_true", help="print no per-layer (CONFIG: per-unit) lines"
     )
@@ -82,7 +83,40 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--rho", type=float, default=1e-3, help="share s counted as a difference (default 1e-3)"
     )
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, check=check, writes=writes)
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """argparse errors (exit 2) for an unusable --rho, before any file is read."""
+    from gradmerge.curvature.summary import check_rho
+    from gradmerge.errors import ArgumentError
+
+    try:
+        check_rho(args.rho)
+    except ArgumentError as err:
+        parser.error(str(err))
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration: ``--json`` PATH (not ``-``) against every CURVATURE, or
+    against one CONFIG with every path it names (:meth:`FromYaml.inputs
+    <gradmerge.jobs.config.FromYaml.inputs>`)."""
+    from gradmerge._guard import Input
+    from gradmerge.commands._writes import Writes, file_output
+
+    paths = [Path(p) for p in args.curvatures]
+    if len(paths) == 1 and _is_config(paths[0]):
+        from gradmerge.jobs.config import MergeConfig
+
+        inputs = MergeConfig.from_yaml(paths[0]).inputs()
+    else:
+        inputs = [Input("CURVATURE", p) for p in paths]
+    return Writes(file_output("--json", args.json), inputs)
+
+
+def _is_config(path: Path) -> bool:
+    """Whether ``inspect`` reads ``path`` as a merge CONFIG (a ``.yaml``/``.yml`` file)."""
+    return path.suffix.lower() in (".yaml", ".yml")
 
 
 def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3) -> dict[str, Any]:
@@ -94,7 +128,17 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
     need (:mod:`gradmerge.curvature.quantiles`: two for real curvatures), holding one unit of
     every file at a time. Layers, spectra and the per-layer percentiles come from the first
     pass. A diagonal file's entries are summarised as stored; computed entries (K-FAC, dense,
-    lazy sums) and the files' sum in float64."""
+    lazy sums) and the files' sum in float64.
+
+    A file whose values a merge refuses — NaN/Inf (found decoding them), a clearly negative
+    eigenvalue (:meth:`Curvature.check_psd`, which the merge rules call) — is reported with
+    ``refused`` (the same message), and no δ window is given while one is. A file a merge cannot
+    open (damaged, or a ``num_examples`` that is not a whole number ≥ 1:
+    :func:`gradmerge.curvature.io.recorded_examples`) raises the same error as there.
+
+    Raises:
+        ArgumentError: ``rho`` outside (0, 0.5).
+        FileFormatError: a file that is not a readable curvature file."""
     from contextlib import ExitStack
 
     import torch
@@ -104,13 +148,17 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
     from gradmerge.curvature.summary import (
         PERCENTILES,
         WINDOW,
+        check_rho,
         diagonal_values,
         factor_spectra,
         kfac_parts,
         scale_from,
         window_from,
     )
+    from gradmerge.errors import ArgumentError, NonFiniteError
+    from gradmerge.errors import NotPositiveDefiniteError as NotPD
 
+    check_rho(rho)
     with ExitStack() as stack:
         opened = [stack.enter_context(open_curvature(path)) for path in paths]
         dtypes = [_summary_dtype(f.structure, f.metadata.get("dtype")) for f in opened]
@@ -121,6 +169,7 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
         selectors = stats if single else [*stats, total]
         shared = set.intersection(*({k for k, _ in f.layout} for f in opened))
         layers: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in opened]
+        refused: list[str | None] = [None for _ in opened]
         first = True
         while first or any(s.wants_pass for s in selectors):
             for unit in _joint_units([f.couplings() for f in opened]):
@@ -129,7 +178,13 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                     if not (first or stats[i].wants_pass or total.wants_pass):
                         continue
                     stored = dtypes[i] == torch.float32
-                    part = opened[i].restrict(group, dtype=None if stored else torch.float64)
+                    part = None
+                    try:  # a merge's checks of the values: finite (decoding them), PSD
+                        part = opened[i].restrict(group, dtype=None if stored else torch.float64)
+                        if first and part is not None:
+                            part.check_psd(name=f"{paths[i]} ({group[0]})")
+                    except (NonFiniteError, NotPD) as err:
+                        refused[i] = refused[i] or str(err)
                     if part is None:
                         continue
                     diag = diagonal_values(part)
@@ -157,7 +212,9 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                 if total.wants_pass and not single:
                     keys = [k for _, _, group in unit for k in group if k in shared]
                     for key in dict.fromkeys(keys):
-                        parts = [d[key].reshape(-1) for d in diagonals.values()]
+                        parts = [d[key].reshape(-1) for d in diagonals.values() if key in d]
+                        if not parts:  # refused (NaN/Inf) in every file: no window then
+                            continue
                         for start in range(0, parts[0].numel(), CHUNK):  # no float64 copy
                             summed = parts[0][start : start + CHUNK].double()  # of a whole tensor
                             for other in parts[1:]:
@@ -173,18 +230,22 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
                 "structure": f.structure,
                 "dtype": f.metadata.get("dtype"),
                 "info": dict(f.info),
-                "num_examples": _int(f.info.get("num_examples")),
+                "num_examples": f.num_examples,
                 "parameters": sum(s.numel() for _, s in f.layout),
                 "scale": scale_from(stat).to_json(),
                 "layers": [layer for _, layer in sorted(found, key=lambda x: x[0])],
+                "refused": why,
             }
-            for path, f, stat, found in zip(paths, opened, stats, layers, strict=True)
+            for path, f, stat, found, why in zip(paths, opened, stats, layers, refused, strict=True)
         ]
     found: dict[str, Any] = {"rho": rho, "files": len(paths), "parameters": len(shared)}
+    refusals = [why for why in refused if why]
     try:
+        if refusals:
+            raise ArgumentError(f"a merge refuses {len(refusals)} of the files (above)")
         low, high = window_from(total, rho=rho)
         found.update(low=low, high=high, empty=low > high)
-    except Exception as err:  # no positive entry
+    except ArgumentError as err:  # refused, or no positive entry
         found.update(low=None, high=None, empty=True, reason=str(err))
     return {"files": files, "delta_window": found}
 
@@ -223,15 +284,10 @@ def _joint_units(
     return sorted(units.values(), key=lambda u: min((i, index) for i, index, _ in u))
 
 
-def _int(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run ``gradmerge inspect``; 0 on success, 1 on a bad file (the message goes to stderr)."""
+    """Run ``gradmerge inspect``; 0 on success, 1 on a file that cannot be read (the message
+    goes to stderr) or that a merge refuses (reported, as ``merge --dry-run`` returns 1 where the
+    real run would refuse)."""
     from gradmerge.errors import GradmergeError
 
     try:
@@ -242,13 +298,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradmerge inspect: error: {err}", file=sys.stderr)
         return 1
     text = json.dumps(report, indent=2) + "\n"
+    refused = any(f.get("refused") for f in report.get("files", []))
     if args.json == "-":
         sys.stdout.write(text)
-        return 0
+        return 1 if refused else 0
     print(describe(report, layers=not args.no_layers))
     if args.json:
-        Path(args.json).write_text(text)
-    return 0
+        from gradmerge._guard import write_text
+
+        try:
+            write_text(text, args.json, "--json")
+        except GradmergeError as err:
+            print(f"gradmerge inspect: error: {err}", file=sys.stderr)
+            return 1
+    return 1 if refused else 0
 
 
 _COLUMNS = ("min", "p10", "p50", "p90", "max")
@@ -273,6 +336,8 @@ def describe(report: dict[str, Any], *, layers: bool = True) -> str:
             f"num_examples {n if n is not None else 'not recorded'}, dtype {f['dtype']}"
             + "".join(f", {k} {v}" for k, v in sorted(f["info"].items()) if k in ("fisher", "loss"))
         )
+        if f["refused"]:
+            lines.append(f"  REFUSED (a merge refuses it too): {f['refused']}")
         lines.append(head)
         lines.append(f"  {_row(f['scale'])}  all entries")
         if layers:
@@ -419,7 +484,7 @@ def inspect_paths(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
         ArgumentError: a CONFIG given with other paths.
         ConfigError: a CONFIG that ``gradmerge merge`` would refuse.
     """
-    configs = [p for p in paths if p.suffix.lower() in (".yaml", ".yml")]
+    configs = [p for p in paths if _is_config(p)]
     if not configs:
         return inspect_files(paths, spectra=spectra, rho=rho)
     if len(paths) != 1:

@@ -56,7 +56,25 @@ def add_parser(sub: Any) -> None:
         epilog=EPILOG.replace("{methods}", help_table("merge")),
     )
     add_common_arguments(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, writes=writes)
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration (:mod:`gradmerge.commands._writes`): OUT_DIR, and CONFIG
+    with every path it names."""
+    from gradmerge.jobs import MergeConfig
+
+    return config_writes(args, MergeConfig.from_yaml(args.config))
+
+
+def config_writes(args: argparse.Namespace, config: Any) -> Any:
+    """OUT_DIR against ``config``'s inputs (:meth:`~gradmerge.jobs.config.FromYaml.inputs`)."""
+    from pathlib import Path
+
+    from gradmerge._guard import Output
+    from gradmerge.commands._writes import Writes
+
+    return Writes([Output("OUT_DIR", Path(args.out_dir), "folder")], config.inputs())
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:

@@ -263,9 +263,17 @@ def window_from(stats: OrderStatistics, *, rho: float = RHO) -> tuple[float, flo
 
 
 def check_rho(rho: float) -> None:
-    """Refuse a share ρ outside (0, 0.5) (the window [ρ, 1 − ρ] would be empty or all)."""
+    """ρ, the prior share counted as a difference, must lie in (0, 0.5): at 0 every δ counts,
+    from 0.5 on the window's ends cross (NaN is refused too).
+
+    Raises:
+        ArgumentError: ρ outside (0, 0.5).
+    """
     if not 0 < rho < 0.5:
-        raise ArgumentError(f"rho must be in (0, 0.5), got {rho!r}")
+        raise ArgumentError(
+            f"rho (--rho) must be in (0, 0.5), got {rho!r}: the share of the prior counted as a "
+            "difference, e.g. 1e-3"
+        )
 
 
 class PriorShare:

@@ -169,8 +169,6 @@ def _conditioning(keys: tuple[str, ...], system: Curvature | None, spectra: bool
 
 
 def _num_examples(file: Any) -> int | None:
-    value = file.info.get("num_examples") if file is not None else None
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
+    """The file's recorded ``num_examples`` (checked where it was opened:
+    :func:`gradmerge.curvature.io.recorded_examples`), ``None`` without a file."""
+    return file.num_examples if file is not None else None

@@ -183,7 +183,7 @@ BAD = [
      "given twice"),
     ("--out is the second DATA", lambda f, t: [f["bert0"], "--data", f["reviews"], f["animals"],
                                                "--out", f["animals"], "--overwrite"], 2,
-     "is, or is inside, DATA"),
+     "is DATA"),
     ("empty file", lambda f, t: [f["bert0"], f["bert1"], "--data", f["reviews"], _empty(t),
                                  "--compare", "bert0"], 1, "on DATA {t}/empty.jsonl: DATA"),
     ("labels the models lack", lambda f, t: [f["bert0"], f["bert1"], "--data", f["reviews"],

@@ -131,6 +131,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge._removal",
         "gradmerge._text",
         "gradmerge._files",
+        "gradmerge._guard",
         "gradmerge._progress",
         "gradmerge._devices",
         "gradmerge._weight_sample",
