@@ -901,7 +901,7 @@ thought, and at the label-free α the README recommends (``gradmerge tune``, tra
 θ_LLM's own data); and K-FAC gradient matching, the method under study, head to head."""
 KEY_METHODS = (
     "task arithmetic α=1",
-    "task arithmetic, α by tune --criterion loss",
+    "task arithmetic, α by tune --criterion loss+base",
     "grad. matching (official), diag",
     "grad. matching (official), kfac",
 )
