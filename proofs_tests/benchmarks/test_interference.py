@@ -131,7 +131,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         assert lo <= c["pooled"]["difference"] <= hi
     assert set(
         report["interference (fine-tuned − task arithmetic α=1, largest T)"]["mean over seeds"]
-    ) == {"snippets", "sentences"}
+    ) == set(study.ADDED[:2])
     assert (tmp_path / "interference-cpu.png").stat().st_size > 10_000
     assert "environment" in report and report["command"].startswith(
         "python -m benchmarks.interference"
