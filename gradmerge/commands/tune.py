@@ -317,7 +317,6 @@ class Scorer:
 
     def __call__(self, folder: Path) -> tuple[float, dict[str, Any]]:
         from gradmerge.estimate import gradient_fn
-        from gradmerge.evaluation import evaluate
         from gradmerge.io import sources
         from gradmerge.jobs.tune import term
 
@@ -331,14 +330,7 @@ class Scorer:
         for t, (spec, data) in enumerate(zip(self.training, self.data, strict=True)):
             if args.task_heads:
                 self._use_head(t, model)
-            result = evaluate(
-                model,
-                data,
-                loss=args.loss,
-                ignore_index=args.ignore_index,
-                device=self.device,
-                autocast=AUTOCAST.get(args.autocast or ""),
-            )
+            result = self._evaluate(model, data)
             entry: dict[str, Any] = {
                 "data": spec,
                 "examples": result.examples,
@@ -366,14 +358,7 @@ class Scorer:
         for (t, spec), data in zip(self.held_out, self.validation, strict=True):
             if args.task_heads:
                 self._use_head(t, model)
-            result = evaluate(
-                model,
-                data,
-                loss=args.loss,
-                ignore_index=args.ignore_index,
-                device=self.device,
-                autocast=AUTOCAST.get(args.autocast or ""),
-            )
+            result = self._evaluate(model, data)
             held_out.append(
                 {
                     "data": spec,
@@ -387,6 +372,21 @@ class Scorer:
         if args.base_validation is not None:
             figures["base_validation"] = held_out[-1]
         return total, figures
+
+    def _evaluate(self, model: Any, data: Any) -> Any:
+        """The model's accuracy and mean loss on ``data`` (:func:`gradmerge.evaluation.evaluate`
+        with the command's loss, ignore index, device and ``--autocast``)."""
+        from gradmerge.evaluation import evaluate
+
+        args = self.args
+        return evaluate(
+            model,
+            data,
+            loss=args.loss,
+            ignore_index=args.ignore_index,
+            device=self.device,
+            autocast=AUTOCAST.get(args.autocast or ""),
+        )
 
     def read(self, folder: Path, model: torch.nn.Module | None = None) -> None:
         """Read DATA, ``--base-data`` and the held-out files for the model of ``folder`` (the

@@ -399,3 +399,20 @@ def test_issue29_data_without_labels_are_refused_before_the_first_merge(setup, t
     err = capsys.readouterr().err
     assert "unlabelled.jsonl" in err and "label" in err and "every setting failed" not in err
     assert merges == []
+
+
+def test_autocast_scores_each_point_within_bfloat16_rounding(setup, tmp_path):
+    """--autocast bfloat16: every point's training losses equal the float32 ones to bfloat16's
+    rounding (the same merges, the forward under torch.autocast)."""
+    config = _config(setup, "ta-bf16.yaml", "task_arithmetic")
+    reports = {}
+    for flags in ([], ["--autocast", "bfloat16"]):
+        out = tmp_path / f"tune{len(flags)}.json"
+        assert _tune(setup, config, "--alphas", "0.5,1", "--out", out, *flags) == 0
+        reports[bool(flags)] = _report(out)
+    for low, exact in zip(reports[True]["points"], reports[False]["points"], strict=True):
+        assert low["scale"] == exact["scale"]
+        for a, b in zip(low["tasks"], exact["tasks"], strict=True):
+            assert a["examples"] == b["examples"]
+            assert math.isclose(a["mean_loss"], b["mean_loss"], rel_tol=0.05)
+        assert low["criterion"] != exact["criterion"]  # computed in bfloat16 indeed
