@@ -73,6 +73,7 @@ from benchmarks.paper_recipe import (
     encode,
     environment,
     load_classifier,
+    mc_fisher_call,
     paired_bootstrap,
     pooled,
     pretrained_folder,
@@ -198,24 +199,8 @@ class Study:
     def curvature_call(
         self, model: Path, data: Path, out: Path, structure: str, seed: int
     ) -> tuple:
-        return (
-            "curvature",
-            model,
-            data,
-            out,
-            "--structure",
-            structure,
-            "--fisher",
-            "mc",
-            "--seed",
-            str(seed),
-            "--max-length",
-            str(self.args.max_length),
-            "--batch-size",
-            "32",
-            "--no-progress",
-            "--overwrite",
-        )
+        """``gradmerge curvature``'s MC-Fisher sum over every text of ``data``."""
+        return mc_fisher_call(model, data, out, structure, seed, self.args.max_length)
 
     # -- θ_LLM and F_0 --
     def base(self) -> dict[str, Any]:
@@ -696,35 +681,15 @@ class Study:
         for delta in REMOVAL_DELTAS:  # the first δ the step check accepts, per method
             trial: dict[str, dict[str, Any]] = {}
             for s in args.structures:
-                name = f"from M | Eq. 13, {s}"
-                if name not in todo:
-                    trial[name] = {
-                        "method": "remove",
-                        "base_model": M,
-                        "model": str(ft),
-                        "curvature": str(curv["t", s]),
-                        "prior": {"delta": delta},
-                        "remaining": {
-                            "delta": delta,
-                            "curvature": str(curv["rest", s]),
-                            "scale": rest_scale,
-                        },
-                        "_command": "remove",
-                    }
-            for s in args.structures:
-                name = f"from M | Koh & Liang, {s}"
-                if name not in todo:
-                    trial[name] = {
-                        "method": "influence_remove",
-                        "base_model": M,
-                        "gradient": str(grad),
-                        "remaining": {
-                            "delta": delta,
-                            "curvature": str(curv["rest", s]),
-                            "scale": rest_scale,
-                        },
-                        "_command": "remove",
-                    }
+                rest = {"delta": delta, "curvature": str(curv["rest", s]), "scale": rest_scale}
+                eq13 = {"method": "remove", "model": str(ft), "curvature": str(curv["t", s]),
+                        "prior": {"delta": delta}}  # fmt: skip
+                koh = {"method": "influence_remove", "gradient": str(grad)}
+                for name, body in ((f"from M | Eq. 13, {s}", eq13),
+                                   (f"from M | Koh & Liang, {s}", koh)):  # fmt: skip
+                    if name not in todo:
+                        trial[name] = body | {"base_model": M, "remaining": rest,
+                                              "_command": "remove"}  # fmt: skip
             got = self.run_merges({f"{n} δ={delta:g}": c for n, c in trial.items()}, "remove")
             for n in trial:
                 result = got[f"{n} δ={delta:g}"]

@@ -352,6 +352,24 @@ class CLI:
         return [self.mergekit_exe, str(config), str(out), *extra]
 
 
+def mc_fisher_call(
+    model: Path,
+    data: Path,
+    out: Path,
+    structure: str,
+    seed: int,
+    max_length: int,
+    max_examples: int | None = None,
+) -> tuple[str | Path, ...]:
+    """The arguments of ``gradmerge curvature`` for an MC-Fisher SUM (labels sampled from the
+    model, as the official ``trainer_hessians.py``) over ``data`` (its first ``max_examples``
+    texts when given), overwriting ``out`` (run by ``CLI.all``)."""
+    first = ["--max-examples", str(max_examples)] if max_examples is not None else []
+    return ("curvature", model, data, out, "--structure", structure, "--fisher", "mc",
+            "--seed", str(seed), "--max-length", str(max_length), "--batch-size", "32",
+            *first, "--no-progress", "--overwrite")  # fmt: skip
+
+
 def yaml_dump(config: dict[str, Any], path: Path) -> Path:
     import yaml
 
@@ -484,26 +502,9 @@ class Study:
     ) -> tuple[str | Path, ...]:
         """The ``gradmerge curvature`` call of an MC-Fisher sum over the first
         ``--curvature-examples`` texts of ``data`` (run by ``CLI.all``)."""
-        return (
-            "curvature",
-            model,
-            data,
-            out,
-            "--structure",
-            structure,
-            "--fisher",
-            "mc",
-            "--seed",
-            str(seed),
-            "--max-length",
-            str(self.args.max_length),
-            "--batch-size",
-            "32",
-            "--max-examples",
-            str(self.args.curvature_examples),
-            "--no-progress",
-            "--overwrite",
-        )
+        args = self.args
+        return mc_fisher_call(model, data, out, structure, seed, args.max_length,
+                              args.curvature_examples)  # fmt: skip
 
     # -- one seed --
     def seed(self, seed: int) -> dict[str, Any]:
