@@ -79,6 +79,7 @@ from benchmarks.paper_recipe import (
     pretrained_folder,
     probe,
     subset,
+    tune_call,
     write_jsonl,
     yaml_dump,
 )
@@ -429,7 +430,6 @@ class Study:
         loss with θ_LLM's own data as ``--base-data``), two calls at a time; cached."""
         merges = self.root / "merges"
         merges.mkdir(parents=True, exist_ok=True)
-        grid = ",".join(f"{a:g}" for a in self.args.alphas)
         calls, pending = [], []
         for T in Ts:
             tasks = self.added[:T]
@@ -445,29 +445,11 @@ class Study:
                 }
                 path = yaml_dump(config, merges / f"{stem}.yaml")
                 report = merges / f"{stem}.json"
-                base = ["--base-data", str(self.train_files[BASE])] if "+base" in criterion else []
                 calls.append(
-                    (
-                        "tune",
-                        path,
-                        *(str(self.train_files[d]) for d in tasks),
-                        *base,
-                        "--alphas",
-                        grid,
-                        "--criterion",
-                        criterion.split("+")[0],
-                        "--max-length",
-                        str(self.args.max_length),
-                        "--max-examples",
-                        str(TUNE_EXAMPLES),
-                        "--autocast",
-                        "bfloat16",
-                        "--out",
-                        report,
-                        "--overwrite",
-                        "--no-progress",
-                    )
-                )
+                    tune_call(path, [self.train_files[d] for d in tasks], report, criterion,
+                              self.args.alphas, self.args.max_length, TUNE_EXAMPLES,
+                              self.train_files[BASE], "--autocast", "bfloat16")
+                )  # fmt: skip
                 pending.append((key, report))
         self.cli.all(calls)
         for key, report in pending:

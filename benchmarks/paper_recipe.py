@@ -370,6 +370,34 @@ def mc_fisher_call(
             *first, "--no-progress", "--overwrite")  # fmt: skip
 
 
+def tune_call(
+    config: Path,
+    datas: list[Path],
+    report: Path,
+    criterion: str,
+    alphas: list[float],
+    max_length: int,
+    max_examples: int,
+    base_data: Path | None = None,
+    *extra: str,
+) -> tuple[str | Path, ...]:
+    """The arguments of ``gradmerge tune`` of ``config`` over the α grid ``alphas`` on the
+    tasks' training ``datas`` (the first ``max_examples`` texts of each), writing the JSON
+    ``report`` (run by ``CLI.all``). ``criterion``: ``loss``, ``mismatch``, or ``loss+base``, the
+    training loss with θ_LLM's own training texts ``base_data`` as ``--base-data`` (one more
+    task, with the same budget of texts); ``extra``: further flags (``--task-heads``, ...)."""
+    name, plus, added = criterion.partition("+")
+    if plus and (added != "base" or base_data is None):
+        raise ValueError(
+            f"criterion {criterion!r}: expected loss, mismatch or either + '+base' (with base_data)"
+        )
+    base = ["--base-data", base_data] if plus else []
+    grid = ",".join(f"{a:g}" for a in alphas)
+    return ("tune", config, *datas, *base, "--alphas", grid, "--criterion", name,
+            "--max-length", str(max_length), "--max-examples", str(max_examples), *extra,
+            "--out", report, "--overwrite", "--no-progress")  # fmt: skip
+
+
 def yaml_dump(config: dict[str, Any], path: Path) -> Path:
     import yaml
 
@@ -445,6 +473,9 @@ class Study:
         folder = self.work / "base"
         train = subset(self.data[BASE_TASK]["train"], args.base_train, 0)
         self.n0 = len(train)
+        self.base_train_file = self.work / "data" / f"{BASE_TASK}-train.jsonl"
+        if not shared:  # θ_LLM's training texts, the label-free loss+base criterion's base task
+            write_jsonl(self.base_train_file, train)
         start = time.perf_counter()
         tokenizer, model = load_classifier(pretrained_folder())
         self.tokenizer = tokenizer
@@ -791,8 +822,10 @@ class Merges:
     def label_free(self, chosen: dict[str, Any]) -> dict[str, Any]:
         """``gradmerge tune`` over the α grid, each task through its own head, on at most
         ``TUNE_EXAMPLES`` of each task's training texts: the training loss for task arithmetic
-        of both recipes and recipe (a)'s diagonal gradient matching, and Eq. 2's gradient
-        mismatch (``--criterion mismatch``) for recipe (a)'s task arithmetic."""
+        of both recipes and recipe (a)'s diagonal gradient matching, the training loss with
+        θ_LLM's own training texts as one more task (``--criterion loss --base-data``, the
+        project's recommendation, ``loss+base``) and Eq. 2's gradient mismatch
+        (``--criterion mismatch``) for recipe (a)'s task arithmetic."""
         study, args = self.study, self.args
         out: dict[str, Any] = {}
         ta_a = {"method": "task_arithmetic", "models": self.models_of("a")}
@@ -803,6 +836,7 @@ class Merges:
         if "diag" in args.structures:
             official = self.gm_merges()["grad. matching (a) official, diag"][0]
             configs["grad. matching (a) official, diag"] = (official, "loss")
+        configs["task arithmetic (a), loss+base"] = (ta_a, "loss+base")
         configs["task arithmetic (a), mismatch"] = (ta_a, "mismatch")
         data = [str(study.train_files[self.seed][t]) for t in self.tasks]
         calls, reports = [], {}
@@ -812,24 +846,30 @@ class Merges:
                 body = {"base_model": str(self.base), **config, "passthrough": ["classifier.*"]}
                 path = yaml_dump(body, self.dir / f"tune-{safe}.yaml")
                 reports[name] = self.dir / f"tune-{safe}.json"
-                grid = ",".join(f"{a:g}" for a in args.alphas)
                 calls.append(
-                    ("tune", path, *data, "--alphas", grid, "--criterion", criterion,
-                     "--task-heads", "classifier.*", "--max-length", str(args.max_length),
-                     "--max-examples", str(TUNE_EXAMPLES), "--out", reports[name],
-                     "--overwrite", "--no-progress")
+                    tune_call(path, data, reports[name], criterion, args.alphas, args.max_length,
+                              TUNE_EXAMPLES, study.base_train_file, "--task-heads", "classifier.*")
                 )  # fmt: skip
         self.cli.all(calls)
         for name, (_, criterion) in configs.items():
             key = f"{name} | tune"
             if name in reports:
                 tuned = json.loads(reports[name].read_text())
-                label = "training loss by α" if criterion == "loss" else "gradient mismatch by α"
+                mismatch = criterion == "mismatch"
+                label = "gradient mismatch by α" if mismatch else "training loss by α"
                 self.cache[key] = {
                     "chosen α": tuned["chosen"]["scale"],
                     "criterion": criterion,
+                    "at grid edge": tuned["at_grid_edge"],
                     label: {f"{p['scale']:g}": p["criterion"] for p in tuned["points"]},
                 }
+                if tuned["base_data"] is not None:  # θ_LLM's term, and its accuracy there
+                    self.cache[key] |= {
+                        f"{BASE_TASK} (θ_LLM's task) training {k} by α": {
+                            f"{p['scale']:g}": p["base"][k] for p in tuned["points"]
+                        }
+                        for k in ("mean_loss", "accuracy")
+                    }
                 self.save_cache()
             out[name] = dict(self.cache[key])
             recipe = "b" if "(b)" in name else "a"
@@ -1066,33 +1106,41 @@ def paired_bootstrap(
     }
 
 
+LABEL_FREE = "label-free task arithmetic (a), loss+base"
+"""The label-free row the project recommends: α by ``gradmerge tune --criterion loss --base-data``."""
+VALIDATION = "α chosen on validation"
+
+
 def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:
-    """Every gradient-matching row against task arithmetic (α on validation) of its recipe."""
-    out = []
+    """Every gradient-matching row against task arithmetic (α on validation) of its recipe, and
+    the recommended label-free task arithmetic (:data:`LABEL_FREE`) against that validation
+    oracle and against the official recipe (diagonal): paired bootstrap per seed and pooled."""
+    out: list[dict[str, Any]] = []
     if not seeds:
         return out
     starts = ("grad.", "official", "label-free grad.")
-    methods = [
-        r["method"].split(" α=")[0] for r in seeds[0]["rows"] if r["method"].startswith(starts)
+    first = [r["method"].split(" α=")[0] for r in seeds[0]["rows"]]
+    pairs = [(m, f"task arithmetic ({'b' if '(b)' in m else 'a'})") for m in first
+             if m.startswith(starts)]  # fmt: skip
+    pairs += [
+        (LABEL_FREE, "task arithmetic (a)"),
+        (LABEL_FREE, "grad. matching (a) official, diag"),
     ]
-    for method in methods:
-        recipe = "b" if "(b)" in method else "a"
+    for method, against in pairs:
         per_seed = []
         for s in seeds:
             rows = {r["method"].split(" α=")[0]: r for r in s["rows"]}
-            ta = next(r for r in s["rows"] if r["method"].startswith(f"task arithmetic ({recipe})"))
-            gm_row = rows.get(method)
-            if gm_row is None or "failed" in gm_row:
+            a, b = rows.get(method), rows.get(against)
+            if a is None or b is None or "failed" in a or "failed" in b:
                 continue
-            per_seed.append(
-                {t: (gm_row["correct"][t], ta["correct"][t]) for t in gm_row["correct"]}
-            )
-        entry = {"method": method, "against": f"task arithmetic ({recipe}), α chosen on validation"}
+            per_seed.append({t: (a["correct"][t], b["correct"][t]) for t in a["correct"]})
+        if not per_seed:
+            continue
+        label = f"{against}, {VALIDATION}" if against.startswith("task arithmetic") else against
+        entry = {"method": method, "against": label}
         entry["per seed"] = [
             paired_bootstrap([p], resamples, seed=i) for i, p in enumerate(per_seed)
         ]
-        if not per_seed:
-            continue
         entry["pooled"] = paired_bootstrap(per_seed, resamples, seed=99)
         out.append(entry)
     return out
@@ -1160,7 +1208,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     summary = [e for e in report["summary"] if e["seeds"]]
     tasks = report["tasks"]
-    fig = Figure(figsize=(12, 5.2), layout="constrained")
+    fig = Figure(figsize=(13, 6), layout="constrained")
     ax, bx = fig.subplots(1, 2, width_ratios=[2.2, 1])
     names = [e["method"] for e in summary]
     width = 0.8 / (len(tasks) + 1)
@@ -1194,8 +1242,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for s in c["per seed"]:
             bx.plot([s["difference"]], [i], "x", color="tab:grey")
     bx.axvline(0, color="tab:red", linewidth=1)
-    bx.set_yticks(range(len(comps)), [c["method"] for c in comps], fontsize=7)
-    bx.set_xlabel("mean-accuracy difference vs task arithmetic\n(pooled 95% CI; × = per seed)")
+    labels = [f"{c['method']}\n− {c['against'].replace(', ' + VALIDATION, ' (val. α)')}"
+              for c in comps]  # fmt: skip
+    bx.set_yticks(range(len(comps)), labels, fontsize=6)
+    bx.set_xlabel("mean-accuracy difference, row − reference\n(pooled 95% CI; × = per seed)")
     bx.grid(alpha=0.3)
     fig.suptitle(f"MiniLM-L6, base {BASE_TASK}, tasks {', '.join(tasks)}: merges", fontsize=10)
     fig.savefig(path, dpi=110)

@@ -67,6 +67,7 @@ def test_quick_run_of_the_recipe(tmp_path):
         "DARE (a), mergekit",
         "official script (a) via convert-curvature",
         "label-free task arithmetic (a)",
+        "label-free task arithmetic (a), loss+base",
         "label-free task arithmetic (a), mismatch",
         "label-free grad. matching (a) official, diag",
     } <= methods
@@ -108,11 +109,30 @@ def test_quick_run_of_the_recipe(tmp_path):
     by_alpha = {float(a): v for a, v in mismatch["gradient mismatch by α"].items()}
     assert set(by_alpha) == set(report["config"]["alphas"])
     assert by_alpha[mismatch["chosen α"]] == min(by_alpha.values())
+    loss, base = (
+        next(
+            r for r in seed["rows"] if r["method"].startswith(f"label-free task arithmetic (a){x}")
+        )
+        for x in (" α=", ", loss+base α=")
+    )  # the tasks' training loss, and with θ_LLM's own training texts as one more task
+    assert base["criterion"] == "loss+base" and loss["criterion"] == "loss"
+    with_base = {float(a): v for a, v in base["training loss by α"].items()}
+    assert with_base[base["chosen α"]] == min(with_base.values())
+    own = base["sentiment (θ_LLM's task) training mean_loss by α"]
+    assert set(map(float, own)) == set(with_base)  # two tune runs, the same tasks' terms
+    for a, value in loss["training loss by α"].items():
+        assert with_base[float(a)] == pytest.approx(value + own[a], rel=1e-5)
     gaps = report["interference (fine-tuned − task arithmetic (a))"]["mean over seeds"]
     assert set(gaps) == set(tasks)
-    compared = {c["method"] for c in report["comparisons"]}
+    compared = {(c["method"], c["against"]) for c in report["comparisons"]}
+    oracle = "task arithmetic ({}), α chosen on validation"
     assert compared == {
-        m for m in methods if m.startswith(("grad.", "official", "label-free grad."))
+        (m, oracle.format("b" if "(b)" in m else "a"))
+        for m in methods
+        if m.startswith(("grad.", "official", "label-free grad."))
+    } | {
+        ("label-free task arithmetic (a), loss+base", oracle.format("a")),
+        ("label-free task arithmetic (a), loss+base", "grad. matching (a) official, diag"),
     }
     for c in report["comparisons"]:
         lo, hi = c["pooled"]["ci95"]
