@@ -15,6 +15,8 @@ from gradmerge.errors import ArgumentError
 
 Precision = Literal["auto", "working", "bfloat16"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "working", "bfloat16")
+MAXITER = 1000
+"""The default budget of CG iterations per round (``maxiter``), without ``approximate``."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,9 @@ class SolverSpec:
         tol: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
             ``None``: 1e-10 in float64, 1e-5 in float32 (:func:`gradmerge.solvers.cg.default_tol`).
         maxiter: CG iterations per round before :class:`NotConvergedError` (≥ 1; ≥ 0 with
-            ``approximate``).
+            ``approximate``); ``None`` (default): :data:`MAXITER` (1000), or 0 with
+            ``approximate`` (the eigenbasis preconditioner's solve alone), the same default as
+            the YAML key ``solver.maxiter``. The record always holds the resolved number.
         approximate: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
             with whatever residual it has, still measured and reported; never the default.
         precision: the dtype of the K-FAC CG's inner Kronecker products: ``"working"`` (the
@@ -45,6 +49,8 @@ class SolverSpec:
         >>> import gradmerge as gm
         >>> gm.SolverSpec(tol=1e-4, maxiter=200)
         SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='auto', warm_start=False)
+        >>> gm.SolverSpec().maxiter, gm.SolverSpec(approximate=True).maxiter
+        (1000, 0)
         >>> gm.SolverSpec(tol=2.0)
         Traceback (most recent call last):
         ...
@@ -52,7 +58,7 @@ class SolverSpec:
     """
 
     tol: float | None = None
-    maxiter: int = 1000
+    maxiter: int | None = None
     approximate: bool = False
     precision: Precision = "auto"
     warm_start: bool = False
@@ -68,6 +74,8 @@ class SolverSpec:
             raise ArgumentError(
                 f"SolverSpec.tol is a relative residual: it must be > 0 and < 1, got {tol!r}"
             )
+        if self.maxiter is None:
+            object.__setattr__(self, "maxiter", 0 if self.approximate is True else MAXITER)
         low = 0 if self.approximate else 1
         if (
             isinstance(self.maxiter, bool)
