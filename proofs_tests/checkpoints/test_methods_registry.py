@@ -188,7 +188,7 @@ def test_yaml_dry_run_and_merge(method, ws, tmp_path, capsys):
     assert isinstance(cfg, config_type)
     ran = method.name if method.runs == method.job else "gradient_matching"  # remerge's merge
     assert cfg.method == ran and cfg.to_dict()["method"] == ran
-    job, method = method.job, registry.get(ran)  # remerge: checked as the merge it runs
+    name, job, method = method.name, method.job, registry.get(ran)  # remerge: as the merge it runs
 
     # the dry run: the command writes nothing; every checked system is positive definite
     out = tmp_path / "out"
@@ -208,7 +208,7 @@ def test_yaml_dry_run_and_merge(method, ws, tmp_path, capsys):
 
     # the run equals the in-memory rule on whole state dicts
     run(cfg, out, progress=False)
-    assert_same(load_file(out / "model.safetensors"), CASES[method.name].reference(ws))
+    assert_same(load_file(out / "model.safetensors"), CASES[name].reference(ws))
 
 
 VALUES = {
