@@ -370,7 +370,8 @@ class MergeConfig(Options):
     average: tuple[str, ...] = setting(
         (),
         "a list of names or globs (`fnmatch`) of 2-D tensors merged by the mean of the "
-        "α-weighted task vectors instead of the SVD (fusion-bench's `exclude_keys`); a glob "
+        "α-weighted task vectors instead of the SVD (fusion-bench's `exclude_keys`; the "
+        "authors' code so treats CLIP's `text_projection`); a glob "
         "that matches no tensor is an error.",
         kind="strings",
         what="2-D tensors merged by the mean of the task vectors",
