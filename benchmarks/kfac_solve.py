@@ -84,7 +84,7 @@ def cg_with(terms: list[Term], delta: float, prec_terms: list[Term], b: torch.Te
 
 
 def after(terms: list[Term], delta: float, b: torch.Tensor) -> dict:
-    k = gm.KFAC({"m": list(terms)}, cg_maxiter=MAXITER) + delta
+    k = gm.KFAC({"m": list(terms)}, solver=gm.SolverSpec(maxiter=MAXITER)) + delta
     t0 = time.perf_counter()
     try:
         part = k.solve_info({"m.weight": b}).parts["m"]

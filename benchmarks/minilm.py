@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import copy
+import dataclasses
 import importlib
 import inspect
 import json
@@ -648,7 +649,7 @@ def _capped(c: gm.Curvature, maxiter: int) -> gm.Curvature:
     parts = c.blocks if isinstance(c, gm.Blocks) else [c]
     for part in parts:
         if isinstance(part, gm.KFAC):
-            part.cg_maxiter = maxiter
+            part.solver = dataclasses.replace(part.solver, maxiter=maxiter)
     return c
 
 

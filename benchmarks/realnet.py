@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -271,7 +272,7 @@ def capped(c: gm.Curvature, maxiter: int) -> gm.Curvature:
     which raises NotConvergedError past it)."""
     for part in c.blocks if isinstance(c, gm.Blocks) else [c]:
         if isinstance(part, gm.KFAC):
-            part.cg_maxiter = maxiter
+            part.solver = dataclasses.replace(part.solver, maxiter=maxiter)
     return c
 
 

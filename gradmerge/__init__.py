@@ -43,6 +43,7 @@ from gradmerge.errors import (
     OutputExistsError,
     OutputOverlapError,
     OutputWriteError,
+    RemovedArgumentError,
     ResultOverflowError,
     SelectionWarning,
     StructureError,
@@ -142,6 +143,7 @@ __all__ = [
     "NotPositiveDefiniteError",
     "ResultOverflowError",
     "ArgumentError",
+    "RemovedArgumentError",
     # checkpoint files: lazy reading (gm.io), streaming merges and removals (gm.jobs)
     "io",
     "jobs",

@@ -41,6 +41,11 @@ class ArgumentError(GradmergeError, ValueError):
     """An argument of the right type but an unusable value (e.g. a wrong number of alphas)."""
 
 
+class RemovedArgumentError(GradmergeError, TypeError):
+    """A keyword argument gradmerge no longer takes (the package is 0.x); the message names what
+    replaced it (e.g. ``KFAC(cg_tol=...)``: ``KFAC(solver=gm.SolverSpec(tol=...))``)."""
+
+
 class AdapterBaseError(ArgumentError):
     """A LoRA adapter whose base model cannot be told for certain: a relative
     ``base_model_name_or_path`` that names another model relative to the current directory than

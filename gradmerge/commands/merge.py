@@ -10,23 +10,19 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradmerge.jobs.methods import help_table
+from gradmerge.jobs.methods import help_table, names
 
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
 
-  method: gradient_matching      # task_arithmetic | fisher_average | gradient_matching | regmean
-                                 # | tsv_merge | iso_c | iso_cts (data-free, no curvature)
+  method: gradient_matching       # {method_names}
   base_model: path/to/base        # θ_LLM: .safetensors file, shard folder or Hugging Face folder
   models:
     - {model: path/to/finetuned_a, curvature: a.curvature.safetensors, alpha: 1.0}
     - {model: path/to/finetuned_b, curvature: b.curvature.safetensors}
   prior: {delta: 1.0e-6}          # H_0 = δI (+ s·C from curvature files)
 
-Every key (dtype, compute_dtype, device, passthrough, max_shard_size, allow_mixed_dtypes,
-curvature_weights, solver, scale, damping, off_diagonal, common_space_fraction, average,
-models[].scale, ...) is described once, with examples, in
-docs/config.md of the gradmerge repository.
+{keys}
 
 methods:
 {methods}
@@ -44,6 +40,25 @@ examples:
 """
 
 
+def epilog() -> str:
+    """The help's text, its method names, keys and method table from the registry and the
+    settings' declarations (:mod:`gradmerge.jobs.config`)."""
+    import textwrap
+
+    from gradmerge.jobs.config import help_keys
+
+    keys = textwrap.fill(
+        f"Every key ({help_keys('merge')}) is described once, with examples, in docs/config.md "
+        "of the gradmerge repository.",
+        width=98,
+    )
+    return (
+        EPILOG.replace("{method_names}", " | ".join(names("merge")))
+        .replace("{keys}", keys)
+        .replace("{methods}", help_table("merge"))
+    )
+
+
 def add_parser(sub: Any) -> None:
     """Register ``gradmerge merge``."""
     p = sub.add_parser(
@@ -53,7 +68,7 @@ def add_parser(sub: Any) -> None:
         "averaging, uncertainty-based gradient matching (Eq. 6), RegMean, TSV-M, Iso-C or "
         "Iso-CTS, reading and writing safetensors tensor group by tensor group (bounded memory).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG.replace("{methods}", help_table("merge")),
+        epilog=epilog(),
     )
     add_common_arguments(p)
     p.set_defaults(run=run, writes=writes)

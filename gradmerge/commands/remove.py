@@ -33,9 +33,7 @@ configuration (YAML; relative paths are relative to the YAML file):
   remaining: {delta: 1.0e-6, curvature: rest.curvature.safetensors}
   alpha: 1.0
 
-  Both also take the options of merges (dtype, compute_dtype, device, passthrough,
-  max_shard_size, allow_mixed_dtypes, curvature_weights, solver); every key is described once,
-  with examples, in docs/config.md of the gradmerge repository.
+{options}
 
 The step's size ‖θ_\\t − θ_LLM‖ is printed against the task vector ‖θ_t − θ_LLM‖ (remove) or the
 weights ‖θ_LLM‖ (influence_remove); above `max_relative_step` (default 100 and 1) — a direction
@@ -73,6 +71,25 @@ examples:
 """
 
 
+def epilog() -> str:
+    """The help's text, the shared options' keys from their declarations."""
+    import textwrap
+
+    from gradmerge.jobs.config import Options
+    from gradmerge.settings import declared
+
+    return EPILOG.replace(
+        "{options}",
+        textwrap.fill(
+            f"Both also take the options of merges ({', '.join(declared(Options))}); every key "
+            "is described once, with examples, in docs/config.md of the gradmerge repository.",
+            width=96,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        ),
+    )
+
+
 def add_parser(sub: Any) -> None:
     """Register ``gradmerge remove``."""
     p = sub.add_parser(
@@ -82,7 +99,7 @@ def add_parser(sub: Any) -> None:
         "fine-tuned on D_t) or by the influence-function step of Koh & Liang (from the gradient "
         "of D_t's loss at the model), reading and writing safetensors group by group.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG,
+        epilog=epilog(),
     )
     add_common_arguments(p)
     p.set_defaults(run=run, writes=lambda args: config_writes(args, load(args.config)))
@@ -103,14 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load(path: str) -> Any:
-    """The configuration at ``path``: a :class:`RemoveConfig`, or for ``method: remerge`` the
-    :class:`MergeConfig` of the tasks that stay (:func:`remerge_config`)."""
-    from pathlib import Path
+    """The configuration at ``path``: a :class:`RemoveConfig`, or for a method that runs as a
+    merge (``remerge``) the :class:`MergeConfig` it runs (:func:`gradmerge.jobs.config.load`)."""
+    from gradmerge.jobs.config import load as load_config
 
-    from gradmerge.jobs import RemoveConfig
-    from gradmerge.jobs.config import _load_yaml, remerge_config
-
-    data, root = _load_yaml(path)
-    if isinstance(data, dict) and data.get("method") == "remerge":
-        return remerge_config(data, root=root, source=Path(path))
-    return RemoveConfig.from_dict(data, root=root, source=Path(path))
+    return load_config(path, "remove")

@@ -33,7 +33,7 @@ from torch import Tensor
 from gradmerge import params as P
 from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
-from gradmerge.errors import StructureError
+from gradmerge.errors import ArgumentError, RemovedArgumentError, StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers import kfac_cg, kronecker
 from gradmerge.solvers.cg import default_tol
@@ -46,6 +46,41 @@ EXACT_EIG_MAX_SIZE = 4096
 smallest eigenvalue from the dense sum of Kronecker products; larger ones a lower bound."""
 
 
+_REMOVED = {"cg_tol": "tol", "cg_maxiter": "maxiter", "cg_approximate": "approximate"}
+"""K-FAC's solver keywords and attributes in gradmerge 0.1.0 → their :class:`SolverSpec` field."""
+
+
+def _refuse_removed(given: Mapping[str, Any]) -> None:
+    """Refuse the keywords ``KFAC`` no longer takes, naming their replacement."""
+    for name in given:
+        if name not in _REMOVED:
+            raise TypeError(f"KFAC() got an unexpected keyword argument {name!r}")
+    if given:
+        spec = ", ".join(f"{_REMOVED[k]}={v!r}" for k, v in given.items())
+        raise RemovedArgumentError(
+            f"KFAC no longer takes {', '.join(given)}: pass solver=gm.SolverSpec({spec}) "
+            "(removed after gradmerge 0.1.0: the K-FAC solves are configured only through SolverSpec)"
+        )
+
+
+class _RemovedSetting:
+    """A removed solver attribute (``K.cg_maxiter``): reading or setting it raises, naming the
+    field of ``K.solver`` that replaced it, instead of a setting silently ignored."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.message = (
+            f"KFAC.{name} was removed after gradmerge 0.1.0: the settings are K.solver, a "
+            f"gm.SolverSpec (K.solver.{_REMOVED[name]}; to change it, "
+            f"K.solver = dataclasses.replace(K.solver, {_REMOVED[name]}=...))"
+        )
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        raise AttributeError(self.message)
+
+    def __set__(self, instance: object, value: object) -> None:
+        raise AttributeError(self.message)
+
+
 class KFAC(Curvature):
     """Per-layer sums of Kronecker products, Σ_k A_k ⊗ G_k, as a curvature operator.
 
@@ -56,12 +91,13 @@ class KFAC(Curvature):
             ``Conv1D`` and ``nn.Embedding`` (y = onehot(x) W) — and is transposed to (out, in).
         weight_shapes: the stored weight shape of modules whose weight is not a matrix, e.g. a
             ``Conv2d`` weight (out, in, kh, kw), which is viewed as (out, in·kh·kw).
-        cg_tol: the relative residual every solve must reach (certified in float64); default
-            1e-10 in float64, 1e-5 in float32.
-        cg_maxiter: CG iterations per round before :class:`NotConvergedError`.
-        cg_approximate: accept each layer's solve after at most ``cg_maxiter`` CG iterations
-            (0: the eigenbasis preconditioner alone) with whatever residual it has, still
-            measured and reported (:func:`gradmerge.solvers.kfac_cg.solve`); never the default.
+        solver: how :meth:`solve` and :meth:`solve_info` without a ``spec`` run the solves
+            (:class:`gradmerge.SolverSpec`: tolerance, CG iterations, ``approximate``,
+            ``precision``, ``warm_start``); ``None``: ``SolverSpec()``. Kept by ``to``,
+            ``scaled`` and ``K + δ``. The merge rules and the YAML jobs pass their own
+            ``solver=`` to each solve instead. (The keywords ``cg_tol``, ``cg_maxiter`` and
+            ``cg_approximate`` of gradmerge 0.1.0 are refused with
+            :class:`~gradmerge.errors.RemovedArgumentError`.)
         counts: module name → M, the number of rows (kept positions, or examples) the layer's
             A is a mean over, as estimated (``KFACFactors.counts``); M·A = Σ a aᵀ is the raw
             input Gram that RegMean needs. Kept by ``to`` and ``scaled`` (they leave A alone),
@@ -74,9 +110,13 @@ class KFAC(Curvature):
         >>> x = {"fc.weight": torch.ones(2, 2), "fc.bias": torch.ones(2)}
         >>> (K + 2.0).solve(x)["fc.bias"]
         tensor([0.2500, 0.2500])
+        >>> K = gm.KFAC({"fc": (A, G)}, bias=["fc"], solver=gm.SolverSpec(tol=1e-8, maxiter=50))
+        >>> (K + 2.0).solver.maxiter
+        50
     """
 
     rank = 3
+    cg_tol, cg_maxiter, cg_approximate = _RemovedSetting(), _RemovedSetting(), _RemovedSetting()
 
     def __init__(
         self,
@@ -85,11 +125,16 @@ class KFAC(Curvature):
         bias: Iterable[str] = (),
         transposed: Iterable[str] = (),
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
-        cg_tol: float | None = None,
-        cg_maxiter: int = 1000,
-        cg_approximate: bool = False,
+        solver: SolverSpec | None = None,
         counts: Mapping[str, int] | None = None,
+        **removed: Any,
     ) -> None:
+        _refuse_removed(removed)
+        if solver is not None and not isinstance(solver, SolverSpec):
+            raise ArgumentError(
+                f"KFAC's solver must be a gradmerge.SolverSpec, got {type(solver).__name__}: "
+                "e.g. solver=gm.SolverSpec(tol=1e-6, maxiter=2000)"
+            )
         if not factors:
             raise StructureError("KFAC needs factors for at least one module")
         self.bias, self.transposed = frozenset(bias), frozenset(transposed)
@@ -103,7 +148,7 @@ class KFAC(Curvature):
         for name, value in factors.items():
             terms = list(value) if isinstance(value, list) else [value]
             self.terms[name] = [self._check_term(name, a, g) for a, g in terms]
-        self.cg_tol, self.cg_maxiter, self.cg_approximate = cg_tol, cg_maxiter, cg_approximate
+        self.solver = SolverSpec() if solver is None else solver
         self._cache: dict[str, Any] = {}
 
     # ----- construction checks ------------------------------------------------------------
@@ -177,12 +222,6 @@ class KFAC(Curvature):
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value
 
-    @property
-    def spec(self) -> SolverSpec:
-        """The solver settings of :meth:`solve` and of ``solve_info`` without a ``spec``
-        (from ``cg_tol``, ``cg_maxiter``, ``cg_approximate``)."""
-        return SolverSpec(self.cg_tol, self.cg_maxiter, self.cg_approximate)
-
     def solve_info(
         self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
     ) -> Solution:
@@ -192,13 +231,14 @@ class KFAC(Curvature):
 
         Args:
             v: the right-hand side.
-            spec: how to solve (:class:`gradmerge.SolverSpec`); ``None``: :attr:`spec`.
+            spec: how to solve (:class:`gradmerge.SolverSpec`); ``None``: the operator's
+                ``solver``.
             guess: an estimate of x (e.g. the task-arithmetic solution of a merge), a starting
                 point of the layers' CG where ``spec.warm_start`` and its residual is the
                 smaller one (:func:`gradmerge.solvers.kfac_cg.solve`).
         """
         self.check_covers(v, name="the vector", ref_name="the vector")
-        spec = self.spec if spec is None else spec
+        spec = self.solver if spec is None else spec
         out: dict[str, Tensor] = {}
         parts: dict[str, Solution] = {}
         for name, terms in self.terms.items():
@@ -247,9 +287,7 @@ class KFAC(Curvature):
             bias=self.bias,
             transposed=self.transposed,
             weight_shapes=self.weight_shapes,
-            cg_tol=self.cg_tol,
-            cg_maxiter=self.cg_maxiter,
-            cg_approximate=self.cg_approximate,
+            solver=self.solver,
             counts=self.counts if keep_counts else None,
         )
 

@@ -84,6 +84,7 @@ class Sum(Curvature):
         """
         self.check_covers(v, name="the vector", ref_name="the vector")
         tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)
+        assert maxiter is not None  # SolverSpec resolves its default
         return solve_or_raise(self.mv, v, tol=tol, maxiter=maxiter, what="a sum of curvatures")
 
     def solve(self, v: Params) -> dict[str, Tensor]:

@@ -120,6 +120,7 @@ class MatrixFree(Curvature):
     ) -> Solution:
         """CG on this operator; raises :class:`NotConvergedError` if it does not converge."""
         tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)
+        assert maxiter is not None  # SolverSpec resolves its default
         return solve_or_raise(self.mv, v, tol=tol, maxiter=maxiter, what=f"the {self.kind}")
 
     def solve(self, v: Params) -> dict[str, Tensor]:

@@ -222,7 +222,8 @@ def _certificates(record: Mapping[str, Any]) -> list[str]:
         methods = Counter(str(s.get("method")) for s in solves.values())
         iterations = sum(int(s.get("iterations") or 0) for s in solves.values())
         failed = [name for name, s in solves.items() if s.get("success") is False]
-        tol = record.get("config", {}).get("solver_tol")
+        config = record.get("config", {})
+        tol = config.get("solver", {}).get("tol", config.get("solver_tol"))  # 0.1.0: solver_tol
         tolerance = "the compute dtype's default" if tol is None else f"{tol:g}"
         lines += [
             f"{len(solves)} systems solved ("

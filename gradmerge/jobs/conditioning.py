@@ -295,8 +295,10 @@ def _cg_delta(system: Curvature, config: MergeConfig | RemoveConfig) -> float:
     precision slows CG down."""
     from gradmerge.solvers.cg import default_tol
 
-    tol = config.solver_tol or default_tol(config.math_dtype)
-    kappa = (2 * config.solver_maxiter / math.log(2 / tol)) ** 2
+    tol = config.solver.tol or default_tol(config.math_dtype)
+    maxiter = config.solver.maxiter
+    assert maxiter is not None  # SolverSpec resolves its default
+    kappa = (2 * maxiter / math.log(2 / tol)) ** 2
     high, low = _magnitude(system), max(float(system.min_eigenvalue()), 0.0)
     return max((high - kappa * low) / (kappa - 1), torch.finfo(torch.float64).tiny)
 

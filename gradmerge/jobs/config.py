@@ -3,10 +3,12 @@
 :class:`MergeConfig` reads ``gradmerge merge CONFIG OUT_DIR`` (Eq. 6 and its special cases),
 :class:`RemoveConfig` ``gradmerge remove CONFIG OUT_DIR`` (Eq. 13, Koh & Liang); both share the
 :class:`Options` (output dtype, compute dtype, device, passthrough, shard size, mixed dtypes,
-curvature/weights pairing, and the K-FAC ``solver`` settings). Every key, its default and an
-example of each method are in ``docs/config.md``, the one reference of the YAML files (its
-examples are parsed by this module in ``proofs_tests/docs/test_config_reference.py``); this
-docstring does not repeat them.
+curvature/weights pairing, and the K-FAC ``solver`` settings, a :class:`gradmerge.SolverSpec`).
+Every key is declared once, as a field of these dataclasses with its :class:`~gradmerge.settings.
+Setting` (meaning, checks, default and the default's source, its name in the ``gm.*`` rules):
+the reader's checks and messages, the registry's method-specific keys (:data:`KEYS`) and the
+tables of ``docs/config.md`` (:mod:`gradmerge.jobs.reference`) come from it. The page's
+examples are parsed by this module in ``proofs_tests/docs/test_config_reference.py``.
 
 The reader is strict: relative paths are relative to the YAML file's folder; unknown keys,
 missing keys, keys a method does not use, keys given twice, files that are not UTF-8 and missing
@@ -24,9 +26,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import math
 import os
 import re
 import warnings
@@ -38,10 +38,12 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from gradmerge._guard import Input
-from gradmerge.errors import ConfigError, InputWarning, MissingInputError
+from gradmerge.errors import ArgumentError, ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
-from gradmerge.solvers.spec import PRECISIONS, Precision
+from gradmerge.settings import REQUIRED, Setting, check, declared, default_of, setting, shown
+from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import checked as checked_solver
 from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 DTYPES: dict[str, torch.dtype] = {
@@ -51,6 +53,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 COMPUTE_DTYPES = ("float32", "float64")
+CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
+STEP_CHECKS = ("refuse", "warn", "ignore")
 _ALIASES = {  # keys other tools use for the same thing
     "merge_method": "method",
     "weight": "alpha",
@@ -59,25 +63,47 @@ _ALIASES = {  # keys other tools use for the same thing
     "out_dtype": "dtype",
     "out_shard_size": "max_shard_size",
 }
-_REQUIRED: Any = object()
+_REQUIRED: Any = REQUIRED
 
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t.
+    """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t (each field
+    declared once: :mod:`gradmerge.settings`)."""
 
-    ``adapter_base``: when ``model`` is a LoRA adapter, the base it was trained on, if its
-    ``base_model_name_or_path`` cannot be told (:func:`gradmerge.io.sources.adapter_base`); it
-    must hold the merge's ``base_model`` weights.
-    """
-
-    model: Path
-    curvature: Path | None = None
-    alpha: float = 1.0
-    scale: float = 1.0
-    """Multiplies H_t (not α_t): a curvature summed over n of the task's N examples, or a mean
-    Fisher, stands for the task's N_t·F_t at ``scale: N/n`` (or N)."""
-    adapter_base: Path | None = None
+    model: Path = setting(
+        REQUIRED,
+        "θ_t: a `.safetensors` file, a shard folder, a Hugging Face folder or a PEFT LoRA "
+        "adapter folder (applied over `base_model`).",
+        kind="path",
+        what="the fine-tuned model θ_t",
+    )
+    curvature: Path | None = setting(
+        None,
+        "H_t: a curvature file (`gradmerge curvature`, `C.save`).",
+        kind="file",
+        what="the curvature H_t",
+        per_method=True,
+    )
+    alpha: float = setting(1.0, "α_t, the task's weight.", python="`alphas=[...]` (one per model)")
+    scale: float = setting(
+        1.0,
+        "multiplies H_t (not α_t): a curvature summed over n of the task's N examples, or a "
+        "mean Fisher, stands for the task's N_t·F_t at `scale: N/n` (or N).",
+        what="the factor on the curvature H_t, e.g. N/n for a curvature summed over n of the "
+        "task's N examples",
+        above=0.0,
+        python="`curvatures=[scale * C, ...]`",
+        requires="curvature",
+    )
+    adapter_base: Path | None = setting(
+        None,
+        "when `model` is a LoRA adapter whose relative `base_model_name_or_path` cannot be "
+        "told apart, the base it was trained on; it must hold `base_model`'s weights "
+        "(`gradmerge.io.sources.adapter_base`).",
+        kind="path",
+        requires="model",
+    )
 
 
 @dataclass(frozen=True)
@@ -88,9 +114,15 @@ class CurvatureTerm:
     curvatures of the tasks that stay in a merge when one is removed.
     """
 
-    delta: float = 0.0
-    curvature: Path | tuple[Path, ...] | None = None
-    scale: float = 1.0
+    delta: float = setting(0.0, "δ ≥ 0.", minimum=0.0, python="`prior=δ` (a float)")
+    curvature: Path | tuple[Path, ...] | None = setting(
+        None,
+        "C: one curvature file, or a list of files whose SUM is C (e.g. the per-task "
+        "curvatures of the tasks that stay); a list must not be empty.",
+        kind="file",
+        python="`prior=δ + s * C` (a curvature)",
+    )
+    scale: float = setting(1.0, "s ≥ 0.", minimum=0.0)
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -157,20 +189,63 @@ class FromYaml:
 
 @dataclass(frozen=True, kw_only=True)
 class Options(FromYaml):
-    """Settings shared by merges and removals (see the module docstring)."""
+    """Settings shared by merges and removals (each declared once: :mod:`gradmerge.settings`)."""
 
-    dtype: str | None = None
-    compute_dtype: str = "float32"
-    device: str = "auto"
-    passthrough: tuple[str, ...] = ()
-    max_shard_size: int = 5 * 10**9
-    allow_mixed_dtypes: bool = False
-    curvature_weights: str = "warn"
-    solver_tol: float | None = None
-    solver_maxiter: int = 1000
-    solver_approximate: bool = False
-    solver_precision: Precision = "auto"
-    solver_warm_start: bool = False
+    dtype: str | None = setting(
+        None,
+        "output dtype of float tensors.",
+        kind="choice",
+        choices=tuple(DTYPES),
+        default_doc="the base's dtype, per tensor",
+    )
+    compute_dtype: str = setting(
+        "float32",
+        "the precision of the arithmetic (bf16/fp16 inputs are merged in it).",
+        kind="choice",
+        choices=COMPUTE_DTYPES,
+    )
+    device: str = setting(
+        "auto", "`auto` (CUDA when available), `cpu`, `cuda`, `cuda:N`.", kind="device"
+    )
+    passthrough: tuple[str, ...] = setting(
+        (),
+        "a list of names or globs (`fnmatch`) of float tensors copied from the base unmerged; "
+        "a glob that matches no tensor is an error, globs that cover every float tensor warn "
+        "(nothing would be merged). Integer tensors and buffers are always copied from the "
+        "base.",
+        kind="strings",
+    )
+    max_shard_size: int = setting(
+        5 * 10**9,
+        "the output's shard size: bytes, or a string such as `5GB`, `500MB`, `2GiB` (decimal "
+        "or binary units).",
+        kind="size",
+        default_doc="`5GB`",
+    )
+    allow_mixed_dtypes: bool = setting(
+        False,
+        "let the float tensors of one name differ in dtype between the inputs.",
+        kind="flag",
+    )
+    curvature_weights: str = setting(
+        "warn",
+        "a curvature file estimated at other weights than both the model it is paired with "
+        "and the base (judged by the sample hash of the weights recorded at estimation).",
+        kind="choice",
+        choices=CURVATURE_WEIGHTS,
+    )
+    solver: SolverSpec = field(
+        default_factory=SolverSpec,
+        metadata={
+            "setting": Setting(
+                "the K-FAC solves: a mapping with the keys of the `solver` table below, the "
+                "fields of `gm.SolverSpec` one to one.",
+                kind="mapping",
+                default_doc="see below",
+                python="`solver=gm.SolverSpec(...)`, its fields named as the keys",
+            )
+        },
+    )
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -192,20 +267,17 @@ class Options(FromYaml):
         }
 
 
+_METHOD = "the method: one of the registry's (`gradmerge.jobs.methods`), described below."
+
+
 @dataclass(frozen=True, kw_only=True)
 class MergeConfig(Options):
     """A merge: θ = θ_LLM + Σ_t α_t H̄⁻¹ (H_0 + H_t)(θ_t − θ_LLM) (Eq. 6) or a special case.
 
-    ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
-    (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
-    ``regmean`` (the K-FAC input factors of each model's curvature, bias column left out, as
-    RegMean's Gram matrices of the linear layers' weights, their off-diagonal entries times
-    ``off_diagonal``, Jin et al.'s r, default :data:`gradmerge.merge.REGMEAN_OFF_DIAGONAL`, and
-    ``damping`` added to each; biases and, unless ``embeddings: gram``, embeddings averaged).
-    Every α_t is multiplied by ``scale``; each model's ``scale``
-    multiplies its H_t. The data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
-    (:mod:`gradmerge.spectral`; ``average``: globs of 2-D tensors merged by the mean of the task
-    vectors; Iso-CTS's ``common_space_fraction``, default 0.8).
+    ``method`` picks the rule (:mod:`gradmerge.jobs.methods`: which keys each method requires,
+    allows or refuses); every key is declared once below, with its meaning, default and the
+    default's source (docs/config.md's tables are generated from them). Every α_t is multiplied
+    by ``scale``; each model's ``scale`` multiplies its H_t.
 
     Example:
         >>> cfg = MergeConfig.from_dict(
@@ -215,16 +287,96 @@ class MergeConfig(Options):
         ([0.5], 5000000000)
     """
 
-    method: str
-    base_model: Path
-    models: tuple[ModelInput, ...]
-    prior: CurvatureTerm | None = None
-    scale: float = 1.0
-    damping: float = 0.0
-    off_diagonal: float = REGMEAN_OFF_DIAGONAL
-    embeddings: str = "average"
-    common_space_fraction: float = ISO_CTS_COMMON_SPACE_FRACTION
-    average: tuple[str, ...] = ()
+    method: str = setting(REQUIRED, _METHOD, kind="choice")
+    base_model: Path = setting(
+        REQUIRED,
+        "θ_LLM: a `.safetensors` file, a shard folder or a Hugging Face folder; the source of "
+        "the config, tokenizer and integer buffers copied to the output. Where optional, the "
+        "first model by default.",
+        kind="path",
+        what="the base model θ_LLM",
+        per_method=True,
+        python="`base` (first argument; `gm.fisher_average` has none)",
+    )
+    models: tuple[ModelInput, ...] = setting(
+        REQUIRED,
+        "a non-empty list of mappings (the `models[]` table). A checkpoint listed more than "
+        "once warns, once, with the count.",
+        kind="mapping",
+        python="`finetuned`, `curvatures` and `alphas`, three lists in the models' order",
+    )
+    prior: CurvatureTerm | None = setting(
+        None,
+        "H_0, a [precision term](#precision-terms-prior-and-remaining).",
+        kind="mapping",
+        what="the prior H_0",
+        per_method=True,
+        python="`prior=`: a curvature, or a float δ for δ·I",
+    )
+    scale: float = setting(
+        1.0,
+        "multiplies every α_t; for the data-free merges, the papers' α (θ_LLM + α·M).",
+        python="`alphas=[scale * α_t, ...]`",
+    )
+    damping: float = setting(
+        0.0,
+        "δ ≥ 0 added as δ·I to every H_t (RegMean: to every Gram). `gradient_matching` is "
+        "damped by `prior: {delta}` instead.",
+        minimum=0.0,
+        what="δ·I added to each H_t",
+        per_method=True,
+        python="`curvatures=[C + δ, ...]`",
+    )
+    off_diagonal: float = setting(
+        REGMEAN_OFF_DIAGONAL,
+        "Jin et al.'s factor r on the Gram matrices' off-diagonal entries (their α), "
+        "G̃ = r·G + (1 − r)·diag(G); 1 is the plain closed form. With r < 1 the Grams are "
+        "non-singular wherever every input was seen, so a BERT or a GPT-2 merges without "
+        "`damping`.",
+        minimum=0.0,
+        maximum=1.0,
+        what="Jin et al.'s factor on the Grams' off-diagonal entries",
+        per_method=True,
+        source="Jin et al. (2023)'s reference implementation (`regmean_reduce_nondiag: 0.1` in "
+        "its RoBERTa, DeBERTa and T5 configurations) and FusionBench "
+        "(`reduce_non_diagonal_ratio: 0.1`); `gm.merge.REGMEAN_OFF_DIAGONAL`",
+    )
+    embeddings: str = setting(
+        "average",
+        "`average` or `gram`: solve the embeddings in K-FAC curvatures (layers with one-hot "
+        "inputs: diagonal A, weight stored (vocab, hidden)) from their Grams too, i.e. each row "
+        "weighted by how often each task looked it up. A row no task looked up makes that Gram "
+        "singular: `gram` then needs `damping` (the dry run names it).",
+        kind="choice",
+        choices=("average", "gram"),
+        what="whether RegMean averages the embeddings or solves them",
+        per_method=True,
+        source="Jin et al.'s code and FusionBench (both average the embeddings)",
+    )
+    common_space_fraction: float = setting(
+        ISO_CTS_COMMON_SPACE_FRACTION,
+        "f, the share of each matrix's r directions kept from the sum of the task matrices "
+        "(the common subspace). A fraction so small that some matrix's task-specific "
+        "directions would outnumber its rank (seen only below 0.5: none for 0.5 ≤ f ≤ 1, "
+        "r ≤ 2048, T ≤ 64) is refused before any tensor is read, naming the matrix.",
+        minimum=0.0,
+        maximum=1.0,
+        what="the share of each matrix's directions Iso-CTS keeps from the sum of the task "
+        "matrices",
+        per_method=True,
+        source="Marczak et al. (2025): their code's `config/method/iso_cts.yaml` and "
+        "fusion-bench's; `gm.spectral.ISO_CTS_COMMON_SPACE_FRACTION`",
+    )
+    average: tuple[str, ...] = setting(
+        (),
+        "a list of names or globs (`fnmatch`) of 2-D tensors merged by the mean of the "
+        "α-weighted task vectors instead of the SVD (fusion-bench's `exclude_keys`; the "
+        "authors' code so treats CLIP's `text_projection`); a glob "
+        "that matches no tensor is an error.",
+        kind="strings",
+        what="2-D tensors merged by the mean of the task vectors",
+        per_method=True,
+    )
 
     @property
     def alphas(self) -> list[float]:
@@ -240,78 +392,16 @@ class MergeConfig(Options):
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> MergeConfig:
-        method = r.choice("method", methods.names("merge"))
-        spec = methods.get(method)
-        r.allow(
-            "method",
-            "base_model",
-            "models",
-            "prior",
-            "scale",
-            "damping",
-            "off_diagonal",
-            "common_space_fraction",
-            "average",
-            "embeddings",
-            *_OPTION_KEYS,
+        spec = _method(r, "merge")
+        values = _read_declared(r, cls, spec)
+        models = tuple(
+            ModelInput(**_read_declared(r.sub(m, f"models[{i}]"), ModelInput, spec))
+            for i, m in enumerate(r.entries("models"))
         )
-        models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
         _warn_repeated(models, r.check_files)
-        needs_base = spec.need("base_model") == "required"
-        base = r.path("base_model", default=_REQUIRED if needs_base else None)
-        prior = None
-        if spec.need("prior") != "forbidden":
-            prior = _term(r, "prior", required=spec.need("prior") == "required")
-        else:
-            r.forbid("prior", method, spec.refusal("prior"))
-        if spec.need("damping") != "forbidden":
-            damping = r.number("damping", default=0.0, minimum=0.0)
-        else:
-            damping = 0.0
-            r.forbid("damping", method, spec.refusal("damping"))
-        off_diagonal, embeddings = REGMEAN_OFF_DIAGONAL, "average"
-        if spec.need("embeddings") != "forbidden":
-            embeddings = r.choice("embeddings", ("average", "gram"), default="average")
-        else:
-            r.forbid("embeddings", method, spec.refusal("embeddings"))
-        if spec.need("off_diagonal") != "forbidden":
-            off_diagonal = r.number("off_diagonal", default=REGMEAN_OFF_DIAGONAL, minimum=0.0)
-            if off_diagonal > 1.0:
-                raise ConfigError(
-                    f"`off_diagonal` (Jin et al.'s factor on the Grams' off-diagonal entries) must "
-                    f"be in [0, 1], got {_shown(off_diagonal)}"
-                )
-        else:
-            r.forbid("off_diagonal", method, spec.refusal("off_diagonal"))
-        fraction = ISO_CTS_COMMON_SPACE_FRACTION
-        if spec.need("common_space_fraction") != "forbidden":
-            fraction = r.number("common_space_fraction", default=fraction, minimum=0.0)
-            if fraction > 1.0:
-                raise ConfigError(
-                    "`common_space_fraction` (the share of each matrix's directions Iso-CTS keeps "
-                    f"from the sum of the task matrices) must be in [0, 1], got {_shown(fraction)}"
-                )
-        else:
-            r.forbid("common_space_fraction", method, spec.refusal("common_space_fraction"))
-        average: tuple[str, ...] = ()
-        if spec.need("average") != "forbidden":
-            average = r.strings("average")
-        else:
-            r.forbid("average", method, spec.refusal("average"))
-        return cls(
-            method=method,
-            base_model=base if base is not None else models[0].model,
-            models=models,
-            prior=prior,
-            scale=r.number("scale", default=1.0),
-            damping=damping,
-            off_diagonal=off_diagonal,
-            common_space_fraction=fraction,
-            average=average,
-            embeddings=embeddings,
-            source=source,
-            **_options(r),
-        )
+        if values["base_model"] is None:  # optional for this method: the first model
+            values["base_model"] = models[0].model
+        return cls(**values, models=models, source=source)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,94 +413,336 @@ class RemoveConfig(Options):
     - ``influence_remove``: θ_\\t = θ_LLM + α H̄_\\t⁻¹ ∇ℓ̄_t(θ_LLM), with ``gradient`` a
       safetensors file holding ∇ℓ̄_t(θ_LLM) under the parameters' names.
 
-    ``remaining`` must include the base model's own regulariser δ·I (``delta``) and be positive
-    definite. The step's size ‖θ_\\t − θ_LLM‖ is measured against ‖θ_t − θ_LLM‖ (``remove``) or
-    ‖θ_LLM‖ (``influence_remove``); above ``max_relative_step`` (default 100 and 1), where a
-    near-zero curvature direction has exploded, ``step_check`` refuses (default), warns or
-    ignores it. ``remove`` with diagonal curvatures also bounds what the removal does to the
-    inputs' rounding (:mod:`gradmerge._removal`: entries where (H_0 + H_t)/H̄_\\t is large
-    multiply it); above ``max_rounding`` (default 1e-2) × ‖θ_t − θ_LLM‖, ``rounding_check``
-    refuses (default), warns or ignores it.
+    Every key is declared once below (docs/config.md's table is generated from them). ``remove``
+    with diagonal curvatures also bounds what the removal does to the inputs' rounding
+    (:mod:`gradmerge._removal`).
     """
 
-    method: str
-    base_model: Path
-    remaining: CurvatureTerm
-    alpha: float = 1.0
-    model: Path | None = None
-    curvature: Path | None = None
-    prior: CurvatureTerm | None = None
-    gradient: Path | None = None
-    adapter_base: Path | None = None
-    step_check: str = "refuse"
-    max_relative_step: float = 100.0
-    rounding_check: str = "refuse"
-    max_rounding: float = 1e-2
+    method: str = setting(REQUIRED, _METHOD, kind="choice")
+    base_model: Path = setting(
+        REQUIRED,
+        "θ_LLM, trained on all data including D_t.",
+        kind="path",
+    )
+    remaining: CurvatureTerm = setting(
+        REQUIRED,
+        "H̄_\\t: a [precision term](#precision-terms-prior-and-remaining), which must include "
+        "the base model's own regulariser δ·I (`delta`) and be positive definite.",
+        kind="mapping",
+    )
+    alpha: float = setting(1.0, "α_t, the weight D_t had in θ_LLM's loss.")
+    model: Path | None = setting(
+        None,
+        "θ_t, fine-tuned from θ_LLM on D_t.",
+        kind="path",
+        what="the fine-tuned model θ_t",
+        per_method=True,
+        python="`finetuned` (second argument of `gm.remove`)",
+    )
+    curvature: Path | None = setting(
+        None,
+        "H_t, the curvature of D_t (a file).",
+        kind="file",
+        what="the curvature H_t",
+        per_method=True,
+    )
+    prior: CurvatureTerm | None = setting(
+        None,
+        "H_0 used when fine-tuning θ_t, a precision term.",
+        kind="mapping",
+        what="the prior H_0",
+        per_method=True,
+    )
+    gradient: Path | None = setting(
+        None,
+        "a safetensors file holding ∇ℓ̄_t(θ_LLM), a SUM over D_t, under the parameters' names "
+        "(written by `gradmerge gradient`).",
+        kind="path",
+        what="the gradient ∇ℓ̄_t(θ_LLM)",
+        per_method=True,
+    )
+    adapter_base: Path | None = setting(
+        None,
+        "when `model` is a LoRA adapter, its own base (as `models[].adapter_base` of a merge).",
+        kind="path",
+        requires="model",
+    )
+    step_check: str = setting(
+        "refuse",
+        "what to do when the step ‖θ_\\t − θ_LLM‖ is larger than `max_relative_step` times "
+        "‖θ_t − θ_LLM‖ (`remove`) or ‖θ_LLM‖ (`influence_remove`), the sign of a near-zero "
+        "direction of H̄_\\t that exploded.",
+        kind="choice",
+        choices=STEP_CHECKS,
+    )
+    max_relative_step: float = setting(
+        100.0,
+        "the largest step `step_check` lets through, relative to the task vector (`remove`) or "
+        "the weights (`influence_remove`).",
+        above=0.0,
+        default_doc="100 (`remove`), 1 (`influence_remove`): the method's record",
+    )
+    rounding_check: str = setting(
+        "refuse",
+        "what to do when a `remove` with diagonal curvatures amplifies the rounding of its "
+        "stored inputs beyond `max_rounding` × ‖θ_t − θ_LLM‖: the bound is "
+        "(ε/2)·‖r·(\\|θ_t\\| + \\|θ_LLM\\|)‖ with r = α(H_0 + H_t)/H̄_\\t (ε of the coarser of "
+        "the stored and compute dtypes), large where H̄_\\t is tiny next to H_0 + H_t. "
+        "`--dry-run` computes the same bound.",
+        kind="choice",
+        choices=STEP_CHECKS,
+    )
+    max_rounding: float = setting(
+        1e-2, "the rounding bound `rounding_check` lets through.", above=0.0
+    )
 
     _WHAT: ClassVar[str] = "the remove config"
 
     @classmethod
     def _read(cls, r: _Reader, source: Path | None) -> RemoveConfig:
-        if r.data.get("method") == "remerge":
-            raise ConfigError(
-                "method remerge is a merge of the tasks that stay: read it with "
-                "gradmerge.jobs.config.remerge_config (`gradmerge remove` does)"
-            )
-        method = r.choice("method", methods.names("remove"))
-        spec = methods.get(method)
-        r.allow(
-            "method",
-            "base_model",
-            "model",
-            "adapter_base",
-            "curvature",
-            "prior",
-            "gradient",
-            "remaining",
-            "alpha",
-            "step_check",
-            "max_relative_step",
-            "rounding_check",
-            "max_rounding",
-            *_OPTION_KEYS,
-        )
-        uses = spec.uses
-        model = r.path("model", default=_wanted(spec, "model")) if "model" in uses else None
-        adapter_base = r.path("adapter_base", default=None) if "model" in uses else None
-        curvature = None
-        if "curvature" in uses:
-            curvature = r.path("curvature", kind="file", default=_wanted(spec, "curvature"))
-        prior = None
-        if "prior" in uses:
-            prior = _term(r, "prior", required=spec.need("prior") == "required")
-        gradient = None
-        if "gradient" in uses:
-            gradient = r.path("gradient", default=_wanted(spec, "gradient"))
-        for key in methods.KEYS["remove"]:
-            if key not in spec.uses:
-                r.forbid(key, method, spec.refusal(key))
-        if "model" not in uses:
-            r.forbid("adapter_base", method, spec.refusal("model"))
+        spec = _method(r, "remove")
         assert spec.max_relative_step is not None  # every removal method has one
-        remaining = _term(r, "remaining", required=True)
-        assert remaining is not None  # required=True
-        return cls(
-            method=method,
-            base_model=r.path("base_model"),
-            model=model,
-            curvature=curvature,
-            gradient=gradient,
-            adapter_base=adapter_base,
-            prior=prior,
-            remaining=remaining,
-            alpha=r.number("alpha", default=1.0),
-            step_check=r.choice("step_check", STEP_CHECKS, default="refuse"),
-            max_relative_step=_positive(r, "max_relative_step", spec.max_relative_step),
-            rounding_check=r.choice("rounding_check", STEP_CHECKS, default="refuse"),
-            max_rounding=_positive(r, "max_rounding", 1e-2),
-            source=source,
-            **_options(r),
+        values = _read_declared(
+            r, cls, spec, defaults={"max_relative_step": spec.max_relative_step}
         )
+        return cls(**values, source=source)
+
+
+@dataclass(frozen=True)
+class Remerge:
+    """``method: remerge`` of ``gradmerge remove``: the keys of its YAML (read by
+    :func:`remerge_config` into the :class:`MergeConfig` it runs)."""
+
+    method: str = setting(REQUIRED, _METHOD, kind="choice")
+    merge: Path = setting(
+        REQUIRED,
+        "the merge's YAML file; everything else (method, base, prior, alphas, options) is its own.",
+        kind="file",
+        what="the merge's YAML",
+        per_method=True,
+    )
+    without: tuple[int | Path, ...] = setting(
+        REQUIRED,
+        "a non-empty list of the merge's models to leave out: 0-based indices into its "
+        "`models` or their `model` paths (relative to this file).",
+        kind="mapping",
+        what="the merge's models to leave out",
+        per_method=True,
+    )
+
+
+READS: dict[methods.Job, tuple[type, ...]] = {
+    "merge": (MergeConfig, ModelInput),
+    "remove": (RemoveConfig, Remerge),
+}
+"""The declarations each job's YAML files are read with (a merge's models are ModelInputs; a
+removal's ``method: remerge`` reads :class:`Remerge`)."""
+
+KEYS: dict[methods.Job, tuple[str, ...]] = {
+    job: tuple(dict.fromkeys(k for c in classes for k, s in declared(c).items() if s.per_method))
+    for job, classes in READS.items()
+}
+"""The method-specific keys of each job (declared ``per_method``; a merge's ``curvature`` is
+each ``models[i]``'s): the registry's records say which of them each method needs."""
+
+_WHAT_KEYS = {
+    k: s.what for classes in READS.values() for c in classes for k, s in declared(c).items()
+}
+
+
+def help_keys(job: methods.Job) -> str:
+    """The keys of a job's YAML for ``--help``, from the declarations: each mapping's own keys
+    in parentheses, ``models[]`` last.
+
+    Example:
+        >>> help_keys("merge").split(", models[]")[0].split(", ")[:3]
+        ['method', 'base_model', 'prior (delta']
+    """
+    nested = {"solver": SolverSpec, "prior": CurvatureTerm, "remaining": CurvatureTerm}
+    top = READS[job][0]
+    parts = []
+    for key in _ordered(top):
+        inner = nested.get(key)
+        parts.append(f"{key} ({', '.join(declared(inner))})" if inner else key)
+    if job == "merge":
+        parts.append(f"models[] ({', '.join(declared(ModelInput))})")
+    parts = [p for p in parts if p != "models"]
+    return ", ".join(parts)
+
+
+def _ordered(cls: Any) -> list[str]:
+    """The declared keys of ``cls``, its own before the shared :class:`Options`."""
+    shared = declared(Options)
+    return sorted(declared(cls), key=lambda k: k in shared)
+
+
+def _check_registry() -> None:
+    """Every record names only method-specific keys of its job (on import: a wrong record
+    fails at once, not in a user's run)."""
+    for m in methods.REGISTRY:
+        unknown = set(m.keys) - set(KEYS[m.job])
+        if unknown:
+            raise ArgumentError(f"{m.name}: keys {sorted(unknown)} are not keys of a {m.job}")
+
+
+_check_registry()
+
+
+def load(path: str | os.PathLike[str], job: methods.Job) -> MergeConfig | RemoveConfig:
+    """The configuration of ``gradmerge JOB`` at ``path``: a :class:`MergeConfig` or
+    :class:`RemoveConfig`, or, for a method that runs as another job (``remerge``: its record's
+    ``runs``), the configuration it runs (:func:`remerge_config`).
+
+    Example:
+        >>> import tempfile, yaml
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (Path(d) / "a").mkdir(), (Path(d) / "b").mkdir()
+        ...     merge = {"method": "task_arithmetic", "base_model": ".",
+        ...              "models": [{"model": "a"}, {"model": "b"}]}
+        ...     _ = (Path(d) / "merge.yaml").write_text(yaml.safe_dump(merge))
+        ...     remerge = {"method": "remerge", "merge": "merge.yaml", "without": [0]}
+        ...     _ = (Path(d) / "remerge.yaml").write_text(yaml.safe_dump(remerge))
+        ...     cfg = load(Path(d) / "remerge.yaml", "remove")
+        ...     type(cfg).__name__, cfg.method, [m.model.name for m in cfg.models]
+        ('MergeConfig', 'task_arithmetic', ['b'])
+    """
+    data, root = _load_yaml(path)
+    name = data.get("method") if isinstance(data, Mapping) else None
+    if name in methods.names(job) and methods.get(name).runs != job:
+        return remerge_config(data, root=root, source=Path(path))
+    config = MergeConfig if job == "merge" else RemoveConfig
+    return config.from_dict(data, root=root, source=Path(path))
+
+
+def _method(r: _Reader, job: methods.Job) -> methods.MergeMethod:
+    """The record of the ``method`` named in ``r``, one of ``job``'s that runs as ``job``."""
+    spec = methods.get(r.choice("method", methods.names(job)))
+    if spec.runs != job:
+        raise ConfigError(
+            f"method {spec.name} runs as a {spec.runs} of the tasks that stay: read it with "
+            f"gradmerge.jobs.config.load(path, {job!r}) (`gradmerge {job}` does)"
+        )
+    return spec
+
+
+def _read_declared(
+    r: _Reader,
+    cls: Any,
+    spec: methods.MergeMethod,
+    defaults: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every setting declared on ``cls`` (:mod:`gradmerge.settings`) read from ``r`` and
+    checked by its declaration: a method-specific one (``per_method``) as ``spec`` needs it
+    (refused, with the methods that use it, where ``spec`` does not), one that ``requires``
+    another refused where that one is; ``defaults`` overrides a declared default (the
+    method's own ``max_relative_step``). Unknown keys are refused first, naming the allowed
+    ones. ``models`` is left to the caller."""
+    own = declared(cls)
+    siblings = [k for k in KEYS[spec.job] if k not in own and _top_level(cls, k, spec.job)]
+    r.allow(*_ordered(cls), *siblings)
+    values: dict[str, Any] = {}
+    for key in siblings:
+        r.forbid(key, spec.name, spec.refusal(key, _WHAT_KEYS[key]))
+    for key, s in own.items():
+        if key in ("method", "models"):
+            continue  # read by the caller
+        default = (defaults or {}).get(key, default_of(cls, key))
+        refused = _refused(key, s, spec)
+        if refused is not None:
+            r.forbid(key, spec.name, refused)
+            values[key] = None if default is REQUIRED else default
+            continue
+        if s.per_method and spec.need(key) == "required":
+            default = REQUIRED
+        elif s.per_method and default is REQUIRED:
+            default = None  # optional for this method (its own default follows)
+        values[key] = _read_one(r, key, s, default)
+    if "method" in own:
+        values["method"] = spec.name
+    return values
+
+
+def _top_level(cls: Any, key: str, job: methods.Job) -> bool:
+    """Whether ``key`` (a method-specific key of ``job``) is read at ``cls``'s level: a key of
+    a sibling top-level declaration (a removal's ``merge`` beside ``model``), not a nested one
+    (a merge's ``models[i].curvature``)."""
+    return cls is not ModelInput and any(
+        key in declared(c) for c in READS[job] if c is not ModelInput
+    )
+
+
+def _refused(key: str, s: Setting, spec: methods.MergeMethod) -> str | None:
+    """Why ``spec`` refuses setting ``key`` (None: it may be given)."""
+    if s.per_method and spec.need(key) == "forbidden":
+        return spec.refusal(key, s.what)
+    if s.requires in KEYS[spec.job] and s.requires not in spec.uses:
+        return f"it goes with `{s.requires}`, which {spec.name} does not use"
+    return None
+
+
+def _read_one(r: _Reader, key: str, s: Setting, default: Any) -> Any:
+    """One setting's value (``default`` where it is absent), checked by its declaration."""
+    if s.kind in ("path", "file"):
+        return r.path(key, kind=s.kind if s.kind == "file" else "any", default=default)
+    if s.kind == "size":
+        return r.size(key, default=default)
+    if s.kind == "device":
+        return r.device(key)
+    if s.kind == "mapping":
+        return _NESTED[key](r, key, default)
+    value = r._get(key, default)
+    if value is None and default is None:
+        return None
+    return check(s, value, r._name(key), ConfigError)
+
+
+def _term_or_default(r: _Reader, key: str, default: Any) -> CurvatureTerm | None:
+    return _term(r, key, required=default is REQUIRED)
+
+
+def _solver(r: _Reader, key: str, default: Any) -> SolverSpec:
+    """``solver:``, the fields of :class:`gradmerge.SolverSpec` one to one, each checked by its
+    declaration (:func:`gradmerge.solvers.spec.checked`, naming ``solver.KEY``)."""
+    if r.data.get(key) is None:
+        return SolverSpec()
+    s = r.sub(r.data[key], key)
+    s.allow(*declared(SolverSpec))
+    given = {k: v for k, v in s.data.items() if v is not None}
+    return SolverSpec(**checked_solver(given, key, ConfigError))
+
+
+def _curvature_sum(r: _Reader, key: str, default: Any) -> Path | tuple[Path, ...] | None:
+    """``curvature`` of a precision term: one file, or a non-empty list whose SUM is C."""
+    listed = r.data.get(key)
+    if not isinstance(listed, list):
+        return r.path(key, kind="file", default=None)
+    if not listed:
+        raise ConfigError(
+            f"`{r._name(key)}` is an empty list: give a curvature file, or a list of "
+            "files whose sum is the curvature"
+        )
+    return tuple(r.sub({"": v}, f"{key}[{i}]").path("", kind="file") for i, v in enumerate(listed))
+
+
+def _without(r: _Reader, key: str, default: Any) -> list[Any]:
+    """``without`` of ``remerge``, as listed (:func:`remerge_config` resolves each entry)."""
+    listed = r.data.get(key)
+    if not isinstance(listed, list) or not listed:
+        raise ConfigError(
+            f"`{key}` must be a non-empty list of the merge's models to leave out: indices into "
+            "its `models` (0-based) or their `model` paths, e.g. `without: [1]`"
+        )
+    return listed
+
+
+_NESTED = {
+    "prior": _term_or_default,
+    "remaining": _term_or_default,
+    "solver": _solver,
+    "without": _without,
+}
+"""Readers of the settings that are mappings of their own."""
 
 
 def remerge_config(
@@ -419,11 +751,7 @@ def remerge_config(
     """``method: remerge``: the merge ``merge`` (a merge YAML) without the models in
     ``without`` — Eq. 6 over the tasks that stay, the exact "remove task t from a merge"
     (Eq. 13 from the merged weights approximates it, up to H̄_\\t⁻¹ H_0 (θ_m − θ_LLM) and the
-    rounding it amplifies).
-
-    ``without`` lists indices into the merge's ``models`` (0-based) or their ``model`` paths
-    (relative to this file). Everything else — method, base, prior, alphas, options — is the
-    merge's own.
+    rounding it amplifies). Its keys are declared in :class:`Remerge`.
 
     Example:
         >>> import tempfile, yaml
@@ -440,17 +768,14 @@ def remerge_config(
         ['a']
     """
     r = _Reader(data, "the remove config", Path(root), True)
-    r.choice("method", ("remerge",))
-    r.allow("method", "merge", "without")
-    merge_path = r.path("merge", kind="file")
+    spec = methods.get(
+        r.choice("method", tuple(m.name for m in methods.REGISTRY if m.runs != m.job))
+    )
+    values = _read_declared(r, Remerge, spec)
+    merge_path = values["merge"]
     merged, merge_root = _load_yaml(merge_path)
     cfg = MergeConfig.from_dict(merged, root=merge_root, source=merge_path)
-    listed = r.data.get("without")
-    if not isinstance(listed, list) or not listed:
-        raise ConfigError(
-            "`without` must be a non-empty list of the merge's models to leave out: indices into "
-            "its `models` (0-based) or their `model` paths, e.g. `without: [1]`"
-        )
+    listed = values["without"]
     drop: set[int] = set()
     for i, item in enumerate(listed):
         if isinstance(item, int) and not isinstance(item, bool):
@@ -473,113 +798,6 @@ def remerge_config(
     if not kept:
         raise ConfigError("`without` leaves no model to merge: the result would be the base model")
     return replace(cfg, models=kept, source=source)
-
-
-_OPTION_KEYS = (
-    "dtype",
-    "compute_dtype",
-    "device",
-    "passthrough",
-    "max_shard_size",
-    "allow_mixed_dtypes",
-    "curvature_weights",
-    "solver",
-)
-CURVATURE_WEIGHTS = ("warn", "refuse", "ignore")
-STEP_CHECKS = ("refuse", "warn", "ignore")
-
-
-def _wanted(spec: methods.MergeMethod, key: str) -> Any:
-    """The default of a path key ``spec`` uses: none if it requires the key."""
-    return _REQUIRED if spec.need(key) == "required" else None
-
-
-def _positive(r: _Reader, key: str, default: float) -> float:
-    value = r.number(key, default=default)
-    if value <= 0:
-        raise ConfigError(f"`{r._name(key)}` must be > 0, got {_shown(value)}")
-    return value
-
-
-def _options(r: _Reader) -> dict[str, Any]:
-    dtype = r.data.get("dtype")
-    return {
-        "dtype": None if dtype is None else r.choice("dtype", tuple(DTYPES)),
-        "compute_dtype": r.choice("compute_dtype", COMPUTE_DTYPES, default="float32"),
-        "device": r.device("device"),
-        "passthrough": r.strings("passthrough"),
-        "max_shard_size": r.size("max_shard_size", default=5 * 10**9),
-        "allow_mixed_dtypes": r.flag("allow_mixed_dtypes", default=False),
-        "curvature_weights": r.choice("curvature_weights", CURVATURE_WEIGHTS, default="warn"),
-        **_solver(r),
-    }
-
-
-def _solver(r: _Reader) -> dict[str, Any]:
-    """``solver: {tol, maxiter, approximate, precision, warm_start}``, the fields of
-    :class:`gradmerge.SolverSpec` one to one: the certified relative residual of every K-FAC
-    layer's solve (default 1e-5 in float32, 1e-10 in float64), CG iterations per round (default
-    1000), with ``approximate: true`` (never the default) accepting each layer after at
-    most ``maxiter`` CG iterations (default then 0: the eigenbasis preconditioner alone) with its
-    measured residual instead of an error, ``precision`` (auto | working | bfloat16: the dtype of the
-    CG's inner Kronecker products, auto = bfloat16 where it is measurably faster; the
-    certificate is the same) and ``warm_start`` (default
-    false)."""
-    if r.data.get("solver") is None:
-        return {}
-    s = r.sub(r.data["solver"], "solver")
-    s.allow("tol", "maxiter", "approximate", "precision", "warm_start")
-    out: dict[str, Any] = {}
-    if s.data.get("tol") is not None:
-        tol = s.number("tol")
-        if not 0 < tol < 1:
-            raise ConfigError(
-                f"`solver.tol` is a relative residual: it must be > 0 and < 1, got {_shown(tol)} "
-                "(e.g. 1.0e-6)"
-            )
-        out["solver_tol"] = tol
-    approximate = s.flag("approximate", default=False)
-    if isinstance(s.data.get("maxiter"), str):
-        raise ConfigError(
-            f"`solver.maxiter` must be a whole number, got the text {_shown(s.data['maxiter'])}: "
-            "write it without quotes (maxiter: 10)"
-        )
-    maxiter = s.number("maxiter", default=0 if approximate else 1000, minimum=0)
-    if maxiter != int(maxiter) or (maxiter == 0 and not approximate):
-        raise ConfigError(
-            f"`solver.maxiter` must be a whole number ≥ 1 (≥ 0 with `approximate: true`), got "
-            f"{_shown(maxiter)}"
-        )
-    out["solver_maxiter"] = int(maxiter)
-    out["solver_approximate"] = approximate
-    out["solver_precision"] = s.choice("precision", PRECISIONS, default="auto")
-    out["solver_warm_start"] = s.flag("warm_start", default=False)
-    return out
-
-
-def _model(r: _Reader, i: int, data: Any, spec: methods.MergeMethod) -> ModelInput:
-    where = f"models[{i}]"
-    m = r.sub(data, where)
-    m.allow("model", "curvature", "alpha", "scale", "adapter_base")
-    if spec.need("curvature") == "forbidden":
-        m.forbid("curvature", spec.name, spec.refusal("curvature"))
-        m.forbid("scale", spec.name, "it multiplies the model's curvature, and there is none")
-        curvature = None
-    else:
-        curvature = m.path("curvature", kind="file", default=_wanted(spec, "curvature"))
-    scale = m.number("scale", 1.0)
-    if not scale > 0:
-        raise ConfigError(
-            f"`{m._name('scale')}` multiplies the curvature H_t (e.g. N/n for a curvature summed "
-            f"over n of the task's N examples): it must be > 0, got {_shown(scale)}"
-        )
-    return ModelInput(
-        model=m.path("model"),
-        curvature=curvature,
-        alpha=m.number("alpha", 1.0),
-        scale=scale,
-        adapter_base=m.path("adapter_base", default=None),
-    )
 
 
 def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
@@ -614,6 +832,8 @@ def _warn_repeated(models: tuple[ModelInput, ...], check_files: bool) -> None:
 
 
 def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
+    """A precision term δ·I + s·C under ``key`` (:class:`CurvatureTerm`, read by its
+    declarations); refused where it is zero."""
     if key not in r.data:
         if required:
             raise ConfigError(
@@ -622,24 +842,12 @@ def _term(r: _Reader, key: str, *, required: bool) -> CurvatureTerm | None:
             )
         return None
     t = r.sub(r.data[key], key)
-    t.allow("delta", "curvature", "scale")
-    listed = t.data.get("curvature")
-    curvature: Path | tuple[Path, ...] | None
-    if isinstance(listed, list):
-        if not listed:
-            raise ConfigError(
-                f"`{t._name('curvature')}` is an empty list: give a curvature file, or a list of "
-                "files whose sum is the curvature"
-            )
-        curvature = tuple(
-            t.sub({"": v}, f"curvature[{i}]").path("", kind="file") for i, v in enumerate(listed)
-        )
-    else:
-        curvature = t.path("curvature", kind="file", default=None)
+    settings = declared(CurvatureTerm)
+    t.allow(*settings)
     term = CurvatureTerm(
-        delta=t.number("delta", 0.0, minimum=0.0),
-        curvature=curvature,
-        scale=t.number("scale", 1.0, minimum=0.0),
+        delta=_read_one(t, "delta", settings["delta"], default_of(CurvatureTerm, "delta")),
+        curvature=_curvature_sum(t, "curvature", None),
+        scale=_read_one(t, "scale", settings["scale"], default_of(CurvatureTerm, "scale")),
     )
     if term.delta == 0.0 and (term.curvature is None or term.scale == 0.0):
         raise ConfigError(
@@ -696,41 +904,22 @@ class _Reader:
 
     def choice(self, key: str, options: tuple[str, ...], default: Any = _REQUIRED) -> str:
         value = self._get(key, default)
-        if value not in options:
-            raise ConfigError(
-                f"`{self._name(key)}` must be one of {', '.join(options)}; got {_shown(value)}"
-            )
-        return str(value)
+        return str(
+            check(Setting("", "choice", choices=options), value, self._name(key), ConfigError)
+        )
 
     def number(self, key: str, default: Any = _REQUIRED, *, minimum: float | None = None) -> float:
-        value = self._get(key, default)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise ConfigError(f"`{self._name(key)}` must be a finite number, got {_shown(value)}")
-        if minimum is not None and value < minimum:
-            raise ConfigError(f"`{self._name(key)}` must be ≥ {minimum:g}, got {_shown(value)}")
-        return float(value)
+        declared = Setting("", minimum=minimum)
+        return float(check(declared, self._get(key, default), self._name(key), ConfigError))
 
     def flag(self, key: str, default: bool) -> bool:
-        value = self._get(key, default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"`{self._name(key)}` must be true or false, got {_shown(value)}")
-        return value
+        return bool(
+            check(Setting("", "flag"), self._get(key, default), self._name(key), ConfigError)
+        )
 
     def strings(self, key: str) -> tuple[str, ...]:
         value = self._get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(
-                f"`{self._name(key)}` must be a list of names or globs, e.g. "
-                f"[lm_head.weight, '*.rotary_emb.*'], got {_shown(value)}"
-            )
-        return tuple(value)
+        return tuple(check(Setting("", "strings"), value, self._name(key), ConfigError))
 
     def entries(self, key: str) -> list[Any]:
         value = self._get(key, _REQUIRED)
@@ -882,18 +1071,7 @@ def _strict_loader() -> type:
     return StrictLoader
 
 
-def _shown(value: Any, *, quoted: bool = True) -> str:
-    """``repr(value)`` shortened for an error message: at most a few levels, items and
-    characters, without expanding the value (a YAML alias bomb shares one list a billion times:
-    its full repr would never finish)."""
-    import reprlib
-
-    short = reprlib.Repr()
-    short.maxlevel, short.maxlist, short.maxdict, short.maxtuple = 2, 4, 4, 4
-    short.maxstring = short.maxother = 80
-    if isinstance(value, str) and not quoted:
-        return value if len(value) <= 80 else value[:77] + "..."
-    return short.repr(value)
+_shown = shown
 
 
 def _unused(value: Any, name: str) -> bool:
@@ -907,7 +1085,7 @@ def _unused(value: Any, name: str) -> bool:
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
-    if isinstance(value, (ModelInput, CurvatureTerm)):
+    if is_dataclass(value) and not isinstance(value, type):  # ModelInput, CurvatureTerm, SolverSpec
         return {
             f.name: _plain(getattr(value, f.name))
             for f in fields(value)

@@ -74,7 +74,6 @@ from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveCon
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
 from gradmerge.spectral import iso_cts_split
 
 UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
@@ -508,7 +507,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     pairs += [(name, f, [("base_model", base)]) for name, f in prior_files.items()]
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
-    alphas, solver = config.alphas, solver_spec(config)
+    alphas, solver = config.alphas, config.solver
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
     average = frozenset(matching(base.keys(), config.average, key="average"))
     if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
@@ -612,7 +611,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     device, dtype = resolve_device(config.device), config.math_dtype
     spec = methods.get(config.method)
     rule = cast(rules.RemoveRule, spec.rule)
-    solver = solver_spec(config)
+    solver = config.solver
 
     def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
@@ -763,23 +762,12 @@ def _restrict(
     dtype: torch.dtype,
 ) -> Curvature | None:
     """The unit's part of a curvature file, as loaded (the ``solver:`` settings go to each
-    solve: :func:`solver_spec`); diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
+    solve: ``config.solver``); diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
     ``check_finite=False``: one read less), which the unit's rule and :func:`_raise_non_finite`
     make up for."""
     if file is None:
         return None
     return file.restrict(keys, device=device, dtype=dtype, check_finite=False)
-
-
-def solver_spec(options: Options) -> SolverSpec:
-    """The :class:`SolverSpec` of a config's ``solver:`` block (its keys map one to one)."""
-    return SolverSpec(
-        tol=options.solver_tol,
-        maxiter=options.solver_maxiter,
-        approximate=options.solver_approximate,
-        precision=options.solver_precision,
-        warm_start=options.solver_warm_start,
-    )
 
 
 def _read(

@@ -5,11 +5,14 @@ record here and its rule in :mod:`gradmerge.jobs.rules`:
 
 - ``name`` and ``job``: the YAML ``method:`` value and the command that runs it (``merge``,
   ``remove``);
-- ``keys``: which of the method-specific YAML keys it requires, allows or refuses
-  (:class:`~gradmerge.jobs.config.MergeConfig`, :class:`~gradmerge.jobs.config.RemoveConfig`
-  read them from here);
+- ``keys``: which of the method-specific YAML keys it requires, allows or refuses (the settings
+  declared ``per_method`` in :mod:`gradmerge.jobs.config`, :data:`~gradmerge.jobs.config.KEYS`,
+  which reads them from here and checks every record against them on import);
+- ``runs``: the job its configuration becomes, when not its own (``remerge``, a removal that
+  is a merge of the tasks that stay: :func:`gradmerge.jobs.config.load` reads it);
 - ``coverage``: which tensors need a curvature (the plan, :data:`gradmerge.jobs.plan.Coverage`);
-- ``rule``: the function of :mod:`gradmerge.jobs.rules` the engine calls on every unit;
+- ``rule``: the function of :mod:`gradmerge.jobs.rules` the engine calls on every unit (none
+  for a method that runs as another job's method);
 - ``system`` and ``damping_key``: the linear system the dry run checks on a unit
   (:mod:`gradmerge.jobs.conditioning`), built from that unit's curvature terms
   (:class:`SystemInputs`), and the YAML key that damps it; ``None`` for a method whose system
@@ -21,6 +24,8 @@ record here and its rule in :mod:`gradmerge.jobs.rules`:
 Example:
     >>> [m.name for m in methods("merge")]
     ['task_arithmetic', 'fisher_average', 'gradient_matching', 'regmean', 'tsv_merge', 'iso_c', 'iso_cts']
+    >>> names("remove")
+    ('remove', 'influence_remove', 'remerge')
     >>> get("fisher_average").need("damping"), get("fisher_average").need("prior")
     ('optional', 'forbidden')
     >>> import gradmerge as gm
@@ -40,38 +45,11 @@ from gradmerge.curvature import Curvature
 from gradmerge.errors import ArgumentError
 from gradmerge.jobs import rules
 from gradmerge.jobs.plan import Coverage
+from gradmerge.merge import REGMEAN_OFF_DIAGONAL
+from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 Need = Literal["required", "optional", "forbidden"]
 Job = Literal["merge", "remove"]
-
-KEYS: dict[Job, tuple[str, ...]] = {
-    "merge": (
-        "base_model",
-        "curvature",
-        "prior",
-        "damping",
-        "off_diagonal",
-        "common_space_fraction",
-        "average",
-        "embeddings",
-    ),
-    "remove": ("model", "curvature", "prior", "gradient"),
-}
-"""The method-specific YAML keys of each job (``curvature`` of a merge: each ``models[i]``'s)."""
-
-MEANING = {
-    "base_model": "the base model θ_LLM",
-    "curvature": "the curvature H_t",
-    "prior": "the prior H_0",
-    "damping": "`damping` (δ·I added to each H_t)",
-    "off_diagonal": "`off_diagonal` (Jin et al.'s factor on the Gram matrices' off-diagonals)",
-    "common_space_fraction": "`common_space_fraction` (Iso-CTS's share of the common subspace)",
-    "average": "`average` (2-D tensors merged by the mean of the task vectors)",
-    "embeddings": "`embeddings` (whether RegMean averages the embeddings or solves them)",
-    "model": "the fine-tuned model θ_t",
-    "gradient": "the gradient ∇ℓ̄_t(θ_LLM)",
-}
-"""What each method-specific key holds, for messages."""
 
 
 @dataclass(frozen=True)
@@ -102,30 +80,30 @@ class MergeMethod:
     job: Job
     summary: str
     keys: Mapping[str, Need]
-    rule: rules.MergeRule | rules.RemoveRule
+    rule: rules.MergeRule | rules.RemoveRule | None
     coverage: Coverage = "all"
     system: SystemFn | None = None
     damping_key: str | None = None
     hint: str = ""
     max_relative_step: float | None = None
+    runs: Job | None = None
     uses: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        unknown = set(self.keys) - set(KEYS[self.job])
-        if unknown:
-            raise ArgumentError(f"{self.name}: keys {sorted(unknown)} are not keys of a {self.job}")
-        uses = frozenset(k for k in KEYS[self.job] if self.need(k) != "forbidden")
+        uses = frozenset(k for k, need in self.keys.items() if need != "forbidden")
         object.__setattr__(self, "uses", uses)
+        object.__setattr__(self, "runs", self.runs or self.job)
 
     def need(self, key: str) -> Need:
         """Whether the method requires, allows or refuses the method-specific ``key``."""
         return self.keys.get(key, "forbidden")
 
-    def refusal(self, key: str) -> str:
-        """Why ``key`` is refused by this method: which methods of its job use it instead."""
+    def refusal(self, key: str, what: str = "") -> str:
+        """Why ``key`` (``what`` it holds, for the message) is refused by this method: which
+        methods of its job use it instead."""
         users = [m.name for m in methods(self.job) if key in m.uses]
         listed = " and ".join(filter(None, [", ".join(users[:-1]), *users[-1:]]))
-        why = f"{MEANING.get(key, key)} is for {listed or 'no method'}"
+        why = f"{what or f'`{key}`'} is for {listed or 'no method'}"
         if key == "damping" and self.damping_key is not None:
             why += f" (damp {self.name} with `{self.damping_key}`)"
         return why
@@ -206,7 +184,8 @@ REGISTRY: tuple[MergeMethod, ...] = (
         "merge",
         "RegMean (Jin et al.): each linear layer's weight from Gram_t = M_t·A_t = Σ x xᵀ\n"
         "(A_t: each curvature's K-FAC input factor, a mean over M_t rows), off-diagonal\n"
-        "entries times `off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.1; 1: the\n"
+        f"entries times `off_diagonal: r` (Jin et al.'s α, in [0, 1], default "
+        f"{REGMEAN_OFF_DIAGONAL:g}; 1: the\n"
         "plain closed form); biases, embeddings (`embeddings: gram` solves them too) and\n"
         "other tensors are averaged; optional `damping`",
         {
@@ -244,7 +223,7 @@ REGISTRY: tuple[MergeMethod, ...] = (
         "iso_cts",
         "merge",
         "Iso-CTS (Marczak et al.): Iso-C's common subspace (`common_space_fraction`,\n"
-        "default 0.8, of the directions) plus each task's own directions outside it,\n"
+        f"default {ISO_CTS_COMMON_SPACE_FRACTION:g}, of the directions) plus each task's own directions outside it,\n"
         "whitened, flat spectrum; other tensors and `average`: the mean",
         {"base_model": "required", "common_space_fraction": "optional", "average": "optional"},
         rules.iso_cts,
@@ -263,6 +242,15 @@ REGISTRY: tuple[MergeMethod, ...] = (
         {"gradient": "required"},
         rules.influence_remove,
         step=1.0,
+    ),
+    MergeMethod(
+        "remerge",
+        "remove",
+        "the exact removal of tasks from a merge: the merge `merge` (its YAML) again\n"
+        "without the models listed in `without`; runs as that merge",
+        {"merge": "required", "without": "required"},
+        None,
+        runs="merge",
     ),
 )
 """Every method, in the order the help and the error messages list them."""

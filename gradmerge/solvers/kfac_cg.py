@@ -159,6 +159,7 @@ def solve(
     spec = SolverSpec() if spec is None else spec
     tol = default_tol(b.dtype) if spec.tol is None else spec.tol
     maxiter = spec.maxiter
+    assert maxiter is not None  # SolverSpec resolves its default
     bnorm = float(torch.linalg.norm(b.to(torch.float64)))
     if bnorm == 0:
         return LayerSolve(torch.zeros_like(b), "zero right-hand side", 0, 0.0)

@@ -7,85 +7,125 @@ the operators). The in-memory rules take it as ``solver=``.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gradmerge.errors import ArgumentError
+from gradmerge.settings import check, declared, setting
 
 Precision = Literal["auto", "working", "bfloat16"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "working", "bfloat16")
+MAXITER = 1000
+"""The default budget of CG iterations per round (``maxiter``), without ``approximate``."""
 
 
 @dataclass(frozen=True)
 class SolverSpec:
     """Settings of the iterative (K-FAC, CG) solves of a merge or removal.
 
-    Attributes:
-        tol: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
-            ``None``: 1e-10 in float64, 1e-5 in float32 (:func:`gradmerge.solvers.cg.default_tol`).
-        maxiter: CG iterations per round before :class:`NotConvergedError` (≥ 1; ≥ 0 with
-            ``approximate``).
-        approximate: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
-            with whatever residual it has, still measured and reported; never the default.
-        precision: the dtype of the K-FAC CG's inner Kronecker products: ``"working"`` (the
-            factors' dtype), ``"bfloat16"`` (products in bfloat16 inside an iterative
-            refinement whose residual is formed in float32 and certified in float64: the
-            certified residual and its tolerance are the same either way) or ``"auto"``
-            (default): ``"bfloat16"`` for float32 layers with both sides ≥
-            :data:`gradmerge.solvers.kfac_cg.LOW_MIN_SIDE` on a device whose bfloat16 GEMMs
-            are measurably faster than its float32 ones (a CUDA device that supports
-            bfloat16; a CPU where a timed 512² product is ≥ 1.5× faster in bfloat16),
-            else ``"working"``.
-        warm_start: start each K-FAC layer's CG from the best of the caller's guess (the
-            task-arithmetic solution for a merge) and the eigenbasis preconditioner's solve,
-            judged by their residuals; ``False`` (default): the preconditioner's solve alone.
+    Every field is declared once (its meaning, range and default: :func:`gradmerge.settings.
+    declared`; docs/config.md's ``solver`` table is generated from them):
+
+    - ``tol``: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
+      ``None``: 1e-10 in float64, 1e-5 in float32 (:func:`gradmerge.solvers.cg.default_tol`).
+    - ``maxiter``: CG iterations per round before :class:`NotConvergedError`; ``None``:
+      :data:`MAXITER`, or 0 with ``approximate``; the record holds the resolved number.
+    - ``approximate``: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
+      with whatever residual it has, still measured and reported; never the default.
+    - ``precision``: the dtype of the K-FAC CG's inner Kronecker products: ``"working"``,
+      ``"bfloat16"`` (inside an iterative refinement certified the same way) or ``"auto"``:
+      ``"bfloat16"`` for float32 layers with both sides ≥
+      :data:`gradmerge.solvers.kfac_cg.LOW_MIN_SIDE` on a device whose bfloat16 GEMMs are
+      measurably faster (a CUDA device that supports bfloat16; a CPU where a timed 512²
+      product is ≥ 1.5× faster in bfloat16), else ``"working"``.
+    - ``warm_start``: start each K-FAC layer's CG from the best of the caller's guess (the
+      task-arithmetic solution for a merge) and the preconditioner's solve, by their residuals.
 
     Example:
         >>> import gradmerge as gm
         >>> gm.SolverSpec(tol=1e-4, maxiter=200)
         SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='auto', warm_start=False)
+        >>> gm.SolverSpec().maxiter, gm.SolverSpec(approximate=True).maxiter
+        (1000, 0)
         >>> gm.SolverSpec(tol=2.0)
         Traceback (most recent call last):
         ...
-        gradmerge.errors.ArgumentError: SolverSpec.tol is a relative residual: it must be > 0 and < 1, got 2.0
+        gradmerge.errors.ArgumentError: `SolverSpec.tol` (a relative residual) must be > 0 and < 1, got 2.0 (e.g. 1.0e-6)
     """
 
-    tol: float | None = None
-    maxiter: int = 1000
-    approximate: bool = False
-    precision: Precision = "auto"
-    warm_start: bool = False
+    tol: float | None = setting(
+        None,
+        "the relative residual to which every K-FAC layer's solve is certified, in float64.",
+        what="a relative residual",
+        above=0.0,
+        below=1.0,
+        example="e.g. 1.0e-6",
+        default_doc="1e-5 in float32, 1e-10 in float64 (the solve's dtype)",
+        source="`gradmerge.solvers.cg.default_tol`: a true residual cannot fall much below "
+        "κ·eps of the working precision",
+    )
+    maxiter: int | None = setting(
+        None,
+        "CG iterations per round: a whole number ≥ 1 (≥ 0 with `approximate: true`).",
+        kind="integer",
+        minimum=0,
+        default_doc="1000 (0 with `approximate: true`)",
+        source="`gradmerge.solvers.spec.MAXITER`, a budget; with `approximate`, 0: the "
+        "preconditioner's solve alone",
+    )
+    approximate: bool = setting(
+        False,
+        "`true` (never the default) accepts each layer after at most `maxiter` CG iterations "
+        "(0: the eigenbasis preconditioner's solve alone) with its measured float64 residual, "
+        "instead of failing; the record marks those layers `success: false` and the command "
+        "says how many stopped above `tol`.",
+        kind="flag",
+    )
+    precision: Precision = setting(
+        "auto",
+        "`bfloat16` runs the CG's Kronecker products in bfloat16 (AMX, `avx512_bf16`, tensor "
+        "cores) inside a refinement whose residual is formed in the working dtype; the float64 "
+        "certificate and `tol` are the same. `working`: the products in the factors' dtype. "
+        "`auto`: `bfloat16` for float32 layers with both sides ≥ 256 where a timed bfloat16 "
+        "GEMM is ≥ 1.5× faster than float32 (once per process; on CUDA: bfloat16 support), "
+        "else `working` — on GPT-2-124M, 2 tasks, 2 CPU cores with `avx512_bf16`: 361 s "
+        "against 523 s, same certificate (benchmarks/README.md).",
+        kind="choice",
+        choices=PRECISIONS,
+    )
+    warm_start: bool = setting(
+        False,
+        "`true`: start each K-FAC layer's CG from the task-arithmetic solution where its "
+        "residual is smaller than the preconditioner's solve (one more product per layer; not "
+        "the default until measured to pay on real fine-tunes); `false`: from the "
+        "preconditioner's solve.",
+        kind="flag",
+    )
 
     def __post_init__(self) -> None:
-        tol = self.tol
-        if tol is not None and (
-            isinstance(tol, bool)
-            or not isinstance(tol, (int, float))
-            or not math.isfinite(tol)
-            or not 0 < tol < 1
-        ):
-            raise ArgumentError(
-                f"SolverSpec.tol is a relative residual: it must be > 0 and < 1, got {tol!r}"
-            )
-        low = 0 if self.approximate else 1
-        if (
-            isinstance(self.maxiter, bool)
-            or not isinstance(self.maxiter, int)
-            or self.maxiter < low
-        ):
-            raise ArgumentError(
-                f"SolverSpec.maxiter must be a whole number ≥ {low}"
-                f"{' with approximate' if low == 0 else ' (0 only with approximate=True)'}, "
-                f"got {self.maxiter!r}"
-            )
-        for name in ("approximate", "warm_start"):
-            if not isinstance(getattr(self, name), bool):
-                raise ArgumentError(
-                    f"SolverSpec.{name} must be true or false, got {getattr(self, name)!r}"
-                )
-        if self.precision not in PRECISIONS:
-            raise ArgumentError(
-                f"SolverSpec.precision must be one of {', '.join(PRECISIONS)}, "
-                f"got {self.precision!r}"
-            )
+        values = checked({k: getattr(self, k) for k in declared(self)}, "SolverSpec", ArgumentError)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+
+def checked(
+    given: Mapping[str, Any], where: str = "SolverSpec", error: type[Exception] = ArgumentError
+) -> dict[str, Any]:
+    """The :class:`SolverSpec` fields in ``given`` checked by their declarations, ``maxiter``
+    resolved; messages name each as ``{where}.{key}`` (the YAML reader: ``solver.tol``)."""
+    settings = declared(SolverSpec)
+    out = {
+        k: v
+        if v is None and k in ("tol", "maxiter")
+        else check(settings[k], v, f"{where}.{k}", error)
+        for k, v in given.items()
+    }
+    approximate = out.get("approximate", False)
+    if out.get("maxiter") is None:
+        out["maxiter"] = 0 if approximate else MAXITER
+    if out["maxiter"] == 0 and not approximate:
+        raise error(
+            f"`{where}.maxiter` must be a whole number ≥ 1 (≥ 0 with approximate: true), got 0"
+        )
+    return out

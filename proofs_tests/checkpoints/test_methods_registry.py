@@ -24,6 +24,7 @@ from gradmerge.errors import ConfigError
 from gradmerge.jobs import MergeConfig, RemoveConfig, plan_merge, plan_remove, run_merge, run_remove
 from gradmerge.jobs import methods as registry
 from gradmerge.jobs.conditioning import check_systems
+from gradmerge.jobs.config import KEYS, load
 from proofs_tests.checkpoints.workspace import Workspace, assert_same, make_workspace
 
 ALPHAS = [0.7, 0.4]
@@ -128,6 +129,25 @@ CASES: dict[str, Case] = {
             alpha=0.5,
         ),
     ),
+    "remerge": Case(  # the gradient_matching merge of both models, without the second
+        lambda ws: {
+            "merge": ws.yaml(
+                "merged.yaml",
+                {
+                    "method": "gradient_matching",
+                    **CASES["gradient_matching"].config(ws),
+                },
+            ).name,
+            "without": [1],
+        },
+        lambda ws: gm.gradient_matching(
+            ws.load(ws.base),
+            [ws.load(ws.models[0])],
+            [ws.curvature(ws.curvatures[0])],
+            prior=1e-2,
+            alphas=ALPHAS[:1],
+        ),
+    ),
     "influence_remove": Case(
         lambda ws: {
             "base_model": ws.base.name,
@@ -155,21 +175,26 @@ def ws(tmp_path_factory):
 
 
 def test_every_method_has_a_case():
-    assert list(CASES) == [m.name for m in registry.REGISTRY]
+    assert sorted(CASES) == sorted(m.name for m in registry.REGISTRY)
 
 
 @pytest.mark.parametrize("method", registry.REGISTRY, ids=lambda m: m.name)
 def test_yaml_dry_run_and_merge(method, ws, tmp_path, capsys):
-    config_type, plan, run = JOBS[method.job]
+    """``gradmerge JOB`` reads each method's YAML (:func:`load`: a method that runs as another
+    job, ``remerge``, becomes that job's configuration) and runs it as its record says."""
+    config_type, plan, run = JOBS[method.runs]
     path = ws.yaml(f"{method.name}.yaml", {"method": method.name, **CASES[method.name].config(ws)})
-    cfg = config_type.from_yaml(path)
-    assert cfg.method == method.name and cfg.to_dict()["method"] == method.name
+    cfg = load(path, method.job)
+    assert isinstance(cfg, config_type)
+    ran = method.name if method.runs == method.job else "gradient_matching"  # remerge's merge
+    assert cfg.method == ran and cfg.to_dict()["method"] == ran
+    name, job, method = method.name, method.job, registry.get(ran)  # remerge: as the merge it runs
 
     # the dry run: the command writes nothing; every checked system is positive definite
     out = tmp_path / "out"
-    assert cli.main([method.job, str(path), str(out), "--dry-run", "--no-progress"]) == 0
+    assert cli.main([job, str(path), str(out), "--dry-run", "--no-progress"]) == 0
     assert not out.exists()
-    assert method.name in capsys.readouterr().out
+    assert ran in capsys.readouterr().out
     units = [u for u in plan(cfg).units if u.merged]
     checks = check_systems(cfg)
     if method.name == "regmean":  # judged by gm.regmean's own check, on its K-FAC layers
@@ -183,7 +208,7 @@ def test_yaml_dry_run_and_merge(method, ws, tmp_path, capsys):
 
     # the run equals the in-memory rule on whole state dicts
     run(cfg, out, progress=False)
-    assert_same(load_file(out / "model.safetensors"), CASES[method.name].reference(ws))
+    assert_same(load_file(out / "model.safetensors"), CASES[name].reference(ws))
 
 
 VALUES = {
@@ -197,20 +222,18 @@ VALUES = {
     "common_space_fraction": 0.5,
     "average": ["*"],
     "embeddings": "gram",
+    "merge": "merged.yaml",
+    "without": [0],
 }
 
-REFUSED = [
-    (m, key)
-    for m in registry.REGISTRY
-    for key in registry.KEYS[m.job]
-    if m.need(key) == "forbidden"
-]
+REFUSED = [(m, key) for m in registry.REGISTRY for key in KEYS[m.job] if m.need(key) == "forbidden"]
 
 
 @pytest.mark.parametrize(("method", "key"), REFUSED, ids=lambda x: getattr(x, "name", x))
 def test_keys_a_method_does_not_use_are_refused(method, key, ws):
     """Each key the record refuses is refused by the YAML reader, with the methods using it."""
     config = {"method": method.name, **CASES[method.name].config(ws)}
+    read = JOBS[method.job][0].from_dict if method.runs == method.job else _remerge
     if method.job == "merge" and key == "curvature":
         config["models"] = [{**config["models"][0], "curvature": VALUES[key]}]
         where = "models[0].curvature"
@@ -222,8 +245,14 @@ def test_keys_a_method_does_not_use_are_refused(method, key, ws):
     with pytest.raises(
         ConfigError, match=rf"`{re.escape(where)}` is not used by method {method.name}:"
     ) as e:
-        JOBS[method.job][0].from_dict(config, root=ws.root)
+        read(config, root=ws.root)
     assert all(name in str(e.value) for name in users)
+
+
+def _remerge(config, root):
+    from gradmerge.jobs.config import remerge_config
+
+    return remerge_config(config, root=root)
 
 
 def test_help_lists_every_merge_method(capsys):

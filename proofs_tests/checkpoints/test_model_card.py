@@ -159,7 +159,7 @@ def test_approximate_solves_above_their_tolerance_are_named():
     record = {
         "command": "merge",
         "method": "gradient_matching",
-        "config": {"solver_tol": 1e-5, "prior": {"delta": 1e-3, "curvature": "/p/f0.safetensors",
+        "config": {"solver": {"tol": 1e-5}, "prior": {"delta": 1e-3, "curvature": "/p/f0.safetensors",
                                                  "scale": 2.0}},
         "inputs": {"base_model": {"path": "/m/base"}},
         "solves": {

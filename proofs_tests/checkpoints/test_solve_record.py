@@ -84,11 +84,11 @@ def test_solver_keys_set_every_k_fac_solve(tmp_path):
     tight = ws.yaml("tight.yaml", _three_task_config(ws, solver={"tol": 1e-7}))
     gm.run_merge(gm.MergeConfig.from_yaml(tight), tmp_path / "tight")
     record = json.loads((tmp_path / "tight" / "gradmerge_merge.json").read_text())
-    assert record["config"]["solver_tol"] == 1e-7
+    assert record["config"]["solver"]["tol"] == 1e-7
     assert all(e["residual"] <= 1e-7 for e in record["solves"].values())
     starved = ws.yaml("starved.yaml", _three_task_config(ws, solver={"tol": 1e-9, "maxiter": 1}))
     config = gm.MergeConfig.from_yaml(starved)
-    assert config.solver_maxiter == 1
+    assert config.solver.maxiter == 1
     with pytest.raises(gm.NotConvergedError, match=r"prior: \{delta"):
         gm.run_merge(config, tmp_path / "starved")
     assert not (tmp_path / "starved").exists()
@@ -127,11 +127,11 @@ def test_approximate_solver_records_unmet_residuals_and_the_cli_says_so(tmp_path
     gm.run_merge(gm.MergeConfig.from_yaml(exact), tmp_path / "exact")
     approx = ws.yaml("a.yaml", _three_task_config(ws, solver={"tol": 1e-6, "approximate": True}))
     config = gm.MergeConfig.from_yaml(approx)
-    assert config.solver_approximate and config.solver_maxiter == 0
+    assert config.solver.approximate and config.solver.maxiter == 0
     assert main(["merge", str(approx), str(tmp_path / "approx"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "approx" / "gradmerge_merge.json").read_text())
-    assert record["config"]["solver_approximate"] is True
+    assert record["config"]["solver"]["approximate"] is True
     short = [e for e in record["solves"].values() if not e["success"]]
     assert short and all(e["residual"] > 1e-6 and e["iterations"] == 0 for e in short)
     assert all(e["residual"] <= 1e-6 for e in record["solves"].values() if e["success"])

@@ -8,6 +8,8 @@
   unchanged, and the task-arithmetic example equals ``gm.task_arithmetic`` in memory.
 - Every key the parser accepts, at every level (read from its own "allowed keys" message), is
   documented on the page.
+- The page's tables of keys are the ones generated from the settings' declarations
+  (:mod:`gradmerge.jobs.reference`), and every declared setting has a row.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from torch import nn
 
 import gradmerge as gm
 from gradmerge.errors import GradmergeError
+from gradmerge.jobs import reference
+from gradmerge.jobs.config import load
 from gradmerge.jobs.methods import names
 from gradmerge.jobs.refine import RefineConfig
 
@@ -84,6 +88,12 @@ def workspace(tmp_path_factory):
     for name, weights in models.items():
         _save_model(weights, root / name)
     shutil.copytree(root / "path/to/finetuned_b", root / "ft_b")
+    merge = {  # the merge the `remerge` example leaves ft_b/ out of
+        "method": "task_arithmetic",
+        "base_model": "path/to/base",
+        "models": [{"model": "path/to/finetuned_a"}, {"model": "ft_b"}],
+    }
+    (root / "merge.yaml").write_text(yaml.safe_dump(merge))
 
     def curvature(weights: dict[str, torch.Tensor], structure: str) -> gm.Curvature:
         model.load_state_dict(weights)
@@ -119,10 +129,8 @@ def test_every_example_parses_and_merges_or_removals_run(workspace, number, tmp_
         config = RefineConfig.from_yaml(config_file, allow_entry_points=True)
         assert config.steps >= 1 and config.models
         return  # refinement needs a Hugging Face model and its data: parsed only
-    cls, run = (
-        (gm.MergeConfig, gm.run_merge) if kind == "merge" else (gm.RemoveConfig, gm.run_remove)
-    )
-    config = cls.from_yaml(config_file)
+    config = load(config_file, kind)  # remerge: the MergeConfig it runs
+    run = gm.run_merge if isinstance(config, gm.MergeConfig) else gm.run_remove
     out = tmp_path / "out"
     run(config, out, progress=False)
     written = load_file(out / "model.safetensors")
@@ -133,7 +141,7 @@ def test_every_example_parses_and_merges_or_removals_run(workspace, number, tmp_
         torch.testing.assert_close(
             written[name], base[name].to(written[name].dtype), rtol=0, atol=0
         )
-    if kind == "merge" and config.method == "task_arithmetic":
+    if isinstance(config, gm.MergeConfig) and config.method == "task_arithmetic":
         models = [load_file(Path(m.model) / "model.safetensors") for m in config.models]
         expected = gm.task_arithmetic(base, models, alphas=config.alphas)
         for name, tensor in expected.items():
@@ -198,3 +206,31 @@ def test_every_key_the_parser_accepts_is_documented(level):
     }
     missing = [key for key in keys if key not in documented]
     assert not missing, f"{level}: keys the parser accepts that docs/config.md does not name"
+
+
+def test_the_tables_are_generated_from_the_declarations():
+    """Each table of keys on the page is what ``python -m gradmerge.jobs.reference
+    docs/config.md`` writes from the declarations: a declaration changed without the page (or
+    the page edited by hand) fails here."""
+    on_page = reference.blocks(TEXT)
+    generated = reference.tables()
+    assert set(on_page) == set(generated)
+    for name, table in generated.items():
+        assert on_page[name] == table, f"docs/config.md's {name!r} table is stale: regenerate it"
+    assert reference.render(TEXT) == TEXT
+
+
+def test_every_declared_setting_has_a_row():
+    from gradmerge.settings import declared
+
+    generated = reference.tables()
+    for name, cls in [
+        ("merge", gm.MergeConfig),
+        ("models", gm.jobs.config.ModelInput),
+        ("remove", gm.RemoveConfig),
+        ("term", gm.jobs.config.CurvatureTerm),
+        ("solver", gm.SolverSpec),
+    ]:
+        rows = set(re.findall(r"^\| `([a-z_]+)` \|", generated[name], flags=re.M))
+        shared = set(declared(gm.jobs.config.Options)) if name in ("merge", "remove") else set()
+        assert set(declared(cls)) - shared == rows, name

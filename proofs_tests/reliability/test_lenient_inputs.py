@@ -132,4 +132,4 @@ def test_solver_maxiter_as_text_is_refused(tmp_path):
     ):
         MergeConfig.from_dict(config, root=tmp_path, check_files=False)
     config["solver"] = {"maxiter": 10}
-    assert MergeConfig.from_dict(config, root=tmp_path, check_files=False).solver_maxiter == 10
+    assert MergeConfig.from_dict(config, root=tmp_path, check_files=False).solver.maxiter == 10

@@ -127,6 +127,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge.diagnostics",
         "gradmerge.curvature",
         "gradmerge.solvers",
+        "gradmerge.settings",
         "gradmerge._elementwise",
         "gradmerge._removal",
         "gradmerge._text",

@@ -167,14 +167,15 @@ def test_full_rank_factors_are_not_reduced(monkeypatch):
     assert solved.method.startswith("eigenbasis-preconditioned CG")
 
 
-SPEC_ERRORS = [
-    ({"tol": 0.0}, "tol is a relative residual"),
-    ({"tol": 1.5}, "tol is a relative residual"),
-    ({"tol": float("nan")}, "tol is a relative residual"),
-    ({"maxiter": 0}, "0 only with approximate"),
+SPEC_ERRORS = [  # each message names the field, what it must be and what came
+    ({"tol": 0.0}, r"`SolverSpec.tol` \(a relative residual\) must be > 0 and < 1, got 0.0"),
+    ({"tol": 1.5}, r"`SolverSpec.tol` \(a relative residual\) must be > 0 and < 1, got 1.5"),
+    ({"tol": float("nan")}, r"`SolverSpec.tol` must be a finite number, got nan"),
+    ({"maxiter": 0}, r"`SolverSpec.maxiter` must be a whole number ≥ 1 \(≥ 0 with approximate"),
+    ({"maxiter": -1, "approximate": True}, r"`SolverSpec.maxiter` must be ≥ 0, got -1"),
     ({"maxiter": 2.5}, "whole number"),
     ({"approximate": "yes"}, "true or false"),
-    ({"precision": "float16"}, "precision must be one of auto, working, bfloat16"),
+    ({"precision": "float16"}, "`SolverSpec.precision` must be one of auto, working, bfloat16"),
 ]
 
 

@@ -130,7 +130,7 @@ def test_float32_beyond_its_precision_falls_back_to_float64():
 def test_unconvergeable_budget_raises_with_the_fix():
     gen = torch.Generator().manual_seed(1)
     terms = [(_decaying_spd(gen, 10), _decaying_spd(gen, 7)) for _ in range(3)]
-    op = gm.KFAC({"m": terms}, cg_maxiter=1) + 1e-8
+    op = gm.KFAC({"m": terms}, solver=gm.SolverSpec(maxiter=1)) + 1e-8
     with pytest.raises(gm.NotConvergedError, match=r"prior: \{delta"):
         op.solve({"m.weight": torch.randn(7, 10, dtype=DT, generator=gen)})
 
@@ -278,14 +278,15 @@ def test_kfac_cg_preconditioner_accepts_ill_conditioned_but_positive_definite_sy
 
 @pytest.mark.parametrize("maxiter", [0, 2, 1000])
 def test_approximate_solve_returns_its_true_residual_and_never_raises(maxiter):
-    """``cg_approximate``: at most ``maxiter`` CG iterations (0: the eigenbasis preconditioner
+    """``SolverSpec(approximate=True)``: at most ``maxiter`` CG iterations (0: the eigenbasis preconditioner
     D⁻¹ alone), no error when the residual stays above tol; the reported residual is the one
     recomputed from the dense matrix, ``success`` says whether tol was met, and with enough
     iterations the answer is the exact solve's."""
     gen = torch.Generator().manual_seed(7)
     n_out, n_in = 6, 5
     terms = [(_decaying_spd(gen, n_in + 1), _decaying_spd(gen, n_out)) for _ in range(3)]
-    k = gm.KFAC({"m": terms}, bias=["m"], cg_tol=1e-10, cg_maxiter=maxiter, cg_approximate=True)
+    spec = gm.SolverSpec(tol=1e-10, maxiter=maxiter, approximate=True)
+    k = gm.KFAC({"m": terms}, bias=["m"], solver=spec)
     op = k + 1e-4
     v = {n: torch.randn(s, dtype=DT, generator=gen) for n, s in k.layout}
     info = op.solve_info(v)
@@ -298,7 +299,7 @@ def test_approximate_solve_returns_its_true_residual_and_never_raises(maxiter):
     assert info.success == part.success == (true_residual <= 1e-10)
     if maxiter < 1000:  # this system needs more than a few iterations
         assert not info.success and "approximate: stopped after" in part.method
-        exact = gm.KFAC({"m": terms}, bias=["m"], cg_tol=1e-10) + 1e-4
+        exact = gm.KFAC({"m": terms}, bias=["m"], solver=gm.SolverSpec(tol=1e-10)) + 1e-4
         assert part.residual > exact.solve_info(v).parts["m"].residual
     else:
         assert info.success and torch.allclose(x, torch.linalg.solve(dense, b), rtol=1e-6)
@@ -329,3 +330,37 @@ def test_identity_multiple_is_exact(m, expected):
 
     assert identity_multiple(m) == expected
     assert identity_multiple(m.double()) == expected
+
+
+def test_the_solver_travels_with_the_operator_and_the_old_keywords_name_it():
+    """``KFAC(solver=SolverSpec(...))`` is the one way to set an operator's solves: it carries
+    every field (precision and warm_start too) through ``K + δ``, ``c·K``, ``to`` and sums, and
+    ``solve`` obeys it (a budget of 1 iteration raises where the default converges). The
+    keywords and attributes of 0.1.0 (``cg_tol``, ``cg_maxiter``, ``cg_approximate``) are
+    refused, naming the SolverSpec field that replaced each; nothing is silently ignored."""
+    gen = torch.Generator().manual_seed(3)
+    terms = [(_decaying_spd(gen, 6), _decaying_spd(gen, 4)) for _ in range(3)]
+    spec = gm.SolverSpec(tol=1e-9, maxiter=1, precision="working", warm_start=True)
+    k = gm.KFAC({"m": terms}, solver=spec)
+    for derived in (k + 1e-6, 2.0 * k, k.to(dtype=torch.float32), k + k):
+        assert derived.solver == spec
+    v = {"m.weight": torch.randn(4, 6, dtype=DT, generator=gen)}
+    with pytest.raises(gm.NotConvergedError):
+        (k + 1e-6).solve(v)
+    assert gm.KFAC({"m": terms}).solver == gm.SolverSpec()
+    assert (gm.KFAC({"m": terms}) + 1e-6).solve_info(v).success
+
+    with pytest.raises(
+        gm.RemovedArgumentError, match=r"solver=gm\.SolverSpec\(tol=1e-06, maxiter=5\)"
+    ):
+        gm.KFAC({"m": terms}, cg_tol=1e-6, cg_maxiter=5)
+    with pytest.raises(TypeError, match="approximate"):  # RemovedArgumentError is a TypeError
+        gm.KFAC({"m": terms}, cg_approximate=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tol'"):
+        gm.KFAC({"m": terms}, tol=1e-6)
+    with pytest.raises(gm.ArgumentError, match=r"must be a gradmerge\.SolverSpec"):
+        gm.KFAC({"m": terms}, solver={"tol": 1e-6})
+    with pytest.raises(AttributeError, match=r"K\.solver\.maxiter"):
+        k.cg_maxiter = 5
+    with pytest.raises(AttributeError, match=r"K\.solver\.tol"):
+        _ = k.cg_tol

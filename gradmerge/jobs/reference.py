@@ -1,0 +1,182 @@
+"""The tables of docs/config.md, generated from the settings' declarations.
+
+Each YAML key is declared once (:mod:`gradmerge.settings`, the fields of
+:mod:`gradmerge.jobs.config` and :class:`gradmerge.SolverSpec`); this module renders those
+declarations — with the registry's say on which method uses which key — as the page's tables,
+between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
+``proofs_tests/docs/test_config_reference.py`` checks that the committed page equals what
+:func:`tables` gives; after changing a declaration, rewrite the page with
+
+    python -m gradmerge.jobs.reference docs/config.md
+
+Example:
+    >>> print(tables()["term"].splitlines()[2])
+    | `delta` | 0 | δ ≥ 0. In Python: `prior=δ` (a float). |
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from gradmerge.jobs import methods
+from gradmerge.jobs.config import (
+    CurvatureTerm,
+    MergeConfig,
+    ModelInput,
+    Options,
+    Remerge,
+    RemoveConfig,
+    _ordered,
+)
+from gradmerge.settings import REQUIRED, Setting, declared, default_of
+from gradmerge.solvers.spec import SolverSpec
+
+_BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+
+def tables() -> dict[str, str]:
+    """Every generated table of docs/config.md, by block name."""
+    shared = declared(Options)
+    return {
+        "merge": _table(
+            MergeConfig, [k for k in _ordered(MergeConfig) if k not in shared], "merge"
+        ),
+        "models": _table(ModelInput, list(declared(ModelInput)), "merge"),
+        "remove": _table(
+            RemoveConfig, [k for k in _ordered(RemoveConfig) if k not in shared], "remove"
+        ),
+        "remerge": _table(Remerge, list(declared(Remerge)), "remove"),
+        "term": _table(CurvatureTerm, list(declared(CurvatureTerm)), None),
+        "options": _table(Options, list(shared), None),
+        "solver": _table(SolverSpec, list(declared(SolverSpec)), None),
+        "names": _names(),
+    }
+
+
+def _table(cls: Any, keys: list[str], job: methods.Job | None) -> str:
+    settings = declared(cls)
+    head = ["key", *(["methods"] if job else []), "default", "meaning"]
+    rows = [_row(head), _row(["---"] * len(head))]
+    for key in keys:
+        s = settings[key]
+        cells = [f"`{key}`"]
+        if job:
+            cells.append(_methods(key, s, job))
+        cells += [_default(cls, key, s), _meaning(s)]
+        rows.append(_row(cells))
+    return "\n".join(rows) + "\n"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _methods(key: str, s: Setting, job: methods.Job) -> str:
+    """Which methods of ``job`` require or allow the key ("all": every method reads it)."""
+    if key == "method":
+        return "—"
+    per_method = _per_method(job)
+    if s.requires in per_method:
+        users = [f"`{m.name}`" for m in methods.methods(job) if s.requires in m.uses]
+        return f"with `{s.requires}`: {', '.join(users)}"
+    if not s.per_method:
+        return "all"
+    found = {
+        need: [f"`{m.name}`" for m in methods.methods(job) if m.need(key) == need]
+        for need in ("required", "optional")
+    }
+    parts = []
+    if found["required"]:
+        parts.append(f"required by {', '.join(found['required'])}")
+    if found["optional"]:
+        parts.append(f"optional for {', '.join(found['optional'])}")
+    return "; ".join(parts) + "; refused by the others"
+
+
+def _per_method(job: methods.Job) -> set[str]:
+    from gradmerge.jobs.config import KEYS
+
+    return set(KEYS[job])
+
+
+def _default(cls: Any, key: str, s: Setting) -> str:
+    if s.default_doc is not None:
+        return s.default_doc
+    value = default_of(cls, key)
+    if value is REQUIRED:
+        return "required"
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f"`{value}`"
+    if isinstance(value, tuple):
+        return "`[]`" if not value else f"`{list(value)}`"
+    return f"{value:g}"
+
+
+def _meaning(s: Setting) -> str:
+    text = s.doc
+    if s.choices:
+        text += f" One of {', '.join(f'`{c}`' for c in s.choices)}."
+    if s.bounds() and s.kind in ("number", "integer") and s.bounds() not in text:
+        text += f" Must be {s.bounds()}."
+    if s.source:
+        text += f" Default from {s.source}."
+    if s.python:
+        text += f" In Python: {s.python}."
+    return text.replace("|", "\\|").replace("\\\\|", "\\|")
+
+
+def _names() -> str:
+    """YAML key → its name in the in-memory ``gm.*`` rules, where the two differ."""
+    rows = [_row(["YAML key", "in Python (`gm.gradient_matching`, `gm.remove`, ...)"])]
+    rows.append(_row(["---", "---"]))
+    seen: set[tuple[str, str]] = set()
+    for prefix, cls in (
+        ("", MergeConfig),
+        ("models[].", ModelInput),
+        ("", RemoveConfig),
+        ("prior.", CurvatureTerm),
+        ("", Options),
+    ):
+        for key, s in declared(cls).items():
+            if s.python and (prefix + key, s.python) not in seen:
+                seen.add((prefix + key, s.python))
+                rows.append(_row([f"`{prefix}{key}`", s.python]))
+    return "\n".join(rows) + "\n"
+
+
+def render(text: str) -> str:
+    """``text`` (docs/config.md) with every generated block replaced by its table.
+
+    Raises:
+        KeyError: a block names no table.
+    """
+    generated = tables()
+    return _BLOCK.sub(lambda m: m.group(1) + generated[m.group(2)] + m.group(4), text)
+
+
+def blocks(text: str) -> dict[str, str]:
+    """The generated blocks of ``text`` as they stand, by name."""
+    return {m.group(2): m.group(3) for m in _BLOCK.finditer(text)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradmerge.jobs.reference PAGE``: rewrite PAGE's generated tables."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m gradmerge.jobs.reference docs/config.md", file=sys.stderr)
+        return 2
+    page = Path(args[0])
+    text = page.read_text(encoding="utf-8")
+    page.write_text(render(text), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
