@@ -190,6 +190,7 @@ class Run:
         self.benchmark = benchmark
         self.settings = _plain(dict(settings or {}))
         self.command = command(benchmark, argv)
+        self.git = git_state()  # the tree as it was when the run began
         self.started = _now()
         self.load_before = load()
         self._start = time.perf_counter()
@@ -200,7 +201,7 @@ class Run:
             "schema": SCHEMA,
             "benchmark": self.benchmark,
             "command": self.command,
-            "git": git_state(),
+            "git": self.git,
             "machine": machine(),
             "load": {"before": self.load_before, "after": load(), "nice": os.nice(0)},
             "started": self.started,
