@@ -288,6 +288,9 @@ def write_result(path: str | Path, record: dict[str, Any]) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp's is 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
