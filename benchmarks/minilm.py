@@ -65,11 +65,7 @@ import torch
 from torch import Tensor, nn
 
 import gradmerge as gm
-from benchmarks.record import (
-    RESULTS,
-    Run,
-    write_result,
-)
+from benchmarks.record import RESULTS, Run, write_result
 from gradmerge import params as P
 
 Batch = dict[str, Tensor]
