@@ -10,8 +10,8 @@ before the run. Unsupported method/model pairs are recorded with the reason. The
 recorded with every measurement (ratios taken on a loaded machine are noisy), and CPU-time
 ratios beside the wall-clock ones.
 
-    python benchmarks/curvature.py                      # CPU workloads, writes JSON
-    python benchmarks/curvature.py --device cuda --gpt2-size 124m
+    python -m benchmarks.curvature                      # CPU workloads, writes JSON
+    python -m benchmarks.curvature --device cuda --gpt2-size 124m
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import gc
 import importlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.record import RESULTS, Run, module_argv, read_result, write_result
 from gradmerge.estimate import estimate_diagonal, estimate_kfac_factors
 
 Batch = tuple[Any, torch.Tensor]
@@ -275,7 +275,7 @@ def run_workload(
 
 def probe_memory(workload: str, method: str, args: argparse.Namespace) -> int:
     """Peak memory of one run of ``method`` in a fresh process (no allocator reuse)."""
-    cmd = [sys.executable, __file__, "--probe", workload, method, "--device", args.device]
+    cmd = module_argv("curvature", "--probe", workload, method, "--device", args.device)
     cmd += ["--gpt2-size", args.gpt2_size]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
@@ -385,20 +385,6 @@ def _noisy(report: dict) -> str | None:
     )
 
 
-def machine(device: torch.device) -> dict:
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def repeated_runs(args: argparse.Namespace) -> None:
     """``--runs N``: the benchmark N times, each in a fresh process; per target, every run's
     ratio and their median (the report's ``targets`` use the medians)."""
@@ -407,7 +393,8 @@ def repeated_runs(args: argparse.Namespace) -> None:
     import tempfile
 
     device = torch.device(args.device)
-    out = Path(args.out or f"benchmarks/results/curvature-{device.type}-runs.json")
+    out = Path(args.out or RESULTS / f"curvature-{device.type}-runs.json")
+    run = Run("curvature", settings=vars(args))
     argv = list(sys.argv[1:])
     for flag in ("--runs", "--out"):  # drop these two (and their values) from the child's argv
         if flag in argv:
@@ -418,14 +405,14 @@ def repeated_runs(args: argparse.Namespace) -> None:
         for i in range(args.runs):
             path = Path(tmp) / f"run{i}.json"
             print(f"--- run {i + 1} of {args.runs}", flush=True)
-            subprocess.run([sys.executable, __file__, *argv, "--out", str(path)], check=True)
-            runs.append(json.loads(path.read_text()))
+            subprocess.run(module_argv("curvature", *argv, "--out", str(path)), check=True)
+            runs.append(read_result(path))
     targets = []
-    for first in runs[0]["targets"]:
+    for first in runs[0]["results"]["targets"]:
         same = [
             t
-            for run in runs
-            for t in run["targets"]
+            for one in runs
+            for t in one["results"]["targets"]
             if (t["workload"], t["method"]) == (first["workload"], first["method"])
         ]
         ratios = [t["time_ratio"] for t in same if t["time_ratio"] is not None]
@@ -450,11 +437,8 @@ def repeated_runs(args: argparse.Namespace) -> None:
             }
         )
     report = {
-        "benchmark": "curvature, repeated",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": runs[0]["machine"],
-        "how_to_read": "each run is `python benchmarks/curvature.py` in a fresh process (its full "
-        "report under `runs`); targets: per-run median ratios and their median over the runs",
+        "how_to_read": "each run is `python -m benchmarks.curvature` in a fresh process (its full "
+        "record under `runs`); targets: per-run median ratios and their median over the runs",
         "targets": targets,
         "runs": runs,
     }
@@ -473,8 +457,7 @@ def repeated_runs(args: argparse.Namespace) -> None:
         print(
             f"target {t['workload']}/{t['method']}: median {t['time_ratio']:.2f}× ({spread}){verdict}"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, run.finish(report))
     print(f"wrote {out}")
 
 
@@ -507,11 +490,8 @@ def main() -> None:
         _probe(*args.probe, args)
         return
     device = torch.device(args.device)
+    run = Run("curvature", settings=vars(args))
     report: dict[str, Any] = {
-        "benchmark": "curvature",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine(device),
-        "load_average_start": [round(v, 2) for v in os.getloadavg()],
         "how_to_read": (
             "time_ratio: median over `repeats` of (method wall time) / (plain forward+backward "
             "wall time over the same batches, measured just before it); time_ratio_min/max: "
@@ -534,7 +514,6 @@ def main() -> None:
             "description": desc,
             "methods": run_workload(name, model, data, device, args),
         }
-    report["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     report["noisy"] = _noisy(report)
     if report["noisy"]:
         print(f"WARNING: {report['noisy']}")
@@ -557,9 +536,8 @@ def main() -> None:
             f"target {t['workload']}/{t['method']}: {t['time_ratio']:.2f}× "
             f"(min/min {t['time_ratio_of_minima']:.2f}×; {target}{peer})"
         )
-    out = Path(args.out or f"benchmarks/results/curvature-{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = Path(args.out or RESULTS / f"curvature-{device.type}.json")
+    write_result(out, run.finish(report))
     print(f"wrote {out}")
 
 

@@ -8,10 +8,10 @@ process measures its own import with ``time.perf_counter`` around the import sta
 interpreter's start-up is excluded) and reports which optional packages the import loaded: a
 light ``import gradmerge`` loads none of sympy, scikit-learn, matplotlib, transformers.
 
-The JSON names the machine, the Python and torch versions and the load average before and after.
+The JSON is a ``benchmarks.record`` record (machine, versions, load before and after).
 
-    python benchmarks/import_time.py --tree after=. --repeats 15
-    python benchmarks/import_time.py --tree before=/tmp/gm-before --tree after=. --repeats 15 \
+    python -m benchmarks.import_time --tree after=. --repeats 15
+    python -m benchmarks.import_time --tree before=/tmp/gm-before --tree after=. --repeats 15 \
         --out benchmarks/results/import-time-cpu.json
 """
 
@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.record import Run, write_result
 
 OPTIONAL = ("sympy", "sklearn", "matplotlib", "transformers", "tokenizers", "scipy")
 
@@ -67,30 +68,17 @@ def main() -> None:
     trees = {"torch": None} | {
         label: Path(path).resolve() for label, path in (t.split("=", 1) for t in args.tree)
     }
-    load_before = os.getloadavg()
+    run = Run("import_time", settings=vars(args))
     samples: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
         for label, tree in trees.items():
             for module in ("torch",) if tree is None else ("gradmerge", "gradmerge.cli"):
                 key = label if tree is None else f"{label}: import {module}"
                 samples.setdefault(key, []).append(_one(module, tree))
-    load_after = os.getloadavg()
-    report: dict[str, Any] = {
-        "machine": {
-            "node": platform.node(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
-        "torch_version": __import__("torch").__version__,
-        "repeats": args.repeats,
-        "load_before": load_before,
-        "load_after": load_after,
-        "results": {},
-    }
+    results: dict[str, Any] = {}
     for label, runs in samples.items():
         seconds = [r["seconds"] for r in runs]
-        report["results"][label] = {
+        results[label] = {
             "tree": str(trees[label.split(":")[0]] or ""),
             "median_s": statistics.median(seconds),
             "min_s": min(seconds),
@@ -101,11 +89,12 @@ def main() -> None:
         print(
             f"{label:>26}: median {statistics.median(seconds):.3f} s "
             f"(min {min(seconds):.3f}, max {max(seconds):.3f}), "
-            f"optional modules loaded: {report['results'][label]['optional_loaded'] or 'none'}"
+            f"optional modules loaded: {results[label]['optional_loaded'] or 'none'}"
         )
-    print(f"load average before {load_before}, after {load_after}")
+    record = run.finish(results)
+    print(f"load average before {record['load']['before']}, after {record['load']['after']}")
     if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(args.out, record)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ run. The sides:
 The report also checks that the two agree EXACTLY (every percentile of every file and tensor, and
 both ends of the δ window): inspect's percentiles are exact order statistics, not estimates.
 
-    python benchmarks/inspect_files.py                 # writes benchmarks/results/inspect-cpu.json
-    python benchmarks/inspect_files.py --quick         # a smoke run on small layouts
+    python -m benchmarks.inspect_files                 # writes benchmarks/results/inspect-cpu.json
+    python -m benchmarks.inspect_files --quick         # a smoke run on small layouts
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -39,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.record import RESULTS, Run, load, module_argv, run_measured, write_result
+
 PERCENTILES = {"min": 0, "p1": 1, "p10": 10, "p50": 50, "p90": 90, "p99": 99, "max": 100}
 RHO = 1e-3  # inspect's default share ρ, for the window's ends
 
@@ -149,19 +149,18 @@ def agreement(base: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
 
 def measure(case: str, paths: list[Path], repeats: int, tmp: Path) -> dict[str, Any]:
     """Both sides, alternated, ``repeats`` times each."""
-    from merge import run_measured
-
     files = [str(p) for p in paths]
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "inspect": []}
     base_numbers = report = None
     for r in range(repeats):
         for side in ("baseline", "inspect"):
-            load = os.getloadavg()
+            load_before = load()
             if side == "baseline":
                 out = tmp / "baseline.json"
-                cmd = [sys.executable, __file__, "--baseline", str(out), *files]
+                cmd = module_argv("inspect_files", "--baseline", str(out), *files)
             else:
                 out = tmp / "inspect.json"
+                out.unlink(missing_ok=True)  # gradmerge inspect refuses to replace a file
                 cmd = [sys.executable, "-m", "gradmerge", "inspect", *files, "--json", str(out)]
             result = run_measured(cmd)
             if result["returncode"] != 0:
@@ -170,13 +169,13 @@ def measure(case: str, paths: list[Path], repeats: int, tmp: Path) -> dict[str, 
                 "wall_seconds": round(result["wall_seconds"], 3),
                 "peak_rss_bytes": result["peak_rss_bytes"],
                 "peak_rss_anon_bytes": result["peak_rss_anon_bytes"],
-                "loadavg_before": [round(x, 2) for x in load],
+                "load_before": load_before,
             }
             runs[side].append(row)
             print(
                 f"  {case} {side} run {r + 1}: {row['wall_seconds']:.2f} s, "
                 f"{row['peak_rss_bytes'] / 2**20:.0f} MiB "
-                f"({row['peak_rss_anon_bytes'] / 2**20:.0f} MiB anonymous), load {load[0]:.2f}",
+                f"({row['peak_rss_anon_bytes'] / 2**20:.0f} MiB anonymous), load {load_before[0]:.2f}",
                 flush=True,
             )
             numbers = json.loads(out.read_text())
@@ -214,25 +213,14 @@ def main() -> None:
     if args.baseline:  # the child process of the baseline side
         Path(args.baseline).write_text(json.dumps(baseline(args.files)))
         return
-    sys.path.insert(0, str(HERE))
-    from merge import machine
-
-    out = args.out or HERE / "results" / f"inspect-cpu{'-quick' if args.quick else ''}.json"
+    out = args.out or RESULTS / f"inspect-cpu{'-quick' if args.quick else ''}.json"
     cases = {
         "minilm": ("tiny" if args.quick else "minilm", 2),
         "gpt2": ("tiny" if args.quick else "gpt2", 1),
     }
     tmp = Path(tempfile.mkdtemp(prefix="gm-inspect-bench-"))
-    report: dict[str, Any] = {
-        "benchmark": "inspect",
-        "quick": args.quick,
-        "machine": machine(),
-        "command": " ".join(["python", "benchmarks/inspect_files.py", *sys.argv[1:]]),
-        "repeats": args.repeats,
-        "loadavg_start": os.getloadavg(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cases": {},
-    }
+    run = Run("inspect_files", settings=vars(args))
+    report: dict[str, Any] = {"cases": {}}
     try:
         for case, (model, count) in cases.items():
             shapes = layout(model)
@@ -255,9 +243,7 @@ def main() -> None:
                 path.unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report["loadavg_end"] = os.getloadavg()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, run.finish(report))
     print(f"wrote {out}")
 
 

@@ -4,18 +4,18 @@ precision, certified residual and wall time per layer, for the solver settings o
 
 The systems are the merge's own (Eq. 6 with H_0 = δI, α_t = 1): per layer
 H̄ = δI + Σ_t A_t ⊗ G_t and b = Σ_t (δ τ_t + G_t τ_t A_t), τ_t = θ_t − θ_LLM, read from a folder
-kept by ``benchmarks/gpt2_kfac.py --keep DIR`` (factors estimated from its token files, not
+kept by ``python -m benchmarks.gpt2_kfac --keep DIR`` (factors estimated from its token files, not
 synthetic); the warm start is the task-arithmetic solution Σ_t τ_t.
 
 Choices: ``working`` (float32 products, cold start: the preconditioner's solve), ``warm``
 (float32, warm start), ``bfloat16`` (bfloat16 products under the float32 refinement, warm
 start), ``approximate-0`` / ``approximate-10`` (``approximate: true`` with that ``maxiter``),
 and the low-rank reduction wherever it applies (reported in the method). Wall times on a shared
-machine move with its load: the script records ``uptime``'s load average and the time of one
+machine move with its load: the script records the load average and the time of one
 float32 and one bfloat16 application of the layer's operator in the same run, so the products
 counted can be priced on any machine.
 
-    python benchmarks/kfac_choices.py --keep DIR --delta 6 --layers 0.mlp.c_fc 0.attn.c_proj \\
+    python -m benchmarks.kfac_choices --keep DIR --delta 6 --layers 0.mlp.c_fc 0.attn.c_proj \\
         --out benchmarks/results/kfac-choices-cpu.json
 """
 
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import machine
-
+from benchmarks.record import Run, load, write_result
 from gradmerge.solvers import kfac_cg
 from gradmerge.solvers.spec import SolverSpec
 
@@ -119,18 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--choices", nargs="+", default=list(CHOICES), choices=list(CHOICES))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    run = Run("kfac_choices", settings=vars(args), argv=argv)
     counts = count_products()
-    rows = []
-    report: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"out": str(args.out)}}
-    report["settings"]["keep"] = str(args.keep)
-    report["rows"] = rows
+    rows: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"rows": rows, "complete": False}  # written after every row
     for layer in args.layers:
         s = system(args.keep, args.tasks, layer, args.delta)
         stick = yardstick(s["terms"], s["b"])
         for choice in args.choices:
             spec = CHOICES[choice]
             counts.update(float32=0, bfloat16=0)
-            load = os.getloadavg()[0]
+            load_before = load()
             start = time.perf_counter()
             solved = kfac_cg.solve(s["name"], args.delta, s["terms"], s["b"], spec, x0=s["x0"])
             row = {
@@ -145,12 +140,14 @@ def main(argv: list[str] | None = None) -> int:
                 "products_bfloat16": counts["bfloat16"],
                 "wall_seconds": time.perf_counter() - start,
                 "apply_seconds": stick,
-                "load_before": load,
-                "load_after": os.getloadavg()[0],
+                "load_before": load_before,
+                "load_after": load(),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-            args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+            write_result(args.out, run.finish(report))
+    report["complete"] = True
+    write_result(args.out, run.finish(report))
     return 0
 
 

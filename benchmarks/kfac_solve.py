@@ -19,26 +19,25 @@ eigenbases); (b) K-FAC factors from ``gm.estimate_curvature(..., structure="kfac
 GPT-2 (random weights) on two (three) random token "tasks" drawn from different vocabulary ranges.
 δ is relative to the layer's scale max_k ‖A_k‖‖G_k‖. One thread (the machine is shared).
 
-    python benchmarks/kfac_solve.py         # ~15 minutes on one thread; writes benchmarks/results/kfac-solve-cpu.json
+    python -m benchmarks.kfac_solve         # ~15 minutes on one thread; writes benchmarks/results/kfac-solve-cpu.json
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 import gradmerge as gm
+from benchmarks.record import RESULTS, Run, write_result
 from gradmerge.errors import NotConvergedError
 from gradmerge.solvers import kronecker
 from gradmerge.solvers.cg import solve_or_raise
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "kfac-solve-cpu.json"
+RESULT = RESULTS / "kfac-solve-cpu.json"
 DT = torch.float64
 DELTAS = (1e-6, 1e-4, 1e-2, 1e-1)
 MAXITER = 2000
@@ -205,27 +204,18 @@ def _fmt(row: dict) -> str:
     return f"{row['workload']:20s} {where:18s} δ={row['delta']:.0e} | " + " | ".join(cells)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULT, help="JSON path (default: %(default)s)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     import warnings
 
     warnings.filterwarnings("ignore")
+    run = Run("kfac_solve", settings=vars(args) | {"tol": 1e-10, "maxiter": MAXITER}, argv=argv)
     rows = random_workload() + gpt2_workload(2) + gpt2_workload(3)
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(
-        json.dumps(
-            {
-                "machine": platform.platform(),
-                "torch": torch.__version__,
-                "threads": 1,
-                "tol": 1e-10,
-                "maxiter": MAXITER,
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {RESULT.relative_to(ROOT)}")
+    write_result(args.out, run.finish({"rows": rows}))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

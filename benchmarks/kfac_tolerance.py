@@ -2,7 +2,7 @@
 {tol}`` settings (and ``approximate``), each merged model's logits on held-out tokens compared
 with those of the tightest merge.
 
-Inputs: a folder kept by ``gpt2_kfac.py --keep DIR`` (base, fine-tunes ``ft{t}`` and their
+Inputs: a folder kept by ``python -m benchmarks.gpt2_kfac --keep DIR`` (base, fine-tunes ``ft{t}`` and their
 ``ft{t}.kfac.safetensors``). For each setting, one ``gradmerge merge`` in a fresh process (wall
 time, largest certified residual, CG iterations from ``gradmerge_merge.json``); then each merged
 model's logits on ``--sequences`` held-out sequences of each task's vocabulary quarter (drawn
@@ -15,7 +15,7 @@ with a seed the curvature's tokens did not use), against the reference (the firs
 - ``kl_mean``: mean KL(p_ref ‖ p) per position, in nats;
 - ``parameter_change``: ‖θ − θ_ref‖ / ‖θ_ref − θ_base‖ over the merged tensors.
 
-    python benchmarks/kfac_tolerance.py --keep DIR --delta 6 --tol 1e-5 1e-4 1e-3 1e-2 \
+    python -m benchmarks.kfac_tolerance --keep DIR --delta 6 --tol 1e-5 1e-4 1e-3 1e-2 \
         --approximate 0          # writes benchmarks/results/kfac-tolerance-cpu.json
 """
 
@@ -31,11 +31,9 @@ from typing import Any
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import machine, run_measured
+from benchmarks.record import RESULTS, Run, run_measured, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "kfac-tolerance-cpu.json"
+RESULT = RESULTS / "kfac-tolerance-cpu.json"
 GRADMERGE = str(Path(sys.executable).parent / "gradmerge")
 
 
@@ -149,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     settings += [
         (f"approximate maxiter={m}", {"approximate": True, "maxiter": m}) for m in args.approximate
     ]
-    report: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"out": str(args.out)}}
-    report["settings"]["keep"] = str(folder)
+    run = Run("kfac_tolerance", settings=vars(args), argv=argv)
+    report: dict[str, Any] = {"complete": False}  # written after every setting
     import transformers
 
     vocab = transformers.GPT2Config.from_pretrained(folder / "base").vocab_size
@@ -172,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "residuals"}), flush=True)
         report["rows"] = rows
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_result(args.out, run.finish(report))
+    report["complete"] = True
+    write_result(args.out, run.finish(report))
     print(f"wrote {args.out}")
     return 0
 

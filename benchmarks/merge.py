@@ -40,13 +40,13 @@ Sections (each writes its part of the JSON report; ratios are measured in the sa
     prior, solved exactly; two tasks: three terms, preconditioned CG) against a dense Cholesky
     solve of the same system, and the agreement of the two.
 
-The machine's other load is recorded (``os.getloadavg()`` before and after); on a shared 2-core
-machine the timings move with it.
+The machine's other load is recorded (``benchmarks.record``: before and after each run); on a
+shared 2-core machine the timings move with it.
 
-    python benchmarks/merge.py            # everything, writes benchmarks/results/merge-cpu.json
-    python benchmarks/merge.py --quick    # a smoke run with small sizes (writes merge-cpu-quick.json)
-    python benchmarks/merge.py --sections roofline diagonal kfac
-    python benchmarks/merge.py --sections gpt2sized --repeats 9 --update   # (a') only
+    python -m benchmarks.merge            # everything, writes benchmarks/results/merge-cpu.json
+    python -m benchmarks.merge --quick    # a smoke run with small sizes (writes merge-cpu-quick.json)
+    python -m benchmarks.merge --sections roofline diagonal kfac
+    python -m benchmarks.merge --sections gpt2sized --repeats 9 --update   # (a') only
 """
 
 from __future__ import annotations
@@ -56,10 +56,8 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,6 +71,18 @@ import torch
 from torch import Tensor
 
 import gradmerge as gm
+from benchmarks.record import (
+    RESULTS,
+    Run,
+    load,
+    machine,
+    module_argv,
+    proc_status,
+    read_result,
+    run_measured,
+    timed,
+    write_result,
+)
 from gradmerge.kernels import fused as _fused
 from gradmerge.kernels import memory as _memory
 from gradmerge.kernels import native as _native
@@ -83,89 +93,6 @@ GiB = 1024**3
 
 
 # ----- measurement ------------------------------------------------------------------------------
-def timed(fn: Callable[[], object], repeats: int, *, warmup: bool = True) -> list[float]:
-    """Wall times of ``repeats`` calls (after one warm-up call)."""
-    if warmup:
-        fn()
-    out = []
-    for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile of a process, in bytes."""
-    out = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return out
-
-
-def run_measured(cmd: list[str], *, cwd: str | None = None) -> dict[str, Any]:
-    """Run ``cmd``, sampling its memory every 5 ms: wall time, peak RSS and RssAnon, stdout."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = {"VmRSS": 0, "VmHWM": 0, "RssAnon": 0}
-
-    def sample() -> None:
-        while proc.poll() is None:
-            status = proc_status(proc.pid)
-            for k in peak:
-                peak[k] = max(peak[k], status.get(k, 0))
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    stdout, stderr = proc.communicate()
-    sampler.join()
-    wall = time.perf_counter() - start
-    result: dict[str, Any] = {
-        "wall_seconds": wall,
-        "peak_rss_bytes": max(peak["VmRSS"], peak["VmHWM"]),
-        "peak_rss_anon_bytes": peak["RssAnon"],
-        "returncode": proc.returncode,
-    }
-    if proc.returncode != 0:
-        result["error"] = stderr.strip().splitlines()[-5:]
-    lines = [ln for ln in stdout.strip().splitlines() if ln.startswith("{")]
-    if lines:
-        result.update(json.loads(lines[-1]))
-    return result
-
-
-def machine() -> dict[str, Any]:
-    mem_total = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            mem_total = int(line.split()[1]) * 1024
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or _cpu_model(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gradmerge": gm.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "mem_total_bytes": mem_total,
-        "device": "cpu",
-    }
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def _gbs(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -767,7 +694,7 @@ def probe(kind: str, paths: dict[str, Any], out: Path) -> dict[str, Any]:
         "out": str(out),
     }
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    cmd = [sys.executable, __file__, "--probe", kind, json.dumps(spec), "--threads", threads]
+    cmd = module_argv("merge", "--probe", kind, json.dumps(spec), "--threads", threads)
     return run_measured(cmd)
 
 
@@ -1140,7 +1067,10 @@ def main() -> None:
     parser.add_argument("--tmp", default=None, help="scratch folder (default: a new one in /tmp)")
     parser.add_argument("--out", default=None, help="JSON path")
     parser.add_argument(
-        "--update", action="store_true", help="keep the other sections of an existing JSON"
+        "--update",
+        action="store_true",
+        help="keep the other sections (and the runs that measured them) of an existing record "
+        "at --out",
     )
     parser.add_argument(
         "--threads",
@@ -1174,23 +1104,23 @@ def main() -> None:
     )
     info = machine()
     suffix = "-quick" if args.quick else ""
-    out = Path(args.out or Path(__file__).parent / "results" / f"merge-cpu{suffix}.json")
+    out = Path(args.out or RESULTS / f"merge-cpu{suffix}.json")
+    record = Run("merge", settings=vars(args) | {"prior_delta": DELTA})
     report: dict[str, Any] = {}
-    if args.update and out.is_file():  # keep the sections not run now
-        report = json.loads(out.read_text())
+    if args.update and out.is_file():  # keep the sections not run now, and the runs that made them
+        report = read_result(out)["results"]
     run = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": record.command,
         "sections": args.sections,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-        "loadavg_start": os.getloadavg(),
+        "started": record.started,
+        "load_before": record.load_before,
     }
-    report.update({"benchmark": "merge", "quick": args.quick, "machine": info})
-    report["prior_delta"] = DELTA
     tmp = Path(args.tmp or tempfile.mkdtemp(prefix="gradmerge-bench-"))
     tmp.mkdir(parents=True, exist_ok=True)
     print(
-        f"{info['processor']}, {info['cpu_count']} cores, torch {info['torch']}; "
-        f"load {os.getloadavg()}; scratch {tmp}",
+        f"{info['cpu_model']}, {info['cpus']} cores, torch {info['torch']}; "
+        f"load {record.load_before}; scratch {tmp}",
         flush=True,
     )
     try:
@@ -1221,23 +1151,22 @@ def main() -> None:
             report["cli_task_arithmetic"] = cli_task_arithmetic(tmp, repeats)
         if "large" in args.sections:
             print(f"(c) streaming merge of 5 files × {large_gib} GiB", flush=True)
-            report["large_streaming"] = large_streaming(tmp, large_gib, info["mem_total_bytes"])
+            report["large_streaming"] = large_streaming(tmp, large_gib, info["memory_bytes"])
         if "kfac" in args.sections:
             print("(d) K-FAC Eq. 6 per layer against a dense Cholesky solve", flush=True)
             report["kfac_vs_dense"] = kfac_section(kfac_sizes, repeats)
     finally:
         if args.tmp is None:
             shutil.rmtree(tmp, ignore_errors=True)
-    run["loadavg_end"] = os.getloadavg()
-    report["runs"] = [*report.get("runs", []), run] if args.update else [run]
+    run["load_after"] = load()
+    report["runs"] = [*report.get("runs", []), run]
     report["targets"] = targets(report)
     for t in report["targets"]:
         print(
             f"target: {t['what']}: {t['value']:.2f} (≥ {t['target']}: "
             f"{'met' if t['met'] else 'NOT met'})"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, record.finish(report))
     print(f"wrote {out}")
 
 

@@ -38,8 +38,8 @@ Protocol (the paper's setting, with task-specific heads as in RegMean's GLUE exp
 6. For the selected merges, the gradient mismatch Δ_t = ∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t) (Eq. 2) on each
    task's training data.
 
-    python benchmarks/minilm.py                  # writes benchmarks/results/minilm-cpu.json
-    python benchmarks/minilm.py --quick          # smaller, for a smoke run
+    python -m benchmarks.minilm                  # writes benchmarks/results/minilm-cpu.json
+    python -m benchmarks.minilm --quick          # smaller, for a smoke run
 
 Cost (one thread, on a shared and busy 2-core machine): about 9 minutes, 5 of them the two K-FAC
 merges (preconditioned CG on four Kronecker terms per layer); everything else about 3 minutes.
@@ -53,9 +53,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
-import json
 import os
-import platform
 import re
 import sys
 import time
@@ -68,9 +66,9 @@ import torch
 from torch import Tensor, nn
 
 import gradmerge as gm
+from benchmarks.record import RESULTS, Run, write_result
 from gradmerge import params as P
 
-RESULTS = Path(__file__).resolve().parent / "results"
 Batch = dict[str, Tensor]
 
 # ----- data: docstrings of installed packages, labelled by module ----------------------------
@@ -551,7 +549,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timings["total"] = time.perf_counter() - t0
 
     return {
-        "benchmark": "MiniLM-L6 merging check (benchmarks/minilm.py)",
         "data": {
             "kind": "REAL text (not synthetic): first paragraphs of docstrings of installed "
             "Python packages, labelled by the module they come from; library names masked",
@@ -584,7 +581,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "accuracy": result,
         "merges": [row for row, _ in merges],
         "seconds": timings,
-        "environment": _environment(),
+        "package versions": _package_versions(),
     }
 
 
@@ -703,21 +700,18 @@ def pipeline_checks(tokenizer: Any, encoder: nn.Module, path: Path, layers: int)
     return out
 
 
-def _environment() -> dict[str, Any]:
+def _package_versions() -> dict[str, str]:
+    """The versions beyond the record's machine facts (python, torch, gradmerge)."""
     import numpy
     import scipy
     import sympy
     import transformers
 
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "numpy": numpy.__version__,
         "scipy": scipy.__version__,
         "sympy": sympy.__version__,
-        "cpu threads": torch.get_num_threads(),
-        "machine": platform.machine(),
     }
 
 
@@ -781,9 +775,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.train, args.val, args.test, args.epochs = 12, 6, 10, 2
         args.deltas, args.kfac_deltas = [1.0], [100.0]
+    record = Run("minilm", settings=vars(args), argv=argv)
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_result(args.out, record.finish(report))
     print_table(report)
     print(f"\nwrote {args.out} ({report['seconds']['total']:.0f} s)")
     return 0

@@ -40,9 +40,9 @@ per task, ‖θ − θ_1:T‖ / ‖θ_1:T − θ_LLM‖, and the gradient mismat
 of Eq. 2 on ``--sample`` training examples per task (``gm.gradient_mismatch``, ``gm.gradient_fn``).
 A merge that raises (e.g. an unconverged K-FAC CG solve) is recorded with its error, not hidden.
 
-    python benchmarks/realnet.py            # 3 seeds: results/realnet-cpu.json and two plots
+    python -m benchmarks.realnet            # 3 seeds: results/realnet-cpu.json and two plots
                                             # (35 min on this 2-core machine, shared)
-    python benchmarks/realnet.py --quick    # a smoke run (tiny splits, one seed)
+    python -m benchmarks.realnet --quick    # a smoke run (tiny splits, one seed)
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import time
 import traceback
@@ -66,14 +65,11 @@ import torch
 from torch import Tensor, nn
 
 import gradmerge as gm
+from benchmarks.realnet_data import LABELS, PROVENANCE, TEXTS
+from benchmarks.record import RESULTS, ROOT, Run, write_result
 from gradmerge import params as P
 from gradmerge.kernels import select  # the compiled loops for the diagonal merges, as before
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from realnet_data import LABELS, PROVENANCE, TEXTS  # noqa: E402
-
-RESULTS = HERE / "results"
 REFERENCES = ("base θ_LLM", "fine-tuned θ_t", "target θ_1:T")
 """Rows that are not merges (left out of the correlation)."""
 Batch = dict[str, Tensor]
@@ -681,21 +677,6 @@ def spearman(seeds: list[dict[str, Any]]) -> float | None:
     return float(spearmanr(*zip(*pts, strict=True)).statistic)
 
 
-def environment() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "gradmerge": gm.__version__,
-        "cpu threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "device": "cpu",
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny splits, 1 seed")
@@ -739,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kfac_alphas, args.refine_seeds = [1.0], [0]
         args.cg_maxiter = 2
     torch.set_num_threads(args.threads)
-    begin = time.perf_counter()
+    record = Run("realnet", settings=vars(args), argv=argv)
     texts = load_texts()
     tokenizer, pretrained = load_model()
     seeds = []
@@ -751,12 +732,11 @@ def main(argv: list[str] | None = None) -> int:
             seeds.append({"seed": seed, "crashed": traceback.format_exc()[-2000:], "rows": []})
             print(seeds[-1]["crashed"], flush=True)
     done = [s for s in seeds if "crashed" not in s]
+    import transformers
+
     report: dict[str, Any] = {
-        "benchmark": "benchmarks/realnet.py: MiniLM-L6 fine-tuned in full, three text domains",
-        "command": " ".join(["python", "benchmarks/realnet.py", *(argv or sys.argv[1:])]),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "data": {
-            "file": str(TEXTS.relative_to(HERE.parent)),
+            "file": str(TEXTS.relative_to(ROOT)),
             "provenance": json.loads(PROVENANCE.read_text()),
             "domains": list(texts),
             "labels": list(LABELS),
@@ -771,16 +751,13 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "summary": summarise(done),
         "spearman error vs mismatch": spearman(done),
-        "seconds": time.perf_counter() - begin,
-        "environment": environment(),
+        "package versions": {"transformers": transformers.__version__},
     }
     report["table"] = table(report["summary"], len(done))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{args.stem}.json"
-    path.write_text(json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+    path = write_result(args.out / f"{args.stem}.json", record.finish(report))
     figures = plots(report, args.out, args.stem) if done else []
     print("\n" + report["table"])
-    print(f"\nwrote {path} and {', '.join(p.name for p in figures)} ({report['seconds']:.0f} s)")
+    print(f"\nwrote {path} and {', '.join(p.name for p in figures)}")
     return 0 if done else 1
 
 

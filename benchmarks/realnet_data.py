@@ -12,7 +12,7 @@ none by gradmerge's:
   source files.
 
 Module and package names are masked (``lib``) so that a text cannot be classified by naming its
-source. Texts that occur under two labels of a domain are dropped. ``python benchmarks/realnet_data.py``
+source. Texts that occur under two labels of a domain are dropped. ``python -m benchmarks.realnet_data``
 rebuilds ``benchmarks/data/realnet-texts.jsonl`` (one JSON object per text: ``domain``, ``label``,
 ``text``, ``source``) and its provenance file (Python and package versions, modules, SHA-256).
 The committed file is what the study reads, so the study does not depend on what is installed;
@@ -35,8 +35,7 @@ import tokenize
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from minilm import MASKED, _builtin_docs, module_texts
+from benchmarks.minilm import MASKED, _builtin_docs, module_texts
 
 DATA = Path(__file__).resolve().parent / "data"
 TEXTS = DATA / "realnet-texts.jsonl"
@@ -155,7 +154,7 @@ def main() -> int:
         licences[dist] = meta.get("License-Expression") or meta.get("License") or ""
         licences[dist] = licences[dist].splitlines()[0][:80] if licences[dist] else "see package"
     provenance = {
-        "built by": "python benchmarks/realnet_data.py",
+        "built by": "python -m benchmarks.realnet_data",
         "python": platform.python_version(),
         "packages": versions,
         "modules": {"stdlib-docs": STDLIB, "package-docs": PACKAGES, "code-comments": STDLIB},

@@ -35,9 +35,9 @@ extrapolation from stated assumptions (no GPU was measured), next to the anchors
 task arithmetic on GPT-2-124M (measured here with ``--mergekit``) and the paper's script, which
 holds every model and Fisher in memory: m ≈ (1 + 2T)·model bytes.
 
-    python benchmarks/scale.py              # a few minutes; writes benchmarks/results/scale-cpu.json
-    python benchmarks/scale.py --quick      # smoke run (seconds), writes nothing unless --out
-    python benchmarks/scale.py --mergekit   # also time mergekit vs gradmerge on GPT-2-124M
+    python -m benchmarks.scale              # a few minutes; writes benchmarks/results/scale-cpu.json
+    python -m benchmarks.scale --quick      # smoke run (seconds), writes nothing unless --out
+    python -m benchmarks.scale --mergekit   # also time mergekit vs gradmerge on GPT-2-124M
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -68,9 +67,17 @@ from safetensors.torch import save_file
 from torch import nn
 
 import gradmerge as gm
+from benchmarks.record import (
+    RESULTS,
+    ROOT,
+    Run,
+    command,
+    module_argv,
+    read_result,
+    write_result,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "scale-cpu.json"
+RESULT = RESULTS / "scale-cpu.json"
 VOCAB = 2048
 SEQ = 64
 GB = 1e9
@@ -255,7 +262,7 @@ def measure_merge(
     runs = []
     for _ in range(rep):  # a fresh process each time: its heap starts empty (honest RssAnon)
         done = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "_merge", str(root)],
+            module_argv("scale", "_merge", str(root)),
             capture_output=True,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -516,8 +523,8 @@ def measure_ranks(workdir: Path, width: int, depth: int, examples: int, tasks: i
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [torchrun, f"--nproc-per-node={world}", f"--master-port={port}"]
-        cmd += [str(Path(__file__).resolve()), "_rank", str(width), str(depth), str(examples)]
+        cmd = [torchrun, f"--nproc-per-node={world}", f"--master-port={port}", "-m"]
+        cmd += ["benchmarks.scale", "_rank", str(width), str(depth), str(examples)]
         t0 = time.perf_counter()
         done = subprocess.run(
             [*cmd, str(workdir)],
@@ -776,7 +783,8 @@ GPT2_124M_KFAC = [(2304, 769), (768, 769), (3072, 769), (768, 3073)] * 12
 
 def calibrate(report: dict, measured: dict, source: str) -> dict:
     """The per-layer K-FAC model (:func:`kfac_layer_model`, rates of ``report``'s fits) against
-    the end-to-end GPT-2-124M 2-task merges of ``benchmarks/kfac_tolerance.py`` (``measured``):
+    the end-to-end GPT-2-124M 2-task merges of ``benchmarks.kfac_tolerance`` (``measured``: its
+    record's results):
     a fixed-cost factor (the ``approximate maxiter=0`` merge against the model at 0 iterations)
     and a per-iteration factor for float32 and for bfloat16 products (wall above the fixed cost
     over the model's per-iteration cost); then the Llama 7B/70B 2-task K-FAC merge predictions
@@ -863,28 +871,20 @@ def main() -> None:
         "end-to-end GPT-2-124M merges of kfac_tolerance.py's JSON, and add them to the results",
     )
     args = parser.parse_args()
-    if args.calibrate:
+    if args.calibrate:  # no measurement: added to the measuring run's record, with its command
         path = args.out or RESULT
-        report = json.loads(path.read_text())
-        measured = json.loads(args.calibrate.read_text())
-        report["kfac_calibration"] = calibrate(report, measured, str(args.calibrate))
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        print(json.dumps(report["kfac_calibration"], indent=1))
+        record = read_result(path)
+        measured = read_result(args.calibrate)["results"]
+        calibration = calibrate(record["results"], measured, str(args.calibrate))
+        record["results"]["kfac_calibration"] = {"command": command("scale"), **calibration}
+        write_result(path, record)
+        print(json.dumps(record["results"]["kfac_calibration"], indent=1))
         return
     out = args.out or (None if args.quick else RESULT)
     torch.set_num_threads(1)  # 2 threads on 2 shared cores: OpenMP spin-waits, 5× slower
     rep = 1 if args.quick else 2
-    start = time.perf_counter()
-    report: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
-        "load_average_start": [round(v, 2) for v in os.getloadavg()],
-        "quick": args.quick,
-    }
+    run = Run("scale", settings=vars(args))
+    report: dict[str, Any] = {}
 
     # 1. estimation: widths × depths × tokens; the largest width is held out
     sizes = (
@@ -1028,13 +1028,10 @@ def main() -> None:
         "(about 6 s start-up), 2.96 GB peak RSS (measured on the development machine, 2 CPU cores)",
         "paper_script_memory": "(1 + 2T)·model bytes: every model and Fisher held in memory",
     }
-    report["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
-    report["seconds_total"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(report, indent=1)
+    record = run.finish(report)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        print(f"wrote {out} ({report['seconds_total']} s)")
+        write_result(out, record)
+        print(f"wrote {out} ({record['seconds']} s)")
     summary(report)
 
 

@@ -16,16 +16,14 @@ Two sections (issue 21, item 2), on a tiny BERT classifier with a word-level tok
 
 The load average is recorded with every figure (this machine is shared).
 
-    python benchmarks/text_data.py                           # both sections, writes JSON
-    python benchmarks/text_data.py --sections memory --sizes-mb 10,100,1000
+    python -m benchmarks.text_data                           # both sections, writes JSON
+    python -m benchmarks.text_data --sections memory --sizes-mb 10,100,1000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import resource
 import subprocess
@@ -35,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.record import RESULTS, Run, load, write_result
 
 LABELS = ("negative", "neutral", "positive")
 
@@ -56,10 +53,6 @@ def write_jsonl(path: Path, *, lines: int | None = None, size: int | None = None
             written += len(line)
             count += 1
     return count
-
-
-def load() -> float:
-    return os.getloadavg()[0]
 
 
 # ----- tokenise ---------------------------------------------------------------------------------
@@ -162,22 +155,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--memory-batch-size", type=int, default=64)
     p.add_argument("--tmp", default=tempfile.gettempdir())
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/text-data-cpu.json"))
+    p.add_argument("--out", default=str(RESULTS / "text-data-cpu.json"))
     args = p.parse_args()
-    import torch
-
     from proofs_tests.text_models import bert_classifier
 
+    run = Run("text_data", settings=vars(args))
     sections = args.sections.split(",")
-    report: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
-        },
-        "command": " ".join(sys.argv),
-    }
+    report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         tmp = Path(d)
         folder = bert_classifier(tmp / "bert", positions=64)
@@ -190,7 +174,7 @@ def main() -> None:
                 folder, tmp, sizes, args.memory_batch_size, args.curvature_max_mb
             )
     report["self_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(args.out, run.finish(report))
     print(f"wrote {args.out}")
 
 

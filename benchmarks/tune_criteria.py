@@ -18,18 +18,14 @@ base included (each weighted alike). On exact quadratic tasks the mismatch is le
 fine-tunes' average s = 1/T for every r and the loss with the base at (1 + r)/(T + 1)
 (proofs_tests/numeric/test_tune_criteria.py); this measures the same beyond quadratics.
 
-    python benchmarks/tune_criteria.py --out benchmarks/results/tune-criteria-cpu.json
-    python benchmarks/tune_criteria.py --quick --out /tmp/q.json   # seconds
+    python -m benchmarks.tune_criteria --out benchmarks/results/tune-criteria-cpu.json
+    python -m benchmarks.tune_criteria --quick --out /tmp/q.json   # seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +36,7 @@ import torch
 from torch import Tensor
 
 import gradmerge as gm
+from benchmarks.record import Run, write_result
 from gradmerge.jobs.tune import choose, term
 from gradmerge.theory.logistic import make_logistic_merge_problem, newton_fit
 
@@ -208,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = [round(0.05 * i, 2) for i in range(1, 81)]  # 0.05 … 4.0
     seeds = range(1 if args.quick else args.seeds)
     logistic = [(t, r) for t in (2, 4) for r in (1, 4, 16)]
-    start = time.perf_counter()
+    run = Run("tune_criteria", settings=vars(args), argv=argv)
     cases = [
         partial(logistic_case, seed, t, 100, r)
         for t, r in logistic[: 2 if args.quick else None]
@@ -249,23 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 figures["accuracy max"] = max(points)
             summary[model][c] = figures
             print(f"{model}, {c}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
-    body = {
-        "benchmark": "tune_criteria",
-        "command": "python benchmarks/tune_criteria.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "grid": grid,
-        "seconds": round(time.perf_counter() - start, 1),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load average at the end": os.getloadavg()[0],
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
-        "summary": summary,
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(body, indent=1) + "\n")
+    write_result(args.out, run.finish({"grid": grid, "summary": summary, "rows": rows}))
     print(f"wrote {args.out}")
     return 0
 

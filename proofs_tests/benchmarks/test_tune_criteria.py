@@ -3,20 +3,14 @@ least point of its curve, each regret is ≥ 0, and the base task adds a positiv
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import tune_criteria
+from benchmarks.record import read_result
 
 
 def test_each_choice_is_its_criterions_least_point(tmp_path):
-    import tune_criteria
-
     out = tmp_path / "q.json"
     assert tune_criteria.main(["--quick", "--out", str(out)]) == 0
-    body = json.loads(out.read_text())
+    body = read_result(out)["results"]
     grid = body["grid"]
     assert [row["model"] for row in body["rows"]] == ["softmax regression"] * 2 + ["MLP on digits"]
     for row in body["rows"]:
