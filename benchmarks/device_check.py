@@ -17,8 +17,11 @@ Steps (each timed, each recorded even when it fails; the exit status is 1 if any
 GPT-2 of width 64 and depth 2 over 2 × 32 tokens; 7B-shaped layers scaled to hidden 64), so this
 script cannot rot: ``proofs_tests/benchmarks/test_device_check.py`` runs it in the test suite.
 
-    python benchmarks/device_check.py                  # on a GPU machine, ≤ 8 minutes
-    python benchmarks/device_check.py --quick --out /tmp/check.json
+    python -m benchmarks.device_check                  # on a GPU machine, ≤ 8 minutes
+    python -m benchmarks.device_check --quick --out /tmp/check.json
+
+The JSON is the suite's record (``benchmarks.record``): its ``results`` hold the device, the
+mode, each step's figures, ``ok`` and ``complete``; it is rewritten whole after every step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -39,6 +41,8 @@ from typing import Any
 import torch
 import yaml
 from safetensors.torch import save_file
+
+from benchmarks.record import Run, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "device-check.json"
@@ -225,14 +229,6 @@ def step_diagonal(folder: Path, device: str, quick: bool) -> dict[str, Any]:
     return result
 
 
-def write_json(path: Path, report: dict[str, Any]) -> None:
-    """Write ``report`` to ``path`` whole (a temporary file renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes on the CPU, in seconds")
@@ -241,13 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     out = args.out or (RESULT.with_name("device-check-quick.json") if args.quick else RESULT)
+    record_run = Run("device_check", settings=vars(args))
     report: dict[str, Any] = {
         "device": device_name(device),
         "device_kind": device,
         "mode": "quick" if args.quick else "full",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
         "steps": {},
     }
     steps: dict[str, Callable[[Path], dict[str, Any]]] = {
@@ -267,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         report["wall_seconds"] = time.perf_counter() - start
         report["ok"] = all(s.get("returncode") == 0 for s in report["steps"].values())
         report["complete"] = len(report["steps"]) == len(steps)
-        write_json(out, report)  # after every step: a run cut short still leaves its evidence
+        write_result(
+            out, record_run.finish(report)
+        )  # after every step: a run cut short leaves evidence
     print(f"wrote {out} ({report['device']}, {report['wall_seconds']:.0f} s, ok={report['ok']})")
     return 0 if report["ok"] else 1
 

@@ -1,29 +1,26 @@
-"""benchmarks/device_check.py --quick: the GPU check's CPU mode runs here, so the one command
+"""python -m benchmarks.device_check --quick: the GPU check's CPU mode runs here, so the one command
 to run first on a GPU cannot rot. Every step must succeed at toy size, the JSON must name the
 device, and the K-FAC merge must be certified (float32 default tolerance)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.record import read_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_mode_runs_every_step_and_names_the_device(tmp_path):
     out = tmp_path / "check.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "device_check.py"),
-        "--quick",
-        "--out",
-        str(out),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    cmd = [sys.executable, "-m", "benchmarks.device_check", "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    record = read_result(out)  # the suite's record, validated
+    assert record["benchmark"] == "device_check" and record["results"]["complete"] is True
+    report = record["results"]
     assert report["mode"] == "quick" and report["device_kind"] == "cpu"
     assert report["device"].startswith("cpu: ") and len(report["device"]) > len("cpu: ")
     assert set(report["steps"]) == {"tests", "kfac", "diagonal"} and report["ok"] is True
