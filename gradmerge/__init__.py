@@ -10,9 +10,10 @@ The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ... of ``gm.jobs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradmerge import params
+from gradmerge import _elementwise, params
 from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
@@ -83,6 +84,18 @@ _LAZY = {
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, _MODULES)
+
+
+def _engine_kernel(numels: Sequence[int]) -> _elementwise.Kernel | None:
+    """The kernel the streaming engine takes for tensors of these sizes
+    (:func:`gradmerge.kernels.select`, from the mode in force), for the in-memory rules' default
+    ``kernel=``; :mod:`gradmerge.kernels` loads on the first diagonal merge, not on import."""
+    from gradmerge.kernels import select
+
+    return select(numels)
+
+
+_elementwise.SELECTED.choose = _engine_kernel  # the core compiles nothing: the facade chooses
 
 
 __all__ = [

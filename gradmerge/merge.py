@@ -43,7 +43,7 @@ from torch import Tensor
 
 from gradmerge import _elementwise, _removal
 from gradmerge import params as P
-from gradmerge._elementwise import Kernel
+from gradmerge._elementwise import SELECTED, Kernel
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
 from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError
@@ -60,7 +60,7 @@ def task_arithmetic(
     finetuned: Sequence[Params],
     *,
     alphas: float | Sequence[float] = 1.0,
-    kernel: Kernel | None = None,
+    kernel: Kernel | None = SELECTED,
 ) -> dict[str, Tensor]:
     r"""Task arithmetic: θ_TA = θ_LLM + Σ_t α_t (θ_t − θ_LLM)  (Eq. 2, first term).
 
@@ -89,7 +89,7 @@ def fisher_average(
     curvatures: Sequence[Curvature],
     *,
     alphas: float | Sequence[float] = 1.0,
-    kernel: Kernel | None = None,
+    kernel: Kernel | None = SELECTED,
 ) -> dict[str, Tensor]:
     r"""Fisher-weighted averaging: θ = (Σ_t α_t H_t)⁻¹ Σ_t α_t H_t θ_t  (Matena & Raffel, 2022).
 
@@ -412,7 +412,7 @@ def gradient_matching(
     *,
     prior: CurvatureLike,
     alphas: float | Sequence[float] = 1.0,
-    kernel: Kernel | None = None,
+    kernel: Kernel | None = SELECTED,
     solver: SolverSpec | None = None,
     return_solution: bool = False,
 ) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
@@ -433,10 +433,14 @@ def gradient_matching(
         curvatures: H_1, …, H_T (SUM over each task's examples), or floats (δ·I).
         prior: H_0, the precision of the prior around ``base`` (a curvature, or a float δ: δ·I).
         alphas: one α for all tasks, or one per task.
-        kernel: where every curvature is diagonal or δ·I, a faster evaluator of the elementwise
-            merge to use for the tensors it takes (:class:`gradmerge.kernels.Fused`: one
-            compiled loop per tensor, bit-identical); ``None`` (default): the chunked torch
-            pass of :mod:`gradmerge._elementwise`, which compiles nothing.
+        kernel: where every curvature is diagonal or δ·I, the evaluator of the elementwise
+            merge. Default: the fastest certified one, as the streaming engine chooses it
+            (:class:`gradmerge._elementwise.Selected`: on a CPU the C loop of
+            :mod:`gradmerge.kernels` for float32/float64 tensors of 4096 elements or more,
+            bit-identical to the chunked pass and falling back to it wherever it cannot be built;
+            ``gm.fused_kernels("off")`` or ``$GRADMERGE_FUSED=off`` turns it off, as for the
+            engine). ``None``: the chunked torch pass of :mod:`gradmerge._elementwise` alone,
+            which compiles nothing. Or a :class:`gradmerge.kernels.Fused` (``Fused("on")``).
         solver: how H̄⁻¹ is applied where it is iterative (K-FAC, sums, matrix-free):
             :class:`gradmerge.SolverSpec`; ``None``: each operator's defaults. With
             ``warm_start``, K-FAC layers may start from the task-arithmetic solution Σ_t α_t τ_t.

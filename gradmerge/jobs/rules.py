@@ -148,7 +148,8 @@ def regmean(u: MergeUnit) -> Solved:
     )
     if found is None:
         ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
-        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas)), None
+        merged = merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas), kernel=u.kernel)
+        return merged, None
     grams, transposed = found
     merged = merge.regmean(
         u.finetuned,
