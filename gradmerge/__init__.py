@@ -52,6 +52,7 @@ from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.evaluation import Evaluation, evaluate
 from gradmerge.merge import (
+    Merged,
     fisher_average,
     gradient_matching,
     influence_remove,
@@ -59,6 +60,7 @@ from gradmerge.merge import (
     regmean,
     remove,
     task_arithmetic,
+    with_solution,
 )
 from gradmerge.solvers import Solution, SolverSpec
 from gradmerge.spectral import iso_c, iso_cts, tsv_merge
@@ -107,6 +109,9 @@ __all__ = [
     "influence_remove",
     "refine",
     "regmean",
+    # a solving rule's parameters with the report of its solve
+    "with_solution",
+    "Merged",
     # data-free merges in each weight matrix's singular basis (TSV-M, Iso-C, Iso-CTS)
     "tsv_merge",
     "iso_c",
