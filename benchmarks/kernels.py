@@ -28,19 +28,37 @@ Both variants' outputs are compared byte for byte. Results go to
 ``benchmarks/results/kernels-cpu.json`` with the command line and ``os.getloadavg()`` before and
 after each run.
 
+A third workload, ``in_memory`` (issue 30 item 3), asks whether the documented function is fast
+as called: ``gm.gradient_matching`` on ``--tasks`` diagonal tasks × ``--parameters`` float32
+parameters held in memory (four tensors, prior δ = 1e-3), in three variants in the same process —
+``reference`` (``kernel=None``: the chunked pass, which compiles nothing), ``default`` (no
+``kernel=``: the kernel the streaming engine chooses) and ``fused_on`` (``kernel=Fused("on")``)
+— each as a fraction of the memory-bandwidth roofline: the best of ``addcmul``/``add``/``copy_``
+with ``out=`` over the same number of floats into touched memory (as ``merge.py``'s roofline),
+against the (2 + 2T)·n·4 bytes Eq. 6 must move. Each round measures the roofline and the three
+variants once, in turn, so that the load of the machine weighs on all alike; the figures are
+medians over the rounds (after one warm-up round), fractions taken within each round. Bandwidths
+are over the thread's CPU time (one torch thread), not wall time: on a machine whose cores other
+jobs hold, a call's wall time is mostly waiting for a core (wall seconds are recorded beside).
+The three outputs are compared bit for bit.
+
     python benchmarks/kernels.py --repeats 5 --blocks 1
+    python benchmarks/kernels.py --workloads in_memory --repeats 9 --update
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +67,10 @@ import yaml
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build_gpt2, machine, run_measured
+from merge import build_gpt2, machine, make_flat, run_measured
 
 import gradmerge as gm
+from gradmerge.kernels import Fused, select
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -167,19 +186,129 @@ def compare(
     return result
 
 
+def in_memory(parameters: int, tasks: int, repeats: int) -> dict[str, Any]:
+    """``gm.gradient_matching`` in memory: the chunked pass, the default and ``Fused("on")``
+    against the roofline, interleaved round by round (module docstring)."""
+    base, fts, hs = make_flat(parameters, tasks)
+    curvatures = [gm.Diagonal(h) for h in hs]
+    n = sum(v.numel() for v in base.values())
+    nbytes = (2 + 2 * tasks) * n * 4  # θ_LLM, every θ_t and h_t read once, θ written once
+    a, b, c, out = (torch.rand(n) for _ in range(4))
+    roof = {  # bytes moved by each single-pass kernel over n floats, into touched memory
+        "addcmul(a, b, c, out=)": (lambda: torch.addcmul(a, b, c, out=out), 4 * n * 4),
+        "add(a, b, out=)": (lambda: torch.add(a, b, out=out), 3 * n * 4),
+        "copy_": (lambda: out.copy_(a), 2 * n * 4),
+    }
+
+    def merged(**kernel: Any) -> dict[str, torch.Tensor]:
+        return gm.gradient_matching(base, fts, curvatures, prior=1e-3, **kernel)
+
+    variants = {
+        "reference": lambda: merged(kernel=None),
+        "default": lambda: merged(),
+        "fused_on": lambda: merged(kernel=Fused("on")),
+    }
+    gbs: dict[str, list[float]] = {k: [] for k in [*roof, *variants]}
+    wall: dict[str, list[float]] = {k: [] for k in [*roof, *variants]}
+    loads: list[tuple[float, float]] = []
+    outputs: dict[str, dict[str, torch.Tensor]] = {}
+
+    def timed(name: str, fn: Callable[[], Any], moved: int) -> Any:
+        """One call: GB/s over the thread's CPU time (preemption by the machine's other jobs
+        left out; page faults and memory stalls counted), and its wall seconds."""
+        gc.collect()
+        start, cpu = time.perf_counter(), time.thread_time()
+        value = fn()
+        cpu, seconds = time.thread_time() - cpu, time.perf_counter() - start
+        gbs[name].append(moved / cpu / 1e9)
+        wall[name].append(seconds)
+        return value
+
+    for i in range(repeats + 1):  # round 0 warms up (builds the C loop, faults the pages in)
+        before = os.getloadavg()[0]
+        for name, (kernel, moved) in roof.items():
+            timed(name, kernel, moved)
+        for name, fn in variants.items():
+            result = timed(name, fn, nbytes)
+            if i == 0:
+                outputs[name] = result
+            del result
+        loads.append((before, os.getloadavg()[0]))
+    gbs = {k: v[1:] for k, v in gbs.items()}  # the warm-up round is not counted
+    wall = {k: v[1:] for k, v in wall.items()}
+    roofline = [max(r) for r in zip(*(gbs[k] for k in roof), strict=True)]
+    fractions = {k: [x / r for x, r in zip(gbs[k], roofline, strict=True)] for k in variants}
+    median = statistics.median
+    result: dict[str, Any] = {
+        "parameters": n,
+        "tasks": tasks,
+        "dtype": "float32",
+        "prior": "δ·I, δ = 1e-3",
+        "min_bytes_moved": nbytes,
+        "repeats": repeats,
+        "default_kernel": repr(select([v.numel() for v in base.values()])),
+        "torch_threads": torch.get_num_threads(),
+        "timing": "GB/s over the calling thread's CPU time (time.thread_time: one torch thread, "
+        "the C loop unsplit), so that waiting for the loaded machine's cores is not counted; "
+        "wall seconds beside it",
+        "gb_per_s": gbs,
+        "wall_seconds": wall,
+        "roofline_gb_per_s": roofline,
+        "median_roofline_gb_per_s": median(roofline),
+        "median_fraction_of_roofline": {k: median(v) for k, v in fractions.items()},
+        "median_default_over_fused_on": median(
+            [d / f for d, f in zip(fractions["default"], fractions["fused_on"], strict=True)]
+        ),
+        "median_default_over_reference": median(
+            [d / f for d, f in zip(fractions["default"], fractions["reference"], strict=True)]
+        ),
+        "outputs_identical": all(
+            torch.equal(outputs["reference"][k], outputs[v][k])
+            for v in ("default", "fused_on")
+            for k in base
+        ),
+        "load_average_1min_before_after": loads,
+    }
+    f = result["median_fraction_of_roofline"]
+    print(
+        f"  in memory, {tasks} tasks × {n:,} parameters: roofline {median(roofline):.1f} GB/s; "
+        f"fraction of it: reference {f['reference']:.2f}, default {f['default']:.2f} "
+        f"({result['default_kernel']}), Fused('on') {f['fused_on']:.2f}; identical outputs: "
+        f"{result['outputs_identical']}",
+        flush=True,
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=1, help="Llama-7B decoder blocks")
-    parser.add_argument("--workloads", nargs="+", default=["gpt2", "llama7b_blocks"])
+    parser.add_argument("--workloads", nargs="+", default=["gpt2", "llama7b_blocks", "in_memory"])
+    parser.add_argument("--parameters", type=int, default=32 * 2**20, help="in_memory: n")
+    parser.add_argument("--tasks", type=int, default=4, help="in_memory: T")
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels-cpu.json")
+    parser.add_argument(
+        "--update", action="store_true", help="keep the other workloads of an existing JSON"
+    )
     args = parser.parse_args()
-    report: dict[str, Any] = {
+    run = {
         "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "workloads": {},
+        "git_commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
+        ).stdout.strip(),
     }
+    report: dict[str, Any] = {**run, "workloads": {}}
+    if args.update and args.out.is_file():  # the workloads not run now stay, with their command
+        report = json.loads(args.out.read_text())
+    if "in_memory" in args.workloads:
+        name = f"in_memory gradient_matching, {args.tasks} diagonal tasks"
+        report["workloads"][name] = {
+            **run,
+            **in_memory(args.parameters, args.tasks, args.repeats),
+        }
     with tempfile.TemporaryDirectory(dir=os.environ.get("GRADMERGE_BENCH_DIR")) as tmp:
         root = Path(tmp)
         if "gpt2" in args.workloads:
@@ -204,7 +333,8 @@ def main() -> None:
                 args.repeats,
                 paths["parameters"],
             )
-    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if not args.update:
+        report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

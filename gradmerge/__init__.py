@@ -10,9 +10,10 @@ The checkpoint machinery (``gm.run_merge``, ``gm.MergeConfig``, ... of ``gm.jobs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradmerge import params
+from gradmerge import _elementwise, params
 from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
@@ -52,6 +53,7 @@ from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.evaluation import Evaluation, evaluate
 from gradmerge.merge import (
+    Merged,
     fisher_average,
     gradient_matching,
     influence_remove,
@@ -59,6 +61,7 @@ from gradmerge.merge import (
     regmean,
     remove,
     task_arithmetic,
+    with_solution,
 )
 from gradmerge.solvers import Solution, SolverSpec
 from gradmerge.spectral import iso_c, iso_cts, tsv_merge
@@ -86,6 +89,18 @@ _LAZY = {
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, _MODULES)
 
 
+def _engine_kernel(numels: Sequence[int]) -> _elementwise.Kernel | None:
+    """The kernel the streaming engine takes for tensors of these sizes
+    (:func:`gradmerge.kernels.select`, from the mode in force), for the in-memory rules' default
+    ``kernel=``; :mod:`gradmerge.kernels` loads on the first diagonal merge, not on import."""
+    from gradmerge.kernels import select
+
+    return select(numels)
+
+
+_elementwise.SELECTED.choose = _engine_kernel  # the core compiles nothing: the facade chooses
+
+
 __all__ = [
     # merge and removal rules (Eq. 6, Eq. 13, Koh & Liang)
     "task_arithmetic",
@@ -95,6 +110,9 @@ __all__ = [
     "influence_remove",
     "refine",
     "regmean",
+    # a solving rule's parameters with the report of its solve
+    "with_solution",
+    "Merged",
     # data-free merges in each weight matrix's singular basis (TSV-M, Iso-C, Iso-CTS)
     "tsv_merge",
     "iso_c",

@@ -22,9 +22,11 @@ builds it) reaches the C loop as C, s and δ, and h_0 = (s·C) + δ is formed in
 written to memory); every other path forms it as the operator algebra does, bit for bit the same.
 
 A caller may hand in a faster evaluator (``kernel``, a :class:`Kernel`: the compiled loops of
-:mod:`gradmerge.kernels`, which the streaming engine chooses; same result bit for bit); a tensor
-it declines, or whose result comes out uncertified (a NaN/Inf, H̄ ≤ 0 or h < 0 somewhere), is
-merged here, with the exact diagnosis. This module itself compiles nothing and maps no memory.
+:mod:`gradmerge.kernels`; same result bit for bit); a tensor it declines, or whose result comes
+out uncertified (a NaN/Inf, H̄ ≤ 0 or h < 0 somewhere), is merged here, with the exact diagnosis.
+By default (:data:`SELECTED`) the rules take the kernel the streaming engine takes: the package's
+facade plugs the engine's choice in (:func:`gradmerge.kernels.select`, loaded on first use).
+This module itself compiles nothing and maps no memory.
 """
 
 from __future__ import annotations
@@ -92,6 +94,36 @@ class Kernel(Protocol):
     def for_call(self, numels: Sequence[int]) -> TensorMerge | None:
         """The evaluator for a call on tensors of these sizes (``None``: the chunked pass only)."""
         ...
+
+
+class Selected:
+    """The default ``kernel=`` of the in-memory rules: the kernel the streaming engine would take
+    for the same tensors, from the mode in force (``gm.fused_kernels``, ``$GRADMERGE_FUSED``).
+
+    On a CPU that is the C loop for float32/float64 tensors of 4096 elements or more; elsewhere
+    ``torch.compile`` only for calls large enough to pay for its compile; with the mode ``"off"``,
+    none. Every tensor a kernel takes is certified in its own pass (or merged again here) and is
+    bit for bit the chunked pass's; where no kernel can be built (no C compiler), a
+    ``RuntimeWarning`` says so once and the chunked pass runs (:mod:`gradmerge.kernels.fused`).
+
+    The choice itself lives outside the core: :attr:`choose` is set by the package's facade
+    (``gradmerge/__init__.py``) to :func:`gradmerge.kernels.select`, imported on the first call;
+    while it is ``None`` the chunked pass runs. ``kernel=None`` asks for the chunked pass alone.
+    """
+
+    choose: Callable[[Sequence[int]], Kernel | None] | None = None
+
+    def for_call(self, numels: Sequence[int]) -> TensorMerge | None:
+        """The chosen kernel's evaluator for a call on tensors of these sizes, or ``None``."""
+        kernel = self.choose(numels) if self.choose is not None else None
+        return kernel.for_call(numels) if kernel is not None else None
+
+    def __repr__(self) -> str:
+        return "SELECTED"
+
+
+SELECTED = Selected()
+"""``kernel=`` by default (:class:`Selected`): the engine's choice of kernel for the call."""
 
 
 def parts(curvature: Curvature) -> Part | None:

@@ -24,26 +24,28 @@ errors are typed (:mod:`gradmerge.errors`).
 
 The rules that solve a system (:func:`gradient_matching`, :func:`remove`,
 :func:`influence_remove`) take the solver settings explicitly (``solver=``, a
-:class:`gradmerge.SolverSpec`) and, with ``return_solution=True``, return ``(params, Solution)``:
-the solve's report (method, iterations, certified residual per block) travels with the result,
-not through any global state.
+:class:`gradmerge.SolverSpec`) and, like every rule, return the parameters; called through
+:func:`with_solution` they return a :class:`Merged`, the parameters with the solve's report
+(method, iterations, certified residual per block): the report travels with the result, not
+through any global state or a flag that changes the return type.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, cast, overload
+from typing import NoReturn, ParamSpec, cast
 
 import torch
 from torch import Tensor
 
 from gradmerge import _elementwise, _removal
 from gradmerge import params as P
-from gradmerge._elementwise import Kernel
+from gradmerge._elementwise import SELECTED, Kernel
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
 from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError
@@ -55,12 +57,28 @@ CurvatureLike = Curvature | float
 """A curvature operator, or a float δ meaning δ·I."""
 
 
+@dataclass(frozen=True)
+class Merged:
+    """What a rule that solves a linear system returns through :func:`with_solution`.
+
+    Attributes:
+        params: the parameters the rule returns (merged, or with data removed).
+        solution: the :class:`gradmerge.Solution` of its solve (H̄ x = rhs for Eq. 6, H̄_\\t x =
+            rhs for removal): method, iterations, certified residual, success, per K-FAC layer
+            in ``parts``; the elementwise paths solve exactly in the merge's own pass and report
+            their method (and, for removal, what the pass measured) with an empty ``value``.
+    """
+
+    params: dict[str, Tensor]
+    solution: Solution
+
+
 def task_arithmetic(
     base: Params,
     finetuned: Sequence[Params],
     *,
     alphas: float | Sequence[float] = 1.0,
-    kernel: Kernel | None = None,
+    kernel: Kernel | None = SELECTED,
 ) -> dict[str, Tensor]:
     r"""Task arithmetic: θ_TA = θ_LLM + Σ_t α_t (θ_t − θ_LLM)  (Eq. 2, first term).
 
@@ -89,7 +107,7 @@ def fisher_average(
     curvatures: Sequence[Curvature],
     *,
     alphas: float | Sequence[float] = 1.0,
-    kernel: Kernel | None = None,
+    kernel: Kernel | None = SELECTED,
 ) -> dict[str, Tensor]:
     r"""Fisher-weighted averaging: θ = (Σ_t α_t H_t)⁻¹ Σ_t α_t H_t θ_t  (Matena & Raffel, 2022).
 
@@ -381,30 +399,6 @@ def _off_diagonal_scaled(gram: Tensor, r: float) -> Tensor:
     return scaled
 
 
-@overload
-def gradient_matching(
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[CurvatureLike],
-    *,
-    prior: CurvatureLike,
-    alphas: float | Sequence[float] = ...,
-    kernel: Kernel | None = ...,
-    solver: SolverSpec | None = ...,
-    return_solution: Literal[False] = ...,
-) -> dict[str, Tensor]: ...
-@overload
-def gradient_matching(
-    base: Params,
-    finetuned: Sequence[Params],
-    curvatures: Sequence[CurvatureLike],
-    *,
-    prior: CurvatureLike,
-    alphas: float | Sequence[float] = ...,
-    kernel: Kernel | None = ...,
-    solver: SolverSpec | None = ...,
-    return_solution: Literal[True],
-) -> tuple[dict[str, Tensor], Solution]: ...
 def gradient_matching(
     base: Params,
     finetuned: Sequence[Params],
@@ -412,10 +406,10 @@ def gradient_matching(
     *,
     prior: CurvatureLike,
     alphas: float | Sequence[float] = 1.0,
-    kernel: Kernel | None = None,
+    kernel: Kernel | None = SELECTED,
     solver: SolverSpec | None = None,
-    return_solution: bool = False,
-) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
+    **removed: NoReturn,
+) -> dict[str, Tensor]:
     r"""The uncertainty-based gradient-matching merge (Eq. 6).
 
     .. math::
@@ -433,21 +427,25 @@ def gradient_matching(
         curvatures: H_1, …, H_T (SUM over each task's examples), or floats (δ·I).
         prior: H_0, the precision of the prior around ``base`` (a curvature, or a float δ: δ·I).
         alphas: one α for all tasks, or one per task.
-        kernel: where every curvature is diagonal or δ·I, a faster evaluator of the elementwise
-            merge to use for the tensors it takes (:class:`gradmerge.kernels.Fused`: one
-            compiled loop per tensor, bit-identical); ``None`` (default): the chunked torch
-            pass of :mod:`gradmerge._elementwise`, which compiles nothing.
+        kernel: where every curvature is diagonal or δ·I, the evaluator of the elementwise
+            merge. Default: the fastest certified one, as the streaming engine chooses it
+            (:class:`gradmerge._elementwise.Selected`: on a CPU the C loop of
+            :mod:`gradmerge.kernels` for float32/float64 tensors of 4096 elements or more,
+            bit-identical to the chunked pass and falling back to it wherever it cannot be built;
+            ``gm.fused_kernels("off")`` or ``$GRADMERGE_FUSED=off`` turns it off, as for the
+            engine). ``None``: the chunked torch pass of :mod:`gradmerge._elementwise` alone,
+            which compiles nothing. Or a :class:`gradmerge.kernels.Fused` (``Fused("on")``).
         solver: how H̄⁻¹ is applied where it is iterative (K-FAC, sums, matrix-free):
             :class:`gradmerge.SolverSpec`; ``None``: each operator's defaults. With
             ``warm_start``, K-FAC layers may start from the task-arithmetic solution Σ_t α_t τ_t.
-        return_solution: also return the solve's report.
 
     Returns:
-        The merged parameters, a new dict with the keys of ``base``; with ``return_solution``,
-        ``(merged, solution)``, ``solution`` the :class:`gradmerge.Solution` of H̄ x = rhs
-        (per K-FAC layer: method, iterations, certified residual). The fused elementwise path
-        (diagonal and δ·I curvatures) solves exactly in the same pass as the merge: its report
-        has the method only and an empty ``value``.
+        The merged parameters, a new dict with the keys of ``base``. ``gm.with_solution(
+        gm.gradient_matching, ...)`` returns them in a :class:`Merged` with the
+        :class:`gradmerge.Solution` of H̄ x = rhs (per K-FAC layer: method, iterations,
+        certified residual). The fused elementwise path (diagonal and δ·I curvatures) solves
+        exactly in the same pass as the merge: its report has the method only and an empty
+        ``value``.
 
     Raises:
         StructureError, DTypeError, DeviceError, NonFiniteError: inputs that do not fit together.
@@ -462,6 +460,21 @@ def gradient_matching(
         >>> gm.gradient_matching(base, fts, Hs, prior=1.0)
         {'w': tensor([1., 1.])}
     """
+    _refuse_removed("gradient_matching", removed)
+    solved = _gradient_matching(base, finetuned, curvatures, prior, alphas, kernel, solver)
+    return solved.params
+
+
+def _gradient_matching(
+    base: Params,
+    finetuned: Sequence[Params],
+    curvatures: Sequence[CurvatureLike],
+    prior: CurvatureLike,
+    alphas: float | Sequence[float],
+    kernel: Kernel | None,
+    solver: SolverSpec | None,
+) -> Merged:
+    """:func:`gradient_matching` with the solve's report (its arguments, checked here)."""
     tasks = len(finetuned)
     if tasks == 0:
         raise ArgumentError("gradient_matching needs at least one fine-tuned model, got none")
@@ -498,7 +511,7 @@ def gradient_matching(
             report = Solution({}, "exact (elementwise, fused with the merge)")
         else:
             merged, report = _generic_merge(base, finetuned, weights, h0, hs, names, solver)
-    return (merged, report) if return_solution else merged
+    return Merged(merged, report)
 
 
 def _generic_merge(
@@ -536,30 +549,6 @@ def _generic_merge(
     return merged, report
 
 
-@overload
-def remove(
-    base: Params,
-    finetuned: Params,
-    curvature: CurvatureLike,
-    *,
-    remaining: CurvatureLike,
-    prior: CurvatureLike,
-    alpha: float = ...,
-    solver: SolverSpec | None = ...,
-    return_solution: Literal[False] = ...,
-) -> dict[str, Tensor]: ...
-@overload
-def remove(
-    base: Params,
-    finetuned: Params,
-    curvature: CurvatureLike,
-    *,
-    remaining: CurvatureLike,
-    prior: CurvatureLike,
-    alpha: float = ...,
-    solver: SolverSpec | None = ...,
-    return_solution: Literal[True],
-) -> tuple[dict[str, Tensor], Solution]: ...
 def remove(
     base: Params,
     finetuned: Params,
@@ -569,8 +558,8 @@ def remove(
     prior: CurvatureLike,
     alpha: float = 1.0,
     solver: SolverSpec | None = None,
-    return_solution: bool = False,
-) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
+    **removed: NoReturn,
+) -> dict[str, Tensor]:
     r"""Remove data (or a task) D_t from a model by gradient matching (Eq. 13).
 
     .. math::
@@ -591,7 +580,10 @@ def remove(
         prior: H_0 used when fine-tuning θ_t.
         alpha: α_t.
         solver: how H̄_\t⁻¹ is applied where it is iterative (:class:`gradmerge.SolverSpec`).
-        return_solution: return ``(removed, solution)``, the solve's report with the result.
+
+    Returns:
+        The parameters without D_t; ``gm.with_solution(gm.remove, ...)`` returns them in a
+        :class:`Merged` with the solve's report (the elementwise path: what its pass measured).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -599,16 +591,30 @@ def remove(
         >>> gm.remove(base, ft, gm.Diagonal({"w": torch.tensor([1.0])}), remaining=4.0, prior=1.0)
         {'w': tensor([0.5000])}
     """
+    _refuse_removed("remove", removed)
+    return _remove(base, finetuned, curvature, remaining, prior, alpha, solver).params
+
+
+def _remove(
+    base: Params,
+    finetuned: Params,
+    curvature: CurvatureLike,
+    remaining: CurvatureLike,
+    prior: CurvatureLike,
+    alpha: float,
+    solver: SolverSpec | None,
+) -> Merged:
+    """:func:`remove` with the solve's report (its arguments, checked here)."""
     P.check_params(base, name="base", finite=False)
     base, finetuned = P.detached(base), P.detached(finetuned)
     (weight,) = _alphas([alpha], 1, dtype=_dtype_of(base), name="alpha")
-    fast = _remove_elementwise(base, finetuned, curvature, remaining, prior, weight)
+    fast = _remove_elementwise(base, finetuned, (prior, curvature, remaining), weight)
     if fast is not None:  # an elementwise division: exact; the pass measured the step
         out, stats = fast
         report = Solution(
             {}, "exact (elementwise, fused with the removal)", measured=stats.as_dict()
         )
-        return (out, report) if return_solution else out
+        return Merged(out, report)
     P.check_params(base, name="base")
     tau = _task_vector(base, finetuned, name="finetuned")
     h0 = _curvature(prior, base, name="prior")
@@ -617,24 +623,22 @@ def remove(
     correction, report = _solve(rest, P.add(h0.mv(tau), ht.mv(tau)), solver)
     removed = P.axpy(-weight, correction, base)  # Eq. 13
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return (removed, report) if return_solution else removed
+    return Merged(removed, report)
 
 
 def _remove_elementwise(
     base: Params,
     finetuned: Params,
-    curvature: CurvatureLike,
-    remaining: CurvatureLike,
-    prior: CurvatureLike,
+    curvatures: tuple[CurvatureLike, CurvatureLike, CurvatureLike],
     alpha: float,
 ) -> tuple[dict[str, Tensor], _removal.RemovalStats] | None:
-    """Eq. 13 in one fused pass (:mod:`gradmerge._removal`) when every curvature is diagonal or
-    δ·I, with what the pass measured; None otherwise, or when a value check fails (the generic
-    path then names the cause)."""
+    """Eq. 13 in one fused pass (:mod:`gradmerge._removal`) when every curvature — ``(prior,
+    curvature, remaining)`` — is diagonal or δ·I, with what the pass measured; None otherwise, or
+    when a value check fails (the generic path then names the cause)."""
     P.check_params(finetuned, name="finetuned", finite=False)
     P.check_compatible(base, finetuned, ref_name="base", name="finetuned")
     terms = []
-    for value, name in ((prior, "prior"), (curvature, "curvature"), (remaining, "remaining")):
+    for value, name in zip(curvatures, ("prior", "curvature", "remaining"), strict=True):
         c = _curvature(value, base, name=name, psd=False)
         part = _elementwise.parts(c)
         if part is None:
@@ -643,26 +647,6 @@ def _remove_elementwise(
     return _removal.remove(base, finetuned, *terms, alpha=alpha)
 
 
-@overload
-def influence_remove(
-    base: Params,
-    gradient: Params,
-    *,
-    remaining: CurvatureLike,
-    alpha: float = ...,
-    solver: SolverSpec | None = ...,
-    return_solution: Literal[False] = ...,
-) -> dict[str, Tensor]: ...
-@overload
-def influence_remove(
-    base: Params,
-    gradient: Params,
-    *,
-    remaining: CurvatureLike,
-    alpha: float = ...,
-    solver: SolverSpec | None = ...,
-    return_solution: Literal[True],
-) -> tuple[dict[str, Tensor], Solution]: ...
 def influence_remove(
     base: Params,
     gradient: Params,
@@ -670,8 +654,8 @@ def influence_remove(
     remaining: CurvatureLike,
     alpha: float = 1.0,
     solver: SolverSpec | None = None,
-    return_solution: bool = False,
-) -> dict[str, Tensor] | tuple[dict[str, Tensor], Solution]:
+    **removed: NoReturn,
+) -> dict[str, Tensor]:
     r"""Remove data D_t with the influence-function step of Koh & Liang (2017) (Sec. 1.4).
 
     .. math::
@@ -681,13 +665,25 @@ def influence_remove(
 
     The appendix prints it without α_t (the case α_t = 1); the α_t follows from Eq. 11 without
     the Taylor step of Eq. 12 (see theory/ERRATA.md). Exact for linear regression. ``solver`` and
-    ``return_solution`` as in :func:`remove`.
+    :func:`with_solution` as for :func:`remove`.
 
     Example:
         >>> import torch, gradmerge as gm
         >>> gm.influence_remove({"w": torch.tensor([1.0])}, {"w": torch.tensor([-2.0])}, remaining=4.0)
         {'w': tensor([0.5000])}
     """
+    _refuse_removed("influence_remove", removed)
+    return _influence_remove(base, gradient, remaining, alpha, solver).params
+
+
+def _influence_remove(
+    base: Params,
+    gradient: Params,
+    remaining: CurvatureLike,
+    alpha: float,
+    solver: SolverSpec | None,
+) -> Merged:
+    """:func:`influence_remove` with the solve's report (its arguments, checked here)."""
     P.check_params(base, name="base")
     P.check_params(gradient, name="gradient")
     P.check_compatible(base, gradient, ref_name="base", name="gradient")
@@ -697,7 +693,69 @@ def influence_remove(
     x, report = _solve(rest, gradient, solver)
     removed = P.axpy(weight, x, base)
     P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return (removed, report) if return_solution else removed
+    return Merged(removed, report)
+
+
+_Rule = ParamSpec("_Rule")
+
+
+def with_solution(
+    rule: Callable[_Rule, dict[str, Tensor]], /, *args: _Rule.args, **kwargs: _Rule.kwargs
+) -> Merged:
+    r"""Run ``rule`` on these arguments and return its parameters with the report of its solve.
+
+    ``rule`` is one of the rules that solve a linear system — :func:`gradient_matching` (Eq. 6:
+    H̄ x = Σ_t α_t (H_0 + H_t) τ_t), :func:`remove` (Eq. 13) or :func:`influence_remove` — and
+    the arguments are its own, checked as it checks them. The parameters are those the rule
+    returns, bit for bit. The one way to a merge's report: where it matters most is an
+    approximate solve (``solver=gm.SolverSpec(approximate=True, maxiter=N)``), whose
+    ``solution.success`` is False for a layer left above the tolerance.
+
+    Raises:
+        ArgumentError: ``rule`` is not one of the three (the others solve no system to report).
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> K = gm.KFAC({"fc": (torch.diag(torch.tensor([1.0, 3.0])), 2 * torch.eye(2))})
+        >>> ft = {"fc.weight": torch.ones(2, 2)}
+        >>> out = gm.with_solution(gm.gradient_matching, {"fc.weight": torch.zeros(2, 2)}, [ft], [K], prior=1.0)
+        >>> out.params["fc.weight"][0], out.solution.parts["fc"].method, out.solution.success
+        (tensor([1., 1.]), '1-term eigendecomposition', True)
+    """
+    solve = _SOLVING.get(cast(Callable[..., object], rule))
+    if solve is None:
+        name = getattr(rule, "__qualname__", repr(rule))
+        raise ArgumentError(
+            f"with_solution takes gm.gradient_matching, gm.remove or gm.influence_remove (the "
+            f"rules that solve a linear system), got {name}: call it directly, it solves "
+            "nothing to report"
+        )
+    bound = inspect.signature(rule).bind(*args, **kwargs)  # TypeError as the rule would raise
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)  # the implementation's parameters, by the same names
+    _refuse_removed(getattr(rule, "__name__", ""), arguments.pop("removed"))
+    return solve(**arguments)
+
+
+def _refuse_removed(rule: str, removed: Mapping[str, object]) -> None:
+    """Name the replacement of a removed keyword (``return_solution``); any other unknown keyword
+    is a TypeError, as Python raises it."""
+    if "return_solution" in removed:
+        raise ArgumentError(
+            f"{rule}(return_solution=...) no longer exists: {rule} returns the parameters; for "
+            f"them with the solve's report call gm.with_solution(gm.{rule}, <the same "
+            "arguments>), which returns a gm.Merged (.params, .solution)"
+        )
+    if removed:
+        raise TypeError(f"{rule}() got an unexpected keyword argument {next(iter(removed))!r}")
+
+
+_SOLVING: dict[Callable[..., object], Callable[..., Merged]] = {
+    gradient_matching: _gradient_matching,
+    remove: _remove,
+    influence_remove: _influence_remove,
+}
+"""Each rule that solves a system → its implementation with the report (:func:`with_solution`)."""
 
 
 # ----- input handling shared by the rules ------------------------------------------------------

@@ -119,7 +119,8 @@ def gradient_matching(u: MergeUnit) -> Solved:
     hs = u.hs()
     if u.prior is None:
         raise ArgumentError("gradient matching needs a prior H_0")
-    return merge.gradient_matching(
+    merged = merge.with_solution(
+        merge.gradient_matching,
         u.base,
         u.finetuned,
         hs,
@@ -127,8 +128,8 @@ def gradient_matching(u: MergeUnit) -> Solved:
         alphas=list(u.alphas),
         kernel=u.kernel,
         solver=u.solver,
-        return_solution=True,
     )
+    return merged.params, merged.solution
 
 
 def regmean(u: MergeUnit) -> Solved:
@@ -148,7 +149,8 @@ def regmean(u: MergeUnit) -> Solved:
     )
     if found is None:
         ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
-        return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas)), None
+        merged = merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas), kernel=u.kernel)
+        return merged, None
     grams, transposed = found
     merged = merge.regmean(
         u.finetuned,
@@ -189,7 +191,8 @@ def remove(u: RemoveUnit) -> Solved:
     if u.finetuned is None or u.prior is None:
         raise ArgumentError("removal by Eq. 13 needs the fine-tuned model θ_t and the prior H_0")
     h_t = _required(u.curvature, 0)
-    return merge.remove(
+    removed = merge.with_solution(
+        merge.remove,
         u.base,
         u.finetuned,
         h_t,
@@ -197,22 +200,23 @@ def remove(u: RemoveUnit) -> Solved:
         prior=u.prior,
         alpha=u.alpha,
         solver=u.solver,
-        return_solution=True,
     )
+    return removed.params, removed.solution
 
 
 def influence_remove(u: RemoveUnit) -> Solved:
     """:func:`gm.influence_remove` (Koh & Liang) on the unit (model, curvature, prior unused)."""
     if u.gradient is None:
         raise ArgumentError("the influence-function removal needs the gradient ∇ℓ̄_t(θ_LLM)")
-    return merge.influence_remove(
+    removed = merge.with_solution(
+        merge.influence_remove,
         u.base,
         u.gradient,
         remaining=u.remaining,
         alpha=u.alpha,
         solver=u.solver,
-        return_solution=True,
     )
+    return removed.params, removed.solution
 
 
 MergeRule = Callable[[MergeUnit], Solved]

@@ -2,8 +2,9 @@
 
 The pure rules (:mod:`gradmerge.merge`) evaluate Eq. 6 for elementwise curvatures in a chunked
 torch pass (:mod:`gradmerge._elementwise`); they never compile code or map memory themselves. A
-caller that wants a faster loop hands one in, ``kernel=`` (a :class:`Fused`); the streaming engine
-does so for every job (:func:`select`):
+faster loop is handed in, ``kernel=`` (a :class:`Fused`): the streaming engine does so for every
+job and the in-memory rules by default, both with :func:`select` (the package's facade plugs it
+into the rules' default, ``gradmerge._elementwise.SELECTED``):
 
 - :mod:`~gradmerge.kernels.fused` — :class:`Fused`, one compiled loop per tensor (the C loop of
   :mod:`~gradmerge.kernels.native` on CPUs, ``torch.compile`` elsewhere), certified in the same

@@ -20,9 +20,10 @@ The operations are those of the chunked path in the same order (``(H_0 + α_1 H_
 ``α_t (H_0 τ_t + H_t τ_t)`` added in turn, ``rhs / H̄``, ``θ_LLM + …``), each rounded once, so
 the result is bit-identical to it (and to the operator algebra) on a CPU; tested.
 
-Who takes them: a merge given ``kernel=Fused(mode)`` (the in-memory rules take none unless
-given one), and the streaming engine, which picks its kernel with :func:`select` from the mode in
-force (``$GRADMERGE_FUSED``, or :func:`fused_kernels` around the run):
+Who takes them: a merge given ``kernel=Fused(mode)``, and the streaming engine and the in-memory
+rules by default (``kernel=`` not given; ``None`` takes none), which pick the kernel with
+:func:`select` from the mode in force (``$GRADMERGE_FUSED``, or :func:`fused_kernels` around the
+run):
 
 - ``"off"``: never;
 - ``"on"``: every tensor of :data:`MIN_NUMEL` elements or more (the C loop: of
@@ -77,11 +78,12 @@ def mode() -> str:
 
 @contextmanager
 def fused_kernels(mode: str) -> Iterator[None]:
-    """Choose, within the block, when streamed merges (``gm.run_merge``, ``gradmerge merge``)
-    use compiled single-loop kernels: the mode :func:`select` reads.
+    """Choose, within the block, when merges use compiled single-loop kernels: the mode
+    :func:`select` reads, for streamed merges (``gm.run_merge``, ``gradmerge merge``) and the
+    in-memory rules' default ``kernel=``.
 
     ``"on"``, ``"off"`` or ``"auto"`` (module docstring). Results are the same either way. An
-    in-memory rule takes a kernel only as its ``kernel=`` argument (e.g. ``select()``).
+    in-memory rule given ``kernel=`` (``None``, or a :class:`Fused`) takes that instead.
 
     Example:
         >>> with fused_kernels("off"):
@@ -152,10 +154,10 @@ class Fused:
 
 
 def select(numels: Iterable[int] = ()) -> Fused | None:
-    """The kernel a streamed job takes, from the mode in force (:func:`mode`): none when
-    ``"off"``; ``Fused("on")`` when ``"on"``, or when ``"auto"`` and the whole job (tensors of
-    these sizes) is large enough that compiling pays off though each of its calls (one unit)
-    would not be; else ``Fused("auto")``."""
+    """The kernel a streamed job (and, by default, an in-memory rule's call) takes, from the mode
+    in force (:func:`mode`): none when ``"off"``; ``Fused("on")`` when ``"on"``, or when
+    ``"auto"`` and the whole job (tensors of these sizes) is large enough that compiling pays off
+    though each of its calls (one unit) would not be; else ``Fused("auto")``."""
     current = mode()
     if current == "off":
         return None

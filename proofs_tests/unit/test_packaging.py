@@ -50,6 +50,12 @@ def test_import_gradmerge_is_light():
     assert _loaded_after("import gradmerge as gm; gm.gradient_matching, gm.KFAC") == set()
 
 
+def test_the_kernels_load_on_the_first_diagonal_merge():
+    """The in-memory rules' default kernel is the engine's choice, loaded when first needed."""
+    merge = "gm.gradient_matching({'w': torch.zeros(2)}, [{'w': torch.ones(2)}], [1.0], prior=1.0)"
+    assert _loaded_after(f"import torch, gradmerge as gm; {merge}") == {"gradmerge.kernels"}
+
+
 @pytest.mark.parametrize(
     ("access", "loads"),
     [

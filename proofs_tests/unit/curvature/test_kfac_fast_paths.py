@@ -3,7 +3,7 @@ Kronecker products under a working-precision refinement, warm starts, and the lo
 reduction of factors estimated from few rows. Each path must reach the same certified residual
 as the plain solve, report the true residual (recomputed here from the dense matrix), and keep
 the NotConvergedError contract. Also the explicit solver settings (gm.SolverSpec) from the
-in-memory rules' ``solver=`` / ``return_solution=``."""
+in-memory rules' ``solver=`` and ``gm.with_solution``."""
 
 import dataclasses
 
@@ -199,23 +199,19 @@ def test_rules_take_the_spec_and_return_the_solution_without_touching_the_operat
     fts = [{"m.weight": torch.randn(4, 5, dtype=DT, generator=gen)} for _ in range(2)]
     before = [vars(k).copy() for k in ks]
     loose = gm.SolverSpec(tol=1e-3, approximate=True, maxiter=1)
-    merged, solution = gm.gradient_matching(
-        base, fts, ks, prior=1e-2, solver=loose, return_solution=True
-    )
-    part = solution.parts["m"]
+    merged = gm.with_solution(gm.gradient_matching, base, fts, ks, prior=1e-2, solver=loose)
+    part = merged.solution.parts["m"]
     assert part.iterations <= 1 and part.method.endswith("CG iterations") == (part.residual > 1e-3)
     assert [vars(k) for k in ks] == before  # the spec went to the solve, not onto the operators
-    tight, report = gm.gradient_matching(
-        base, fts, ks, prior=1e-2, solver=gm.SolverSpec(tol=1e-12), return_solution=True
+    tight = gm.with_solution(
+        gm.gradient_matching, base, fts, ks, prior=1e-2, solver=gm.SolverSpec(tol=1e-12)
     )
-    assert report.parts["m"].residual <= 1e-12
+    assert tight.solution.parts["m"].residual <= 1e-12
     plain = gm.gradient_matching(base, fts, ks, prior=1e-2)
-    assert isinstance(plain, dict) and torch.allclose(plain["m.weight"], tight["m.weight"])
-    assert set(merged) == set(base)
-    removed, rep = gm.remove(
-        base, fts[0], ks[0], remaining=ks[1] + 1e-2, prior=1e-2, return_solution=True
-    )
-    assert rep.parts["m"].residual <= 1e-10 and set(removed) == set(base)
+    assert isinstance(plain, dict) and torch.allclose(plain["m.weight"], tight.params["m.weight"])
+    assert set(merged.params) == set(base)
+    removed = gm.with_solution(gm.remove, base, fts[0], ks[0], remaining=ks[1] + 1e-2, prior=1e-2)
+    assert removed.solution.parts["m"].residual <= 1e-10 and set(removed.params) == set(base)
 
 
 @pytest.mark.parametrize("fast", [True, False])

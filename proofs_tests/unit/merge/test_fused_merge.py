@@ -1,8 +1,9 @@
 """The compiled single-loop kernels of Eq. 6 (gradmerge.kernels.fused) against the chunked path.
 
 Given ``kernel=Fused("on")`` and the size threshold lowered, `gm.gradient_matching` (and task
-arithmetic / Fisher averaging) take a compiled kernel; without a kernel the chunked pass, itself
-bit-identical to the operator algebra (test_elementwise_merge.py). The two must agree bit for
+arithmetic / Fisher averaging) take a compiled kernel; by default the kernel the streaming engine
+takes (the C loop on a CPU); with ``kernel=None`` the chunked pass, itself bit-identical to the
+operator algebra (test_elementwise_merge.py). The two must agree bit for
 bit, give the same errors, and the streaming engine must write the same bytes either way. Both
 backends run on a CPU here: "native" (gradmerge.kernels.native, the C loop CPU float32/float64 tensors
 take) and "inductor" (torch.compile, what GPUs and other dtypes take; CPU tensors are routed to
@@ -117,7 +118,7 @@ def test_compiled_kernel_is_bit_identical_to_the_chunked_path(
         )
     if _fused._failed:
         pytest.skip(f"no compiled kernel here: {_fused._failed}")
-    chunked = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights)
+    chunked = gm.gradient_matching(base, fts, hs, prior=prior, alphas=weights, kernel=None)
     for k in base:
         assert fused[k].dtype == dtype
         assert torch.equal(fused[k], chunked[k]), k
@@ -151,7 +152,8 @@ def test_a_shifted_prior_formed_in_the_loop_is_bit_identical(
     if _fused._failed:
         pytest.skip(f"no compiled kernel here: {_fused._failed}")
     assert lazy.formed is (name == "inductor")  # the C loop never forms the prior's values
-    chunked = gm.gradient_matching(base, fts, hs, prior=c.scaled(shift[0]) + shift[1], alphas=0.8)
+    eager = c.scaled(shift[0]) + shift[1]
+    chunked = gm.gradient_matching(base, fts, hs, prior=eager, alphas=0.8, kernel=None)
     for k in base:
         assert torch.equal(fused[k], chunked[k]), k
 
@@ -239,7 +241,7 @@ def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch, na
     base, fts, hs = _params(gen), [_params(gen)], [_diag(gen)]
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):
         fused = gm.gradient_matching(base, fts, hs, prior=0.5, kernel=KERNELS["on"])
-    chunked = gm.gradient_matching(base, fts, hs, prior=0.5)
+    chunked = gm.gradient_matching(base, fts, hs, prior=0.5, kernel=None)
     assert all(torch.equal(fused[k], chunked[k]) for k in base)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the failure is remembered: no second attempt or warning
@@ -273,22 +275,33 @@ def test_modes_and_the_auto_threshold(monkeypatch):
         Fused("off")
 
 
-def test_the_in_memory_rules_compile_nothing_by_default(monkeypatch):
-    """Without ``kernel=``, whatever the mode: no C loop, no torch.compile, no mapped memory."""
+def _refuse_kernels(monkeypatch):
+    """Make every compiled kernel and mapped output fail the test if it is used."""
 
     def refused(*args, **kwargs):
-        raise AssertionError("a kernel was used without kernel=")
+        raise AssertionError("a compiled kernel was used")
 
     monkeypatch.setattr(_native, "merge_tensor", refused)
     monkeypatch.setattr(_fused, "merge_tensor", refused)
+    monkeypatch.setattr(_fused, "_kernel", refused)
     monkeypatch.setattr(_memory, "empty", refused)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_kernel_none_compiles_nothing_whatever_the_mode(monkeypatch, mode):
+    """``kernel=None``: no C loop, no torch.compile, no mapped memory, in any mode; and by
+    default with the mode ``"off"`` neither. The result is Eq. 6 (and Fisher averaging)."""
+    _refuse_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(6)
     base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
-    with gm.fused_kernels("on"):  # the engine's mode: not the in-memory rules'
-        merged = gm.gradient_matching(base, fts, hs, prior=0.5)
-        averaged = gm.fisher_average(fts, hs)
-        gm.task_arithmetic(base, fts)
+    with gm.fused_kernels(mode):
+        merged = gm.gradient_matching(base, fts, hs, prior=0.5, kernel=None)
+        averaged = gm.fisher_average(fts, hs, kernel=None)
+        gm.task_arithmetic(base, fts, kernel=None)
+    with gm.fused_kernels("off"):  # the default follows the mode, as the engine does
+        default = gm.gradient_matching(base, fts, hs, prior=0.5)
     for k, b in base.items():  # Eq. 6 in float64 (δ = 0.5, α = 1), and Fisher averaging
+        assert torch.equal(default[k], merged[k])
         b64, h64 = b.double(), [h.values[k].double() for h in hs]
         num = sum((0.5 + h) * (ft[k].double() - b64) for ft, h in zip(fts, h64, strict=True))
         torch.testing.assert_close(
@@ -296,6 +309,73 @@ def test_the_in_memory_rules_compile_nothing_by_default(monkeypatch):
         )
         fisher = sum(h * ft[k].double() for ft, h in zip(fts, h64, strict=True)) / sum(h64)
         torch.testing.assert_close(averaged[k].double(), fisher, rtol=1e-5, atol=1e-5)
+
+
+def test_by_default_the_rules_take_the_engines_kernel(monkeypatch):
+    """Without ``kernel=``, the rules ask the engine's chooser (``gradmerge.kernels.select``)
+    with the call's tensor sizes and take what it gives: on a CPU the C loop, for every float32
+    tensor from its threshold, bit-identical to the chunked pass."""
+    asked, looped = [], []
+    engine_select, loop = _fused.select, _native.merge_tensor
+
+    def spy_select(numels):
+        asked.append(list(numels))
+        return engine_select(numels)
+
+    def spy_loop(base, *args):
+        looped.append(base.numel())
+        return loop(base, *args)
+
+    monkeypatch.setattr(_fused, "select", spy_select)
+    monkeypatch.setattr("gradmerge.kernels.select", spy_select)
+    monkeypatch.setattr(_native, "merge_tensor", spy_loop)
+    monkeypatch.delenv(_fused.ENV, raising=False)
+    gen = torch.Generator().manual_seed(11)
+    shapes = {**SHAPES, "small": (_native.MIN_NUMEL - 1,)}
+    base, fts = _params(gen, shapes=shapes), [_params(gen, shapes=shapes) for _ in range(2)]
+    hs = [_diag(gen, shapes), _diag(gen, shapes)]
+    default = gm.gradient_matching(base, fts, hs, prior=0.3, alphas=[0.6, 1.2])
+    assert asked == [[5003, 71 * 80, _native.MIN_NUMEL - 1]]
+    if "native" in _fused._failed:
+        pytest.skip(f"no C compiler here: {_fused._failed['native']}")
+    assert looped == [5003, 71 * 80]  # the small tensor stays on the chunked pass
+    chunked = gm.gradient_matching(base, fts, hs, prior=0.3, alphas=[0.6, 1.2], kernel=None)
+    assert all(torch.equal(default[k], chunked[k]) for k in base)
+
+
+def test_by_default_other_dtypes_take_no_compile_in_a_small_call(monkeypatch):
+    """bfloat16 has no C loop; ``torch.compile`` pays off only in calls of ``AUTO_MIN_WORK``
+    elements, so the default merges this call on the chunked pass, with its result."""
+    gen = torch.Generator().manual_seed(12)
+    base = {k: v.bfloat16() for k, v in _params(gen).items()}
+    fts = [{k: v.bfloat16() for k, v in _params(gen).items()}]
+    hs = [gm.Diagonal({k: v.bfloat16() for k, v in _diag(gen).values.items()})]
+    chunked = gm.gradient_matching(base, fts, hs, prior=0.5, kernel=None)
+    _refuse_kernels(monkeypatch)
+    monkeypatch.delenv(_fused.ENV, raising=False)
+    default = gm.gradient_matching(base, fts, hs, prior=0.5)
+    assert all(torch.equal(default[k], chunked[k]) for k in base)
+
+
+def test_by_default_a_missing_compiler_warns_once_and_falls_back(monkeypatch):
+    """Where the C loop cannot be built, the default merge says so once (RuntimeWarning) and
+    gives the chunked pass's result."""
+
+    def broken(*pattern):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(_native, "_function", broken)
+    monkeypatch.setattr(_fused, "_failed", {})
+    monkeypatch.delenv(_fused.ENV, raising=False)
+    gen = torch.Generator().manual_seed(13)
+    base, fts, hs = _params(gen), [_params(gen)], [_diag(gen)]
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        default = gm.gradient_matching(base, fts, hs, prior=0.5)
+    chunked = gm.gradient_matching(base, fts, hs, prior=0.5, kernel=None)
+    assert all(torch.equal(default[k], chunked[k]) for k in base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.gradient_matching(base, fts, hs, prior=0.5)
 
 
 PRIORS = {  # the config's prior, and the in-memory H_0 it stands for (c: the prior's curvature)

@@ -58,9 +58,8 @@ def test_fused_removal_equals_the_operator_algebra_bit_for_bit(seed, p0, pt, pr,
     h0, ht, rest = make(p0), make(pt), make(pr)
     if isinstance(rest, gm.Diagonal):
         rest = rest + 1e-2
-    got, report = gm.remove(
-        base, ft, ht, remaining=rest, prior=h0, alpha=alpha, return_solution=True
-    )
+    removed = gm.with_solution(gm.remove, base, ft, ht, remaining=rest, prior=h0, alpha=alpha)
+    got, report = removed.params, removed.solution
     want = _generic(base, ft, _as_curvature(h0), _as_curvature(ht), _as_curvature(rest), alpha)
     for k in shapes:
         assert torch.equal(got[k], want[k]), k
