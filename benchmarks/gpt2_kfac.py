@@ -12,7 +12,9 @@ Measured, each command in a fresh process (wall time and peak anonymous memory s
 
 1. ``gradmerge curvature ft_t tokens_t --structure kfac --shift-labels`` per task, and
    ``--structure diag`` for the first two, as a ratio to one forward+backward pass over the same
-   tokens measured in this process (target ≤ 2× for K-FAC);
+   tokens measured in this process (target ≤ 2× for K-FAC); first ``--rounds`` interleaved
+   rounds of one forward+backward pass and one K-FAC estimation of task 0 (the median ratio and
+   its spread; ``--estimate-only``: only those);
 2. ``gradmerge merge`` with ``method: gradient_matching``, K-FAC curvatures and
    ``prior: {delta: δ}`` for T = 2 and T = 4 (targets: ≤ 120 s and ≤ 240 s wall, ≤ 2 GiB peak
    anonymous memory), with the largest certified relative residual and the CG iterations from
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -83,26 +86,60 @@ def build(folder: Path, tasks: int, sequences: int, length: int) -> dict[str, An
     return {"base": folder / "base", "models": models, "data": data}
 
 
-def forward_backward_seconds(model_dir: Path, data: Path, batch: int, repeats: int = 2) -> float:
-    """One forward+backward pass over ``data`` (summed loss, batches of ``batch``), median."""
-    import transformers
-    from safetensors.torch import load_file
+class ForwardBackward:
+    """The yardstick: one forward+backward pass over a token file (summed loss, batches of
+    ``batch``), in this process, on the model loaded once."""
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()
-    ids = load_file(data)["input_ids"]
-    times = []
-    for _ in range(repeats + 1):
+    def __init__(self, model_dir: Path, data: Path, batch: int) -> None:
+        import transformers
+        from safetensors.torch import load_file
+
+        self.model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()
+        self.ids, self.batch = load_file(data)["input_ids"], batch
+        self.seconds()  # warm-up
+
+    def seconds(self) -> float:
         start = time.perf_counter()
-        for i in range(0, len(ids), batch):
-            x = ids[i : i + batch]
-            logits = model(input_ids=x).logits[:, :-1]
+        for i in range(0, len(self.ids), self.batch):
+            x = self.ids[i : i + self.batch]
+            logits = self.model(input_ids=x).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
             )
             loss.backward()
-        times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return sorted(times[1:])[len(times[1:]) // 2]
+        self.model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+
+def interleaved_ratio(
+    yardstick: ForwardBackward, paths: dict[str, Any], folder: Path, rounds: int, batch: int
+) -> dict[str, Any]:
+    """``rounds`` × (one forward+backward here, then ``gradmerge curvature --structure kfac`` of
+    task 0 in a fresh process): each round's ratio, their median and spread. Interleaved, so
+    that a change in the machine's load reaches both sides of a ratio alike."""
+    out = folder / "ratio.kfac.safetensors"
+    rows = []
+    for r in range(rounds):
+        fb = yardstick.seconds()
+        cli = curvature(paths["models"][0], paths["data"][0], out, "kfac", batch)
+        row = {"forward_backward_seconds": fb, "cli_seconds": cli["wall_seconds"]}
+        row["ratio"] = cli["wall_seconds"] / fb
+        if cli.get("returncode"):
+            row["error"] = cli.get("error")
+        rows.append(row)
+        print(
+            f"round {r}: forward+backward {fb:.1f} s, CLI K-FAC {row['cli_seconds']:.1f} s, "
+            f"ratio {row['ratio']:.2f}",
+            flush=True,
+        )
+    out.unlink(missing_ok=True)
+    ratios = sorted(row["ratio"] for row in rows)
+    return {
+        "rounds": rows,
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": ratios[0],
+        "max_ratio": ratios[-1],
+    }
 
 
 def curvature(model: Path, data: Path, out: Path, structure: str, batch: int) -> dict[str, Any]:
@@ -246,6 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also merge with solver: {approximate: true, maxiter: MAXITER} (none: skip)",
     )
     parser.add_argument("--skip-exact", action="store_true", help="only the approximate merges")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of forward+backward and CLI K-FAC estimation of task 0 "
+        "(median ratio and spread; 0: none)",
+    )
+    parser.add_argument(
+        "--estimate-only", action="store_true", help="only the interleaved ratio rounds"
+    )
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--keep", type=Path, default=None, help="build in this folder, keep it")
     parser.add_argument("--per-layer", nargs="+", default=None, metavar="LAYER")
@@ -284,10 +331,18 @@ def main(argv: list[str] | None = None) -> int:
             if not (folder / f"ft{t}.{structure}.safetensors").exists()
         ]
         est: dict[str, Any] = {}
-        if todo:  # the ratio's yardstick, only when something is estimated
-            fb = forward_backward_seconds(paths["models"][0], paths["data"][0], args.batch_size)
+        if todo or args.rounds:  # the ratio's yardstick, only when something is estimated
+            yardstick = ForwardBackward(paths["models"][0], paths["data"][0], args.batch_size)
+            fb = statistics.median(yardstick.seconds() for _ in range(2))
             report["forward_backward_seconds"] = fb
             print(f"forward+backward over {tokens} tokens: {fb:.1f} s", flush=True)
+        if args.rounds:
+            report["kfac_estimation_ratio"] = interleaved_ratio(
+                yardstick, paths, folder, args.rounds, args.batch_size
+            )
+            save(args.out, report)
+        if args.estimate_only:
+            todo = []
         for structure, t in todo:
             out = folder / f"ft{t}.{structure}.safetensors"
             r = curvature(paths["models"][t], paths["data"][t], out, structure, args.batch_size)
@@ -296,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             est[f"{structure} task {t}"] = r
             show(f"curvature {structure} task {t}", r)
         report["estimation"] = est
+        if args.estimate_only:
+            save(args.out, report)
+            print(f"wrote {args.out}")
+            return 0
         merges: dict[str, Any] = {}
         report["merges"] = merges  # saved after each merge: a long run keeps what it measured
         for tasks in args.tasks:

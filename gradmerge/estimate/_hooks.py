@@ -63,6 +63,7 @@ class Rule:
     """Per-example gradients of one layer type's parameters (``role`` is ``"weight"``/``"bias"``)."""
 
     broadcasts_batch = False  # whether a batch-1 input may be expanded to the batch (see Recorder)
+    sparse_rows = False  # whether a per-example gradient touches few rows (added last, in place)
 
     def applies(self, module: nn.Module) -> bool:
         raise NotImplementedError
@@ -75,6 +76,15 @@ class Rule:
     ) -> Tensor:
         """``∇_θ ℓ_i`` for examples ``lo ≤ i < hi``, shape ``(hi − lo, *θ.shape)``."""
         raise NotImplementedError
+
+    def per_example_into(
+        self, call: Call, g: Tensor, role: str, lo: int, hi: int, out: Tensor, add: bool
+    ) -> None:
+        """``out`` (``(hi − lo, *θ.shape)``, contiguous) ``+=`` (``add``) or ``=`` the per-example
+        gradients of examples ``lo ≤ i < hi`` (default: :meth:`per_example` copied in; rules with
+        a product write it in place)."""
+        per_example = self.per_example(call, g, role, lo, hi, out.dtype)
+        out.add_(per_example) if add else out.copy_(per_example)
 
     def sq_sum(self, call: Call, g: Tensor, role: str, dtype: torch.dtype) -> Tensor:
         """``Σ_i (∇_θ ℓ_i)²`` over the batch (default: square ``per_example`` chunk by chunk)."""
@@ -135,6 +145,23 @@ class _LinearLike(Rule):
         a, gg = self.operands(call, g, lo, hi, dtype)
         return self.product(a, gg, call.module)
 
+    def per_example_into(
+        self, call: Call, g: Tensor, role: str, lo: int, hi: int, out: Tensor, add: bool
+    ) -> None:
+        """The weight's per-example gradients as ONE batched product written into ``out``
+        (``baddbmm`` with β = 0 or 1: no temporary of the parameter's size per example)."""
+        if role == "bias":
+            super().per_example_into(call, g, role, lo, hi, out, add)
+            return
+        a, gg = self.operands(call, g, lo, hi, out.dtype)
+        left, right = self.factors(a, gg)
+        target = out.view(hi - lo, left.shape[1], right.shape[2])
+        torch.baddbmm(target, left, right, beta=1 if add else 0, out=target)
+
+    def factors(self, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """The operands of :meth:`product` as a batched product ``left @ right``."""
+        return g.mT, a
+
     def sq_sum(self, call: Call, g: Tensor, role: str, dtype: torch.dtype) -> Tensor:
         if role == "weight" and not self.shares_weight(call):
             return self.sq_sum_of_squares(call, g.to(dtype).square(), role, dtype)
@@ -180,6 +207,9 @@ class Conv1DRule(LinearRule):
 
     def product(self, a: Tensor, g: Tensor, module: nn.Module) -> Tensor:
         return a.mT @ g
+
+    def factors(self, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        return a.mT, g
 
 
 class Conv2dRule(_LinearLike):
@@ -229,6 +259,7 @@ class EmbeddingRule(Rule):
     """
 
     broadcasts_batch = True
+    sparse_rows = True
 
     def applies(self, module: nn.Module) -> bool:
         return (
@@ -263,6 +294,16 @@ class EmbeddingRule(Rule):
             (hi - lo) * weight.shape[0], weight.shape[1], dtype=dtype, device=g.device
         )
         return out.index_add_(0, keys, grads).reshape(hi - lo, *weight.shape)
+
+    def per_example_into(
+        self, call: Call, g: Tensor, role: str, lo: int, hi: int, out: Tensor, add: bool
+    ) -> None:
+        """The rows of the example's tokens added in place (``index_add_``); the other rows of
+        ``out`` are zeroed only when it is not added to."""
+        keys, grads = self._rows(call, g, lo, hi, out.dtype)
+        if not add:
+            out.zero_()
+        out.view(-1, out.shape[-1]).index_add_(0, keys, grads)
 
     def sq_sum(self, call: Call, g: Tensor, role: str, dtype: torch.dtype) -> Tensor:
         weight = _param(call, "weight")

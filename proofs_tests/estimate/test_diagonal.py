@@ -234,6 +234,50 @@ def test_empirical_cnn():
     assert_close(got, brute_force(model, rows(data)))
 
 
+class CalledTwice(nn.Module):
+    """One layer of ``kind`` applied twice (one weight, two hooked calls whose per-example
+    gradients are summed before squaring), then a Linear head over positions."""
+
+    def __init__(self, kind):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.kind = kind
+        self.layer = {
+            "linear": lambda: nn.Linear(4, 4),
+            "conv1d": lambda: Conv1D(4, 4),
+            "conv2d": lambda: nn.Conv2d(4, 4, 3, padding=1),
+            "embedding": lambda: nn.Embedding(VOCAB, 4, padding_idx=0),
+        }[kind]()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if self.kind == "embedding":  # the tokens and the same tokens reversed
+            h = torch.tanh(self.layer(x) + self.layer(x.flip(1)))
+        elif self.kind == "conv2d":  # (B, 4, 2, 3): 6 pixels are the positions
+            h = torch.tanh(self.layer(torch.tanh(self.layer(x)))).flatten(2).transpose(1, 2)
+        else:
+            h = torch.tanh(self.layer(torch.tanh(self.layer(x))))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "embedding"])
+def test_a_layer_called_twice_sums_its_calls_before_squaring(kind):
+    """Each rule's ``per_example_into`` (products written in place, embedding rows added last)
+    against the per-example loop; the tied embedding/head is in the sequence tests above."""
+    torch.manual_seed(0)
+    model = CalledTwice(kind).to(F64)
+    g = torch.Generator().manual_seed(5)
+    shape = {"conv2d": (3, 4, 2, 3), "embedding": (3, 6)}.get(kind, (3, 6, 4))
+    if kind == "embedding":
+        x = torch.randint(0, 4, shape, generator=g)  # token 0 is the padding row
+    else:
+        x = torch.randn(shape, generator=g, dtype=F64)
+    data = [(x, torch.randint(0, 3, (3, 6), generator=g))]
+    got = no_slow_path(lambda: estimate_diagonal(model, data))
+    assert_close(got, brute_force(model, rows(data)))
+
+
 class Doubled(nn.Linear):
     """A subclass that overrides forward: the hooks must not trust it."""
 
