@@ -313,6 +313,7 @@ class CurvatureFile:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         check_finite: bool = True,
+        rows: slice | None = None,
     ) -> Curvature | None:
         """The curvature over the covered parameters among ``keys``; ``None`` if it covers none.
 
@@ -322,16 +323,25 @@ class CurvatureFile:
         the NaN/Inf check of diagonal values to whoever uses them
         (:func:`gradmerge.curvature.diagonal.unchecked`: the streaming engine names a non-finite
         value when a unit's merge fails), sparing a diagonal merge one read of each value.
+        ``rows``: only these rows (along the first dimension) of every parameter, read alone,
+        for a curvature that is elementwise over ``keys`` (:meth:`elementwise`): the diagonal
+        of those rows, which is how the streaming engine merges a tensor larger than memory.
 
         Raises:
-            ArgumentError: ``keys`` splits a coupling group.
+            ArgumentError: ``keys`` splits a coupling group; ``rows`` of a curvature that is
+                not elementwise over ``keys``.
             FileFormatError: a tensor cannot be read.
         """
         wanted = set(keys)
         spec = _restrict_spec(self.spec, wanted)
         if spec is None:
             return None
-        tensors = _LazyTensors(self)
+        if rows is not None and not _elementwise(spec):
+            raise ArgumentError(
+                f"{self.path}: rows of {sorted(wanted)[:3]} were asked for, but its "
+                f"{spec['type']} curvature couples their entries: read the whole parameters"
+            )
+        tensors = _LazyTensors(self, rows)
         try:
             curvature = _simplify(decode(spec, tensors, defer=not check_finite))
         except Exception as err:
@@ -348,6 +358,16 @@ class CurvatureFile:
             moved.meta.update(self.info)
             curvature = moved
         return curvature
+
+    def elementwise(self, keys: Iterable[str]) -> bool:
+        """Whether the curvature over ``keys`` is diagonal or δ·I (or blocks and sums of these),
+        so that each entry couples with itself only (``restrict(keys, rows=...)`` applies).
+
+        Raises:
+            ArgumentError: ``keys`` splits a coupling group.
+        """
+        spec = _restrict_spec(self.spec, set(keys))
+        return spec is None or _elementwise(spec)
 
     def load(
         self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -373,13 +393,15 @@ def open_curvature(path: str | os.PathLike[str]) -> CurvatureFile:
 class _LazyTensors(Mapping[str, Tensor]):
     """The file's tensors as a mapping that reads each one when it is looked up."""
 
-    def __init__(self, file: CurvatureFile) -> None:
-        self._file = file
+    def __init__(self, file: CurvatureFile, rows: slice | None = None) -> None:
+        self._file, self._rows = file, rows
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._file._names:
             raise KeyError(name)
-        tensor = self._file._file.get_tensor(name)
+        tensor = self._file._file.get_tensor(name)  # a view of the mapped file: nothing read yet
+        if self._rows is not None:
+            tensor = tensor[self._rows]
         self._file.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -460,6 +482,14 @@ def _tensor_names(spec: dict[str, Any], prefix: str = "") -> Iterator[str]:
     elif kind in ("blocks", "sum"):
         for i, p in enumerate(spec["parts"]):
             yield from _tensor_names(p, f"{prefix}{kind}{i}/")
+
+
+def _elementwise(spec: dict[str, Any]) -> bool:
+    """Whether a structure couples no two entries (diagonal, δ·I, and blocks and sums of them)."""
+    kind = spec["type"]
+    if kind in ("blocks", "sum"):
+        return all(_elementwise(p) for p in spec["parts"])
+    return kind in ("diag", "identity")
 
 
 def _restrict_spec(spec: dict[str, Any], keys: set[str]) -> dict[str, Any] | None:

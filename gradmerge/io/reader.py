@@ -175,12 +175,17 @@ class Checkpoint:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        rows: slice | None = None,
     ) -> Tensor:
-        """Read tensor ``key``, moved to ``device`` and cast to ``dtype`` when given."""
+        """Read tensor ``key`` (``rows`` of it only, along its first dimension, when given),
+        moved to ``device`` and cast to ``dtype`` when given: only what is returned is read
+        and converted."""
         index = self._entry(key)[0]
         if not self._handles:
             raise ValueError(f"{self.path} is closed")
-        tensor = self._handles[index].get_tensor(key)
+        tensor = self._handles[index].get_tensor(key)  # a view of the mapped file
+        if rows is not None:
+            tensor = tensor[rows]
         self.bytes_read += tensor.numel() * tensor.element_size()
         if device is not None or dtype is not None:
             tensor = tensor.to(device=device, dtype=dtype)
