@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge._files import publish, temp_file_beside
+from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.codec import decode, encode
@@ -284,6 +285,8 @@ class CurvatureFile:
         self.metadata: dict[str, str] = dict(meta)
         self.info: dict[str, str] = {k[5:]: v for k, v in meta.items() if k.startswith("info.")}
         self.bytes_read = 0
+        self._starts = data_offsets(self.path)
+        self._readahead = Readahead([self.path])
 
     def __repr__(self) -> str:
         return f"CurvatureFile({str(self.path)!r}, {self.structure}, {len(self.layout)} tensors)"
@@ -297,6 +300,7 @@ class CurvatureFile:
     def close(self) -> None:
         """Release the file (the curvatures already built stay valid: they hold copies)."""
         self._file.__exit__(None, None, None)
+        self._readahead.close()
 
     def couplings(self) -> list[tuple[str, ...]]:
         """The smallest groups of parameters this curvature couples, in file order."""
@@ -358,6 +362,19 @@ class CurvatureFile:
             moved.meta.update(self.info)
             curvature = moved
         return curvature
+
+    def prefetch(self, keys: Iterable[str], rows: slice | None = None) -> None:
+        """Start reading the tensors ``restrict(keys, rows=rows)`` would read into the page cache
+        in the background (:mod:`gradmerge._readahead`; a hint only, nothing is checked)."""
+        spec = _restrict_spec(self.spec, set(keys))
+        if spec is None:
+            return
+        sliced = rows is not None and _elementwise(spec)
+        for name in _tensor_names(spec):
+            if name in self._starts:
+                start, end = self._starts[name]
+                shape = self._file.get_slice(name).get_shape() if sliced else ()
+                self._readahead.advise(0, *row_range(start, end, shape, rows if sliced else None))
 
     def elementwise(self, keys: Iterable[str]) -> bool:
         """Whether the curvature over ``keys`` is diagonal or δ·I (or blocks and sums of these),
@@ -481,7 +498,7 @@ def _tensor_names(spec: dict[str, Any], prefix: str = "") -> Iterator[str]:
                 yield from (f"{prefix}kfac/{n}/{i}/A", f"{prefix}kfac/{n}/{i}/G")
     elif kind in ("blocks", "sum"):
         for i, p in enumerate(spec["parts"]):
-            yield from _tensor_names(p, f"{prefix}{kind}{i}/")
+            yield from _tensor_names(p, f"{prefix}{kind}{p.get('index', i)}/")
 
 
 def _elementwise(spec: dict[str, Any]) -> bool:

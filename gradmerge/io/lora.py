@@ -392,6 +392,10 @@ class LoraCheckpoint(Checkpoint):
             tensor = tensor.to(device=device, dtype=dtype)
         return tensor
 
+    def prefetch(self, key: str, rows: slice | None = None) -> None:
+        """Read ahead the base's tensor ``key`` (θ_t's is formed from it)."""
+        self.base.prefetch(key, rows)
+
     def rows(self, key: str, indices: list[int]) -> Tensor:
         """Rows ``indices`` of θ_t's tensor ``key`` (the whole value when ``indices`` is empty)."""
         tensor = self.get(key)

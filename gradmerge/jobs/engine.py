@@ -79,7 +79,7 @@ from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
 from gradmerge.spectral import iso_cts_split
 
-ROW_BLOCK_BYTES = 64 << 20
+ROW_BLOCK_BYTES = 32 << 20
 """A merged tensor larger than this in the compute dtype is merged a block of rows of about this
 size at a time where its method is elementwise on it (:meth:`Job.row_blocks`): every input's
 block is read and converted alone, so memory holds a few such blocks, never the whole tensor."""
@@ -439,6 +439,18 @@ class Job:
             return [None]
         step = max(1, ROW_BLOCK_BYTES // (math.prod(shape[1:]) * itemsize))
         return [slice(i, min(i + step, shape[0])) for i in range(0, shape[0], step)]
+
+    def prefetch(self, unit: Unit, rows: slice | None = None) -> None:
+        """Start reading ``unit``'s tensors (``rows`` of them) from every input into the page
+        cache in the background, to be called before computing the unit ahead of it, so that
+        reading and arithmetic overlap (:mod:`gradmerge._readahead`; a hint only)."""
+        sources = self.checkpoints.values() if unit.merged else [self.base]
+        for ckpt in sources:
+            for k in unit.keys:
+                ckpt.prefetch(k, rows)
+        if unit.merged:
+            for f in self.curvatures.values():
+                f.prefetch(unit.keys, rows)
 
     def compute_unit(self, unit: Unit, rows: slice | None = None) -> dict[str, Tensor]:
         """The output tensors of ``unit`` (key → tensor in its output dtype, on ``device``);
@@ -844,29 +856,25 @@ def _execute(
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
             singular: list[tuple[Unit, NotPositiveDefiniteError]] = []
-            for unit in plan.units:
-                found: list[NotPositiveDefiniteError] = []
-                for rows in job.row_blocks(unit):
-                    try:
-                        out = job.compute_unit(unit, rows)
-                    except NotPositiveDefiniteError as err:
-                        # go on checking the other units (and blocks), so that one run names
-                        # every unit that needs damping; nothing more is written or published
-                        found.append(err)
-                        continue
-                    if singular or found:
-                        continue
-                    for k in unit.keys:
-                        if rows is None:
-                            writer.write(k, out[k])
-                        else:
-                            writer.write_rows(k, out[k], rows.start)
-                        if bar is not None:
-                            last = rows is None or rows.stop == plan.shapes[k][0]
-                            bar.update(_nbytes(out[k]), items=int(last))
+            steps = [(unit, rows) for unit in plan.units for rows in job.row_blocks(unit)]
+            found: list[NotPositiveDefiniteError] = []  # the current unit's singular blocks
+            for i, (unit, rows) in enumerate(steps):
+                if i + 1 < len(steps):  # the disk reads the next step while this one computes
+                    job.prefetch(*steps[i + 1])
+                try:
+                    out = job.compute_unit(unit, rows)
+                except NotPositiveDefiniteError as err:
+                    # go on checking the other units (and blocks), so that one run names every
+                    # unit that needs damping; nothing more is written, and nothing is published
+                    found.append(err)
+                else:
+                    if not singular and not found:
+                        _write(writer, bar, out, rows, plan)
                     del out
-                if found:  # the block that needs the most damping speaks for the unit
+                if found and (i + 1 == len(steps) or steps[i + 1][0] is not unit):
+                    # the unit's block that needs the most damping speaks for it
                     singular.append((unit, max(found, key=lambda e: e.suggested_delta or 0.0)))
+                    found = []
             if singular:
                 raise _all_singular(job, singular)
             shards = writer.finish()
@@ -905,6 +913,24 @@ def _execute(
         solves=dict(job.solves),
         max_residual=job.max_residual,
     )
+
+
+def _write(
+    writer: ShardedWriter,
+    bar: Progress | None,
+    out: dict[str, Tensor],
+    rows: slice | None,
+    plan: Plan,
+) -> None:
+    """Append a step's output: whole tensors, or the block ``rows`` of the unit's one tensor."""
+    for k, value in out.items():
+        if rows is None:
+            writer.write(k, value)
+        else:
+            writer.write_rows(k, value, rows.start)
+        if bar is not None:
+            done = rows is None or rows.stop == plan.shapes[k][0]
+            bar.update(_nbytes(value), items=int(done))
 
 
 def _run_unit(

@@ -11,11 +11,15 @@ are), and the output is compared bit for bit with the same merge computed whole 
 
 from __future__ import annotations
 
+import math
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
+from gradmerge._readahead import data_offsets, row_range
 from gradmerge.curvature.io import open_curvature
 from gradmerge.io.writer import ShardedWriter
 from gradmerge.jobs import MergeConfig, engine, run_merge
@@ -177,3 +181,39 @@ def test_the_writer_takes_rows_in_order_only(tmp_path):
     w.write_rows("a", torch.ones(1, 2), 2)
     w.write("b", torch.ones(1))
     assert load_file(w.finish()[0])["a"].tolist() == [[0, 0], [0, 0], [1, 1]]
+
+
+def test_read_ahead_ranges_are_the_bytes_the_next_step_reads(ws, tmp_path, monkeypatch):
+    """The engine's read-ahead hints (posix_fadvise WILLNEED) name, for every step but the
+    first, exactly the byte ranges of the tensors (rows) that step reads from every input."""
+    path = ws / "c0.safetensors"
+    offsets = data_offsets(path)
+    raw = path.read_bytes()
+    with open_curvature(path) as f:
+        values = f.restrict(["embed.weight"], rows=slice(4, 9)).values["embed.weight"]
+    start, length = row_range(*offsets["diag/embed.weight"], SHAPES["embed.weight"], slice(4, 9))
+    assert raw[start : start + length] == values.contiguous().view(torch.uint8).numpy().tobytes()
+    advised: list[tuple[str, int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    _run(ws, "gradient_matching", tmp_path / "out", monkeypatch, BLOCK_ROWS * 8 * 4)
+    inputs = ["base", "ft0", "ft1", "ft2", "c0", "c1", "c2", "prior"]
+    expected = []
+    for key, shape in SHAPES.items():  # the plan's order is the base's storage order
+        blocks: list[slice | None] = [None]
+        if math.prod(shape) * 4 > BLOCK_ROWS * 8 * 4:  # split, as in the first test
+            step = max(1, BLOCK_ROWS * 8 // math.prod(shape[1:]))
+            blocks = [slice(i, min(i + step, shape[0])) for i in range(0, shape[0], step)]
+        for rows in blocks:
+            for name in inputs:
+                tensor = f"diag/{key}" if name[0] in "cp" else key
+                begin, end = data_offsets(ws / f"{name}.safetensors")[tensor]
+                at, n = row_range(begin, end, shape, rows)
+                expected.append((str(ws / f"{name}.safetensors"), at, n))
+    assert sorted(advised) == sorted(expected[len(inputs) :])  # all but the first step's

@@ -130,6 +130,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge._removal",
         "gradmerge._text",
         "gradmerge._files",
+        "gradmerge._readahead",
         "gradmerge._progress",
         "gradmerge._devices",
         "gradmerge._weight_sample",
