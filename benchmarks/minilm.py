@@ -623,7 +623,9 @@ def merge_candidates(
             (
                 "RegMean",
                 f"r={r}",
-                lambda scaled=scaled: gm.regmean(thetas64, scaled, bias=sorted(scaled[0])),
+                lambda scaled=scaled: gm.regmean(
+                    thetas64, scaled, bias=sorted(scaled[0]), off_diagonal=1.0
+                ),
             )
         )
     for structure in ("diag", "kfac-expand", "kfac-reduce"):

@@ -352,6 +352,24 @@ class CLI:
         return [self.mergekit_exe, str(config), str(out), *extra]
 
 
+def mc_fisher_call(
+    model: Path,
+    data: Path,
+    out: Path,
+    structure: str,
+    seed: int,
+    max_length: int,
+    max_examples: int | None = None,
+) -> tuple[str | Path, ...]:
+    """The arguments of ``gradmerge curvature`` for an MC-Fisher SUM (labels sampled from the
+    model, as the official ``trainer_hessians.py``) over ``data`` (its first ``max_examples``
+    texts when given), overwriting ``out`` (run by ``CLI.all``)."""
+    first = ["--max-examples", str(max_examples)] if max_examples is not None else []
+    return ("curvature", model, data, out, "--structure", structure, "--fisher", "mc",
+            "--seed", str(seed), "--max-length", str(max_length), "--batch-size", "32",
+            *first, "--no-progress", "--overwrite")  # fmt: skip
+
+
 def yaml_dump(config: dict[str, Any], path: Path) -> Path:
     import yaml
 
@@ -484,26 +502,9 @@ class Study:
     ) -> tuple[str | Path, ...]:
         """The ``gradmerge curvature`` call of an MC-Fisher sum over the first
         ``--curvature-examples`` texts of ``data`` (run by ``CLI.all``)."""
-        return (
-            "curvature",
-            model,
-            data,
-            out,
-            "--structure",
-            structure,
-            "--fisher",
-            "mc",
-            "--seed",
-            str(seed),
-            "--max-length",
-            str(self.args.max_length),
-            "--batch-size",
-            "32",
-            "--max-examples",
-            str(self.args.curvature_examples),
-            "--no-progress",
-            "--overwrite",
-        )
+        args = self.args
+        return mc_fisher_call(model, data, out, structure, seed, args.max_length,
+                              args.curvature_examples)  # fmt: skip
 
     # -- one seed --
     def seed(self, seed: int) -> dict[str, Any]:
@@ -1043,27 +1044,26 @@ def paired_bootstrap(
     pairs: list[dict[str, tuple[str, str]]], resamples: int, seed: int = 0
 ) -> dict[str, float]:
     """95% interval of mean over seeds of [mean over tasks of acc(A) − acc(B)]: ``pairs`` holds,
-    per seed, task → (A's correctness string, B's), on the same texts; the texts of each task of
-    each seed are resampled with replacement, the same indices for A and B (paired)."""
-    gen = torch.Generator().manual_seed(seed)
-    diffs = []
-    for per_task in pairs:
-        per_seed = torch.zeros(resamples, dtype=torch.float64)
-        for a, b in per_task.values():
-            d = torch.tensor(
-                [int(x) - int(y) for x, y in zip(a, b, strict=True)], dtype=torch.float64
-            )
-            idx = torch.randint(len(d), (resamples, len(d)), generator=gen)
-            per_seed += d[idx].mean(1) / len(per_task)
-        diffs.append(per_seed)
-    boot = torch.stack(diffs).mean(0)
-    point = sum(
-        sum(sum(int(x) - int(y) for x, y in zip(a, b, strict=True)) / len(a) for a, b in p.values())
-        / len(p)
-        for p in pairs
-    ) / len(pairs)
-    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"difference": point, "ci95": [lo, hi], "resamples": resamples}
+    per seed, task → (A's correctness string, B's), on the same texts. Every (seed, task) is a
+    stratum of :func:`gradmerge.bootstrap.paired_bootstrap` (the statistic of ``gradmerge
+    evaluate --compare``): its texts are resampled with replacement, the same indices for A and
+    B, and the mean over strata is the mean over seeds of the mean over tasks (every seed has
+    the same tasks)."""
+    from gradmerge.bootstrap import paired_bootstrap as bootstrap
+
+    strata = [pair for per_task in pairs for pair in per_task.values()]
+    result = bootstrap(
+        [[int(x) for x in a] for a, _ in strata],
+        [[int(y) for y in b] for _, b in strata],
+        resamples=resamples,
+        seed=seed,
+    )
+    pooled = result.pooled
+    return {
+        "difference": pooled.estimate,
+        "ci95": [pooled.low, pooled.high],
+        "resamples": resamples,
+    }
 
 
 def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:

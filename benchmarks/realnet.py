@@ -400,7 +400,9 @@ def run_seed(
         scaled = [
             {k: r * g[k] + (1 - r) * torch.diag(torch.diag(g[k])) for k in linear} for g in gram
         ]
-        measure("RegMean", None, lambda: gm.regmean(finetuned, scaled, bias=linear))
+        measure(  # the Grams above are scaled already: r = 1 here
+            "RegMean", None, lambda: gm.regmean(finetuned, scaled, bias=linear, off_diagonal=1.0)
+        )
         for alpha in args.alphas:
             measure(
                 "task arithmetic",

@@ -33,6 +33,7 @@ from gradmerge.errors import (
     DTypeError,
     FileFormatError,
     GradmergeError,
+    InputChangedError,
     InputWarning,
     MissingExtraError,
     MissingInputError,
@@ -40,6 +41,8 @@ from gradmerge.errors import (
     NotConvergedError,
     NotPositiveDefiniteError,
     OutputExistsError,
+    OutputOverlapError,
+    OutputWriteError,
     ResultOverflowError,
     SelectionWarning,
     StructureError,
@@ -126,6 +129,7 @@ __all__ = [
     "distributed",
     # errors
     "GradmergeError",
+    "InputChangedError",
     "InputWarning",
     "SelectionWarning",
     "MissingExtraError",
@@ -150,4 +154,6 @@ __all__ = [
     "ConfigError",
     "MissingInputError",
     "OutputExistsError",
+    "OutputOverlapError",
+    "OutputWriteError",
 ]

@@ -37,22 +37,6 @@ def publish(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def write_json(value: object, target: Path) -> None:
-    """Write ``value`` as indented JSON to ``target`` atomically (a file beside it, renamed);
-    NaN/Inf are refused (``ValueError``), so a report never holds them."""
-    import json
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(value, indent=1, allow_nan=False) + "\n"
-    tmp = temp_file_beside(target)
-    try:
-        tmp.write_text(text)
-        publish(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def temp_dir_beside(target: Path, tag: str) -> Path:
     """An empty hidden folder in ``target``'s folder, to be renamed onto ``target``.
 

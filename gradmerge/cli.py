@@ -4,11 +4,13 @@ gradmerge verify              check every derivation of the appendix; exit 1 if 
 gradmerge curvature MODEL DATA OUT  estimate a curvature (a SUM over examples) and save it
 gradmerge gradient MODEL DATA OUT   the SUM of per-example loss gradients (Koh & Liang)
 gradmerge convert-curvature SRC OUT convert a diagonal Fisher of the paper's official code
-gradmerge inspect CURVATURE...      scale of curvature files and the δ window of gradient matching
+gradmerge inspect CURVATURE|CONFIG  exact scale of curvature files or a merge's H̄: δ window, κ
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
 gradmerge evaluate MODEL... DATA    accuracy and mean loss of models on labelled data (JSON)
+gradmerge evaluate MODEL... --data DATA... --compare REF   several files; differences to REF with
+                                    paired-bootstrap intervals, per file and mean over files
 gradmerge tune CONFIG DATA...       choose α (and δ) on the tasks' training data, no test labels
 gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table, JSON, plots
 """
@@ -34,6 +36,7 @@ from gradmerge.commands import (
     tune,
     verify,
 )
+from gradmerge.commands._writes import guard
 from gradmerge.errors import MissingExtraError
 
 # each has add_parser(subparsers); the parser's defaults carry run/check
@@ -73,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:
             check(parser, args)
+        guard(parser, args)  # the output guard, for every command that declares what it writes
         with one_line_warnings():
             return int(args.run(args))
     except MissingExtraError as err:  # an optional feature without its extra installed

@@ -96,7 +96,24 @@ class MissingInputError(GradmergeError, FileNotFoundError):
 
 
 class OutputExistsError(GradmergeError, FileExistsError):
-    """The output folder exists and overwriting was not asked for."""
+    """The output exists and overwriting was not asked for."""
+
+
+class OutputOverlapError(ArgumentError):
+    """An output that is, lies inside or contains one of the run's inputs: writing it would
+    replace, delete or add to that input (:mod:`gradmerge._guard`). Refused with and without
+    ``--overwrite``."""
+
+
+class OutputWriteError(GradmergeError, OSError):
+    """An output that cannot be written: a full disk, a read-only or unwritable folder, a parent
+    that is a file, a folder where a file is to go (or the reverse). Nothing partial is left
+    (:mod:`gradmerge._guard`)."""
+
+
+class InputChangedError(GradmergeError, RuntimeError):
+    """An input file that changed (size or modification time) while the run read it: the output
+    could mix two versions of it, so it is not written (:class:`gradmerge._guard.Snapshot`)."""
 
 
 class StepTooLargeError(GradmergeError, ValueError):

@@ -110,6 +110,14 @@ def fisher_average(
     return gradient_matching(origin, finetuned, curvatures, prior=0.0, alphas=alphas, kernel=kernel)
 
 
+REGMEAN_OFF_DIAGONAL = 0.1
+"""Jin et al.'s off-diagonal factor r (their α; ``reduce_non_diag`` in their code), the one default
+of :func:`regmean`, :func:`regmean_systems` and the YAML key ``off_diagonal``: the value of the
+reference implementation's RegMean experiments (``regmean_reduce_nondiag: 0.1`` in its RoBERTa,
+DeBERTa and T5 configurations; 0.9 in one DeBERTa NER configuration) and of FusionBench's RegMean
+(``reduce_non_diagonal_ratio: 0.1``, version 0.2.33). r = 1 is the plain closed form."""
+
+
 def regmean(
     finetuned: Sequence[Params],
     grams: Sequence[Mapping[str, Tensor]],
@@ -117,7 +125,7 @@ def regmean(
     alphas: float | Sequence[float] = 1.0,
     bias: Sequence[str] = (),
     transposed: Sequence[str] = (),
-    off_diagonal: float = 1.0,
+    off_diagonal: float = REGMEAN_OFF_DIAGONAL,
 ) -> dict[str, Tensor]:
     r"""RegMean (Jin et al., 2023): the K-FAC special case of the merge rule with G = I, H_0 = 0.
 
@@ -129,21 +137,25 @@ def regmean(
         [W \mid b]^\star = \Big(\sum_t \alpha_t [W_t \mid b_t]\, G_t\Big)
             \Big(\sum_t \alpha_t G_t\Big)^{-1},
 
-    and every other parameter is the α-weighted average. Jin et al. scale the off-diagonal
-    entries of every Gram by a factor r ∈ [0, 1] (their α; ``off_diagonal``; the official code's
-    ``reduce_non_diag``), i.e. each G_t is replaced by
+    and every other parameter is the α-weighted average Σ_t α_t θ_t / Σ_t α_t. Jin et al. scale
+    the off-diagonal entries of every Gram by a factor r ∈ [0, 1] (their α; ``off_diagonal``;
+    the reference code's ``reduce_non_diag``), i.e. each G_t is replaced by
 
     .. math::
 
         \tilde G_t = r\, G_t + (1 - r)\, \mathrm{diag}(G_t),
 
     which leaves the diagonal and shrinks the merge towards the per-input-weighted average:
-    r = 1 is the plain closed form, r = 0 uses diag(G_t) only. For r < 1, Σ_t α_t G̃_t ⪰
-    (1 − r) Σ_t α_t diag(G_t) is positive definite whenever every input has a nonzero mean square
-    in some task (α_t > 0), so no damping is needed. Implemented as :func:`fisher_average`
-    (Eq. 6 with H_0 = 0) with curvatures ``KFAC({m: (G_t, I)})`` per layer, so the sum
-    Σ_t α_t G_t ⊗ I is formed exactly and solved in one eigendecomposition, and with H_t = I on
-    the other parameters.
+    r = 1 is the plain closed form, r = 0 uses diag(G_t) only; the default is
+    :data:`REGMEAN_OFF_DIAGONAL` (0.1, as the reference implementation's experiments). For r < 1,
+    Σ_t α_t G̃_t ⪰ (1 − r) Σ_t α_t diag(G_t) is positive definite whenever every input has a
+    nonzero mean square in some task (α_t > 0), so no damping is needed. Jin et al.'s code and
+    FusionBench solve for the weights only and average the biases (and every parameter of a
+    module that is not linear: embeddings, LayerNorms): leave ``bias`` empty for that; a module
+    in ``bias`` solves [W | b] jointly, its Gram including the constant input column.
+    Implemented as :func:`fisher_average` (Eq. 6 with H_0 = 0) with curvatures
+    ``KFAC({m: (G_t, I)})`` per layer, so the sum Σ_t α_t G_t ⊗ I is formed exactly and solved
+    in one eigendecomposition, and with H_t = I on the other parameters.
 
     Precision. Each layer's system is formed and solved in float64 whatever the dtype of the
     inputs (Grams are in × in: small), one layer at a time, and the result is returned in the
@@ -165,9 +177,8 @@ def regmean(
         alphas: α_t.
         bias: modules whose weight has a bias (their Grams include the constant input column).
         transposed: modules whose weight is stored (in, out) (GPT-2 ``Conv1D``).
-        off_diagonal: r, the factor on the Grams' off-diagonal entries (1: the plain closed
-            form; Jin et al. tune r ∈ [0, 1]; ``gradmerge merge`` defaults to
-            :data:`REGMEAN_OFF_DIAGONAL`).
+        off_diagonal: r, the factor on the Grams' off-diagonal entries (default
+            :data:`REGMEAN_OFF_DIAGONAL`, as ``gradmerge merge``; 1: the plain closed form).
 
     Raises:
         NotPositiveDefiniteError: Σ_t α_t G̃_t of some layers is singular at the Grams'
@@ -179,7 +190,7 @@ def regmean(
         >>> import torch, gradmerge as gm
         >>> fts = [{"fc.weight": torch.tensor([[1.0, 0.0]])}, {"fc.weight": torch.tensor([[0.0, 1.0]])}]
         >>> grams = [{"fc": torch.diag(torch.tensor([3.0, 1.0]))}, {"fc": torch.diag(torch.tensor([1.0, 3.0]))}]
-        >>> gm.regmean(fts, grams)["fc.weight"]
+        >>> gm.regmean(fts, grams)["fc.weight"]  # diagonal Grams: r does not matter
         tensor([[0.7500, 0.7500]])
     """
     if len(grams) != len(finetuned):
@@ -257,12 +268,6 @@ def _regmean_curvature(
     return kfac.to(dtype=torch.float64)
 
 
-REGMEAN_OFF_DIAGONAL = 0.9
-"""Jin et al.'s off-diagonal factor r as ``gradmerge merge`` applies it by default (YAML
-``off_diagonal``): the value of their experiments on encoder models, and the default of
-``benchmarks/realnet.py``. :func:`regmean` itself defaults to r = 1, the plain closed form."""
-
-
 @dataclass(frozen=True)
 class RegmeanSystem:
     """One layer's RegMean system S = Σ_t α_t G̃_t, judged as :func:`regmean` judges it.
@@ -301,7 +306,7 @@ def regmean_systems(
     grams: Sequence[Mapping[str, Tensor]],
     alphas: Sequence[float],
     *,
-    off_diagonal: float = 1.0,
+    off_diagonal: float = REGMEAN_OFF_DIAGONAL,
 ) -> list[RegmeanSystem]:
     r"""Every layer's RegMean system, judged without merging (the check :func:`regmean` runs).
 
@@ -314,7 +319,7 @@ def regmean_systems(
     Example:
         >>> import torch
         >>> g = {"fc": torch.tensor([[1.0, 1.0], [1.0, 1.0]])}  # rank 1: singular
-        >>> [s.ok for s in regmean_systems([g], [1.0])], [s.ok for s in regmean_systems([g], [1.0], off_diagonal=0.9)]
+        >>> [s.ok for s in regmean_systems([g], [1.0], off_diagonal=1.0)], [s.ok for s in regmean_systems([g], [1.0])]
         ([False], [True])
     """
     if not 0.0 <= off_diagonal <= 1.0 or isinstance(off_diagonal, bool):

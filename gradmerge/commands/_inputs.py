@@ -1,6 +1,8 @@
-"""MODEL, DATA and OUT of the commands that read a model and its data (``curvature``, ``gradient``).
+"""MODEL, DATA and OUT of the commands that read models and data (``curvature``, ``gradient``,
+``evaluate``, ``tune``).
 
-The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`),
+The flags (:func:`add_source_arguments`), their checks before any work (:func:`check_sources`;
+OUT and what the run reads are declared to the output guard, :func:`source_writes`),
 loading through :mod:`gradmerge.io.sources` (:func:`load`), the ``source.*`` metadata
 (:func:`provenance`) and the progress bar over batches (:func:`progress`).
 """
@@ -9,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
 from gradmerge.io import sources
 from gradmerge.io.lora import is_adapter
@@ -40,6 +41,7 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("data", metavar="DATA", help=DATA_HELP)
     p.add_argument("out", metavar="OUT", help=out_help)
     add_reading_arguments(p)
+    p.set_defaults(writes=source_writes)
 
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,26 +140,35 @@ def add_reading_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """argparse errors (exit 2) for unusable MODEL, DATA, OUT or source flags."""
-    model_kinds, data_kind = check_reading(parser, args, [args.model])
-    out = Path(args.out)
-    if out.is_dir():
-        parser.error(f"OUT {out} is a folder; give a file name such as task.safetensors")
-    check_out(parser, args, out, "OUT", input_paths(args, model_kinds, data_kind))
+    """argparse errors (exit 2) for unusable MODEL, DATA or source flags (OUT: the output guard,
+    :func:`source_writes`)."""
+    check_reading(parser, args, [args.model])
+
+
+def source_writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration of ``curvature`` and ``gradient``: the file OUT, MODEL
+    (with a LoRA adapter's base), DATA and the reading flags' folders."""
+    return Writes(file_output("OUT", args.out), reading_inputs(args, [args.model], [args.data]))
 
 
 def check_reading(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, models: Sequence[str]
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    models: Sequence[str],
+    data: str | None = None,
 ) -> tuple[list[tuple[str, str]], str]:
     """argparse errors (exit 2) for unusable MODELs, DATA or reading flags; each MODEL with its
-    kind, and DATA's kind (:func:`gradmerge.sources.model_kind`, ``data_kind``)."""
+    kind, and DATA's kind (:func:`gradmerge.sources.model_kind`, ``data_kind``).
+
+    ``data``: the DATA to check instead of ``args.data`` (commands taking several)."""
+    data = args.data if data is None else data
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no CUDA device is available; use --device cpu")
     try:
         model_kinds = [(model, sources.model_kind(model)) for model in models]
-        data_kind = sources.data_kind(args.data)
+        data_kind = sources.data_kind(data)
     except ArgumentError as err:
         parser.error(str(err))
     if data_kind == "entry point" and args.batch_size is not None:
@@ -170,7 +181,7 @@ def check_reading(
     if data_kind not in ("text file", "dataset folder"):
         used = [flag for flag, value, default in _text_flags(args) if value != default]
         if used:
-            parser.error(f"{', '.join(used)} apply to text DATA; {args.data} is a {data_kind}")
+            parser.error(f"{', '.join(used)} apply to text DATA; {data} is a {data_kind}")
     for flag, value in (("--max-length", args.max_length), ("--max-examples", args.max_examples)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
@@ -193,83 +204,36 @@ def check_reading(
     return model_kinds, data_kind
 
 
-def check_out(
-    parser: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    out: Path,
-    name: str,
-    inputs: Sequence[tuple[str, Path]],
-) -> None:
-    """argparse errors (exit 2) for an output file ``out`` (called ``name`` in messages) that is,
-    or is inside, one of ``inputs`` (:func:`input_paths`), exists without ``--overwrite``, or cannot
-    be written."""
-    for flag, path in inputs:
-        inside = path.resolve()
-        if out.resolve() == inside or inside in out.resolve().parents:
-            parser.error(
-                f"{name} {out} is, or is inside, {flag} ({path}): writing it would replace or add "
-                "to an input; write it elsewhere"
-            )
-    if out.exists() and not args.overwrite:
-        parser.error(f"{name} {out} exists; pass --overwrite to replace it")
-    problem = _not_writable(out)
-    if problem:
-        parser.error(f"{name} {out} cannot be written ({problem}): choose another path")
-
-
-def input_paths(
-    args: argparse.Namespace, models: Sequence[tuple[str, str]], data_kind: str
-) -> list[tuple[str, Path]]:
-    """The files and folders the run reads, from ``models`` (spec, kind) and DATA: an output
-    must be none of them nor inside one."""
-    inputs = []
-    named = [("MODEL", spec, kind) for spec, kind in models]
-    for flag, spec, kind in (*named, ("DATA", args.data, data_kind)):
-        if kind == "entry point":
-            module = spec.rpartition(":")[0]
-            if module.endswith(".py") or "/" in module:
-                inputs.append((flag, Path(module)))
-        else:
-            inputs.append((flag, Path(spec)))
-    for flag, value in (("--tokenizer", args.tokenizer), ("--adapter-base", args.adapter_base)):
-        if value:
-            inputs.append((flag, Path(value)))
-    return inputs
-
-
-def _not_writable(out: Path) -> str | None:
-    """Why no file can be created in OUT's folder (probed with a temporary file in its nearest
-    existing ancestor: the folders below it are made when OUT is written), or ``None``."""
-    folder = out.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"{folder} is not a folder"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".gradmerge-probe-", dir=folder)
-    except OSError as err:
-        return f"{folder}: {err.strerror or err}"
-    os.close(fd)
-    os.unlink(probe)
-    return None
-
-
 def load(
-    args: argparse.Namespace, device: torch.device, *, announce: bool, model_spec: str | None = None
+    args: argparse.Namespace, device: torch.device, *, announce: bool
 ) -> tuple[nn.Module, Iterable[Any]]:
-    """MODEL (on ``device``, in evaluation mode) and DATA's batches; with ``announce``, what was
-    read (text: examples, tokens, truncation) and a warning about unshifted labels, on stderr.
+    """MODEL (on ``device``, in evaluation mode) and DATA's batches (:func:`load_model`,
+    :func:`load_data`)."""
+    model = load_model(args, device, args.model)
+    return model, load_data(args, model, args.model, args.data, announce=announce)
 
-    ``model_spec``: the MODEL to load instead of ``args.model`` (commands taking several)."""
-    spec = args.model if model_spec is None else model_spec
+
+def load_model(args: argparse.Namespace, device: torch.device, spec: str) -> nn.Module:
+    """MODEL ``spec`` on ``device``, in evaluation mode, read as the flags say."""
     model_arguments = dict(map(sources.parse_argument, args.model_arg))
-    base = _adapter_base(args, spec)
     model = sources.load_model(
-        spec, model_arguments, allow_new_weights=args.allow_new_weights, base=base
+        spec,
+        model_arguments,
+        allow_new_weights=args.allow_new_weights,
+        base=_adapter_base(args, spec),
     )
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def load_data(
+    args: argparse.Namespace, model: nn.Module, spec: str, data_spec: str, *, announce: bool
+) -> Iterable[Any]:
+    """DATA ``data_spec``'s batches for ``model`` (MODEL ``spec``: text is tokenised with its
+    tokenizer); with ``announce``, what was read (text: examples, tokens, truncation) and a
+    warning about unshifted labels, on stderr."""
+    base = _adapter_base(args, spec)
     data = sources.load_data(
-        args.data,
+        data_spec,
         batch_size=args.batch_size or 16,
         shift_labels=args.shift_labels,
         ignore_index=args.ignore_index,
@@ -281,9 +245,9 @@ def load(
     )
     if announce:
         if isinstance(data, TextBatches):
-            print(f"{args.data}: {data.summary()}", file=sys.stderr)
+            print(f"{data_spec}: {data.summary()}", file=sys.stderr)
         sources.warn_unshifted(model, data, shift_labels=args.shift_labels)
-    return model, data
+    return data
 
 
 def _adapter_base(args: argparse.Namespace, spec: str) -> str | None:
@@ -316,16 +280,18 @@ def provenance(
     data: Iterable[Any] | None = None,
     *,
     model_spec: str | None = None,
+    data_spec: str | None = None,
 ) -> dict[str, str]:
     """What the file's metadata records about how it was made
     (:func:`gradmerge.io.sources.provenance`, and for text the examples, tokens and truncation of
     :meth:`TextBatches.metadata`).
 
-    ``model_spec``: the MODEL instead of ``args.model`` (commands taking several)."""
+    ``model_spec``, ``data_spec``: the MODEL and DATA instead of ``args.model`` and ``args.data``
+    (commands taking several)."""
     spec = args.model if model_spec is None else model_spec
     meta = sources.provenance(
         spec,
-        args.data,
+        args.data if data_spec is None else data_spec,
         device=device,
         ignore_index=args.ignore_index,
         batch_size=args.batch_size or 16,

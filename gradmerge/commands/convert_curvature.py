@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradmerge._guard import Input
+from gradmerge.commands._writes import Writes, file_output
+
 DESCRIPTION = """\
 SRC is a curvature as the official code (UKPLab/iclr2024-model-merging) writes it: a Hugging Face
 model folder (<run>/hessian/) whose weights are per-parameter diagonal Fisher values —
@@ -69,7 +72,7 @@ def add_parser(sub: Any) -> None:
         help="record N as the curvature's number of examples",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -79,17 +82,13 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.num_examples is not None and args.num_examples < 1:
         parser.error(f"--num-examples must be at least 1, got {args.num_examples}")
     out = Path(args.out)
-    if out.suffix != ".safetensors":
+    if out.suffix != ".safetensors" and not out.is_dir():
         parser.error(f"OUT {out} must be a .safetensors file name")
-    if out.is_dir():
-        parser.error(f"OUT {out} is a folder; give a file name such as task.curvature.safetensors")
-    from gradmerge.io.official import output_in_source
 
-    problem = output_in_source(args.src, out)
-    if problem:
-        parser.error(problem)
-    if out.exists() and not args.overwrite:
-        parser.error(f"OUT {out} exists; pass --overwrite to replace it")
+
+def writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration: the file OUT, and SRC (a file or a folder)."""
+    return Writes(file_output("OUT", args.out), [Input("SRC", Path(args.src))])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,26 +43,31 @@ def add_parser(sub: Any) -> None:
         default=1,
         help="torch CPU threads (1: fastest for these small matrices, and on a busy machine)",
     )
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject an unusable --out or --seed before any work (exit 2 with usage)."""
-    from gradmerge.demo import check_output
-    from gradmerge.errors import GradmergeError
-
+    """Reject an unusable --seed or --threads before any work (exit 2 with usage); --out is
+    the output guard's (:func:`writes`)."""
     if args.seed < 0:
         parser.error(f"--seed must be 0 or more, got {args.seed}")
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
-    try:
-        check_output(args.out, overwrite=args.overwrite)
-    except GradmergeError as error:
-        parser.error(str(error))
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration: the folder --out; the study reads no file."""
+    from pathlib import Path
+
+    from gradmerge._guard import Output
+    from gradmerge.commands._writes import Writes
+
+    return Writes([Output("--out", Path(args.out), "folder")], [])
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the study, print its tables; 2 on an unusable --out or --device."""
+    """Run the study, print its tables; 1 when it fails (an unusable --device, an --out that
+    could not be written: one line of stderr, as the other commands)."""
     from gradmerge.demo import run_demo
     from gradmerge.errors import GradmergeError
 
@@ -82,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             log=lambda line: print(line, flush=True),
         )
-    except GradmergeError as error:
+    except (GradmergeError, OSError) as error:
         print(f"gradmerge demo: error: {error}", file=sys.stderr)
-        return 2
+        return 1
     print("\n" + results.summary())
     print(f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from gradmerge.commands import curvature, merge, remove
+from gradmerge.commands._writes import guard
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
 from gradmerge.distributed.launch import init_from_env
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = getattr(args, "check", None)
     if check is not None:
         check(parser, args)
+    guard(parser, args)  # the output guard, as in gradmerge.cli.main
     return int(args.run(args))
 
 

@@ -1,8 +1,10 @@
-"""``gradmerge evaluate MODEL [MODEL ...] DATA``: accuracy and mean loss of models on labelled data.
+"""``gradmerge evaluate MODEL... DATA`` or ``MODEL... --data DATA...``: accuracy and mean loss of
+models on labelled data, and with ``--compare REF`` each model's difference to REF with paired
+bootstrap intervals.
 
 What it computes is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this
 docstring, so that the help survives ``python -OO``); the scores are
-:func:`gradmerge.evaluation.evaluate`'s.
+:func:`gradmerge.evaluation.evaluate`'s, the intervals :func:`gradmerge.bootstrap.paired_bootstrap`'s.
 """
 
 from __future__ import annotations
@@ -11,9 +13,17 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from gradmerge.bootstrap import PairedBootstrap
+    from gradmerge.evaluation import Evaluation
 
 from gradmerge.commands._inputs import (
     AUTOCAST,
@@ -21,20 +31,26 @@ from gradmerge.commands._inputs import (
     MODEL_HELP,
     add_autocast_argument,
     add_reading_arguments,
-    check_out,
     check_reading,
-    input_paths,
-    load,
+    load_data,
+    load_model,
     progress,
     provenance,
 )
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 
-FORMAT = "gradmerge-evaluate/1"
+FORMAT = "gradmerge-evaluate/2"
+RESAMPLES = 2000
+LEVEL = 0.95
+USAGE = """\
+gradmerge evaluate MODEL [MODEL ...] DATA [options]
+       gradmerge evaluate MODEL [MODEL ...] --data DATA [DATA ...] [--compare REF] [options]"""
 DESCRIPTION = """\
 Each MODEL (a Hugging Face classifier or causal LM folder, a LoRA adapter folder, or an entry
-point) is scored on DATA, read as gradmerge curvature reads it (text with the model's own
+point) is scored on each DATA, read as gradmerge curvature reads it (text with the model's own
 tokenizer, tensor files, entry points; the same flags), in evaluation mode (no dropout), without
-gradients (gradmerge.evaluation.evaluate):
+gradients (gradmerge.evaluation.evaluate). One DATA: the last argument; several: --data A B ...
+(then every argument before it is a MODEL). Figures:
 
 - a classifier: accuracy = fraction of examples whose argmax logit is the label; mean loss = mean
   cross-entropy per example (nats);
@@ -42,17 +58,27 @@ gradients (gradmerge.evaluation.evaluate):
   log-likelihood per predicted token (nats; perplexity = its exp);
 - --loss mse: mean of ½‖f − y‖² per example, no accuracy.
 
-A table goes to stdout; --out FILE writes the figures as JSON (atomically; --out -:
-JSON on stdout, the table on stderr). --per-example adds each example's loss, correct count
-and prediction in DATA's order, so that models scored on the same DATA can be compared pair by
-pair (a paired bootstrap of the accuracy difference resamples the indices of both lists alike).
+--compare REF (REF one of the MODELs, by its path as given or by its folder's name) adds each
+other model's difference to REF, accuracy(model) − accuracy(REF) and mean loss(model) − mean
+loss(REF), per DATA and pooled, with 95% paired-bootstrap intervals over the test examples
+(gradmerge.bootstrap): each resample draws every DATA's examples with replacement, the same ones
+for the model and REF; the pooled figure is the MEAN OVER DATA of the per-DATA figures (every
+DATA counts alike, as merging papers average accuracy over tasks), resampled within each DATA
+(stratified). Percentile intervals, --resamples (default 2,000) draws seeded by --seed
+(default 0): the same seed gives the same intervals.
+
+Tables go to stdout; --out FILE writes the figures as JSON (atomically; --out -: JSON on stdout,
+the tables on stderr). --per-example adds each example's loss, correct count and prediction in
+DATA's order. Any model failing on any DATA fails the command (exit 1, naming both; nothing
+written).
 """
 EXAMPLES = """\
 examples:
   # three classifiers on a JSONL test set ({"text": ..., "label": "positive"} per line)
   gradmerge evaluate runs/ft-a runs/ft-b merged/ data/test.jsonl --max-length 128
-  # JSON with every example's correctness, for paired bootstrap confidence intervals
-  gradmerge evaluate merged/ta merged/gm data/test.jsonl --out scores.json --per-example
+  # two merges on three tasks' test sets, each against task arithmetic, pooled over the tasks
+  gradmerge evaluate merged/ta merged/gm --data a.jsonl b.jsonl c.jsonl --compare ta \\
+      --out scores.json
   # a causal LM on plain text (one example per line): next-token accuracy and loss per token
   gradmerge evaluate runs/ft-lm data/heldout.txt --max-length 512 --out -
 """
@@ -62,18 +88,49 @@ def add_parser(sub: Any) -> None:
     """Register ``gradmerge evaluate``."""
     p = sub.add_parser(
         "evaluate",
-        help="accuracy and mean loss of classifiers or causal LMs on labelled data",
+        help="accuracy and mean loss of classifiers or causal LMs on labelled data; with "
+        "--compare, differences to a reference with paired-bootstrap intervals",
+        usage=USAGE,
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
-    p.add_argument("models", metavar="MODEL", nargs="+", help=MODEL_HELP)
-    p.add_argument("data", metavar="DATA", help=DATA_HELP)
+    p.add_argument(
+        "paths",
+        metavar="MODEL",
+        nargs="+",
+        help=f"{MODEL_HELP}; without --data the last one is DATA: {DATA_HELP}",
+    )
+    p.add_argument(
+        "--data",
+        dest="datas",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="DATA",
+        help="the labelled data (one or several; each MODEL is scored on each): " + DATA_HELP,
+    )
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="REF",
+        help="one of the MODELs (its path as given, or its folder's name): every other model's "
+        "difference to it, per DATA and mean over DATA, with 95%% paired-bootstrap intervals",
+    )
+    p.add_argument(
+        "--resamples",
+        type=int,
+        default=None,
+        help=f"bootstrap resamples of --compare (default {RESAMPLES:,})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of --compare's resamples (default 0)"
+    )
     p.add_argument(
         "--out",
         default=None,
         metavar="FILE",
-        help="write the figures as JSON to FILE ('-': to stdout, the table to stderr)",
+        help="write the figures as JSON to FILE ('-': to stdout, the tables to stderr)",
     )
     p.add_argument(
         "--per-example",
@@ -82,19 +139,88 @@ def add_parser(sub: Any) -> None:
     )
     add_reading_arguments(p)
     add_autocast_argument(p)
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    model_kinds, data_kind = check_reading(parser, args, args.models)
+    """Reject unusable arguments before any work (argparse error: exit 2 with usage); set
+    ``args.models``, ``args.datas`` and ``args.reference`` (REF's index, or ``None``)."""
+    if args.datas is None:
+        if len(args.paths) < 2:
+            parser.error(
+                "give MODEL... DATA (the last argument is DATA) or MODEL... --data DATA...; "
+                f"only {args.paths[0]} was given"
+            )
+        args.models, args.datas = args.paths[:-1], args.paths[-1:]
+    else:
+        args.models = args.paths
+    for data in args.datas:
+        if (Path(data) / "config.json").is_file():  # --data takes every argument after it
+            parser.error(
+                f"DATA {data} is a model folder (it holds config.json): give the MODELs before "
+                "--data DATA..."
+            )
+    for flag in ("--data", "MODEL"):
+        values = args.datas if flag == "--data" else args.models
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            parser.error(f"{flag} {', '.join(repeated)} given twice; give each once")
+    for data in args.datas:
+        check_reading(parser, args, args.models, data)
+    args.reference = None
+    if args.compare is None:
+        for flag, value in (("--resamples", args.resamples), ("--seed", args.seed)):
+            if value is not None:
+                parser.error(f"{flag} applies to --compare REF; give --compare")
+    else:
+        args.reference = reference(parser, args.models, args.compare)
+        if len(args.models) < 2:
+            parser.error("--compare needs at least two MODELs: REF and a model to compare to it")
+        if args.resamples is not None and args.resamples < 1:
+            parser.error(f"--resamples must be at least 1, got {args.resamples}")
+        if args.seed is not None and args.seed < 0:
+            parser.error(f"--seed must be a non-negative integer, got {args.seed}")
     if args.per_example and args.out is None:
         parser.error("--per-example adds lists to the JSON: give --out FILE (or --out -)")
-    if args.out is not None and args.out != "-":
-        out = Path(args.out)
-        if out.is_dir():
-            parser.error(f"--out {out} is a folder; give a file name such as scores.json")
-        check_out(parser, args, out, "--out", input_paths(args, model_kinds, data_kind))
+
+
+def writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration: ``--out`` FILE, every MODEL (with a LoRA adapter's
+    base), every DATA and the reading flags' folders (after :func:`check`, which sets
+    ``args.models`` and ``args.datas``)."""
+    return Writes(file_output("--out", args.out), reading_inputs(args, args.models, args.datas))
+
+
+def reference(parser: argparse.ArgumentParser, models: Sequence[str], ref: str) -> int:
+    """The index of REF among ``models``: the MODEL given as ``ref``, else the one at the same
+    path, else the one whose folder's name is ``ref`` (argparse error when none or several)."""
+    if ref in models:
+        return models.index(ref)
+    same = [i for i, m in enumerate(models) if Path(ref).exists() and _same_path(m, ref)]
+    if not same:
+        same = [i for i, m in enumerate(models) if _name(m) == ref]
+    if len(same) == 1:
+        return same[0]
+    if same:
+        parser.error(
+            f"--compare {ref} names several MODELs ({', '.join(models[i] for i in same)}); give "
+            "REF's path as given among the MODELs"
+        )
+    parser.error(
+        f"--compare {ref} is not among the MODELs; give one of them by its path as given "
+        f"({', '.join(models)}) or by its folder's name ({', '.join(map(_name, models))})"
+    )
+
+
+def _same_path(model: str, ref: str) -> bool:
+    return Path(model).exists() and Path(model).resolve() == Path(ref).resolve()
+
+
+def _name(model: str) -> str:
+    """What ``--compare`` may call a MODEL: its folder's (or file's) name; an entry point as
+    given."""
+    path = Path(model)
+    return path.name if path.exists() and path.name else model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,63 +236,245 @@ def run(args: argparse.Namespace) -> int:
 
 
 def execute(args: argparse.Namespace) -> int:
-    """Score every MODEL, then print the table and write the JSON (only when all succeeded)."""
+    """Score every MODEL on every DATA, compare them with REF, then print the tables and write
+    the JSON (only when all succeeded)."""
     from gradmerge._devices import resolve_device
-    from gradmerge.evaluation import evaluate
     from gradmerge.io.text_data import TextBatches
 
     device = resolve_device(args.device)
+    results: dict[tuple[int, int], Evaluation] = {}
     rows: list[dict[str, Any]] = []
-    for spec in args.models:
-        start = time.perf_counter()
-        model, data = load(args, device, announce=True, model_spec=spec)
-        order: list[int] | None = None
-        batches: Iterable[Any] = data
-        if isinstance(data, TextBatches):  # similar lengths together: less padding to compute
-            batches, order = data.by_length()
-        if not args.no_progress:
-            batches = progress(batches, f"evaluate {spec}")
-        result = evaluate(
-            model,
-            batches,
-            loss=args.loss,
-            ignore_index=args.ignore_index,
-            device=device,
-            autocast=AUTOCAST.get(args.autocast or ""),
-        )
-        if order is not None:
-            result = result.in_order(order)
-        row: dict[str, Any] = {"model": spec}
-        if isinstance(data, TextBatches):
-            row["task"] = data.task
-        row.update(result.summary(per_example=args.per_example))
-        row["seconds"] = round(time.perf_counter() - start, 3)
-        row["provenance"] = provenance(args, device, data, model_spec=spec)
-        rows.append(row)
-    report = {"format": FORMAT, "data": args.data, "models": rows}
-    table = _table(rows)
+    for i, spec in enumerate(args.models):
+        with _where(spec):
+            model = load_model(args, device, spec)
+        for j, data_spec in enumerate(args.datas):
+            start = time.perf_counter()
+            with _where(spec, data_spec):
+                result, data = _score(args, device, model, spec, data_spec)
+            results[i, j] = result
+            row: dict[str, Any] = {"model": spec, "data": data_spec}
+            if isinstance(data, TextBatches):
+                row["task"] = data.task
+            row.update(result.summary(per_example=args.per_example))
+            row["seconds"] = round(time.perf_counter() - start, 3)
+            row["provenance"] = provenance(args, device, data, model_spec=spec, data_spec=data_spec)
+            rows.append(row)
+        del model  # one model in memory at a time
+    report: dict[str, Any] = {
+        "format": FORMAT,
+        "data": list(args.datas),
+        "models": rows,
+        "mean_over_data": _means(args, results),
+    }
+    tables = [_table(rows)]
+    if len(args.datas) > 1:
+        tables.append(_means_table(report["mean_over_data"], len(args.datas)))
+    if args.reference is not None:
+        report["comparison"] = compare(args, results)
+        tables.append(_comparison_table(report["comparison"], args.datas))
+    text = "\n\n".join(tables)
     if args.out == "-":
-        print(table, file=sys.stderr)
+        print(text, file=sys.stderr)
         print(json.dumps(report, indent=1))
         return 0
-    print(table)
+    print(text)
     if args.out is not None:
-        from gradmerge._files import write_json
+        from gradmerge._guard import write_json
 
-        write_json(report, Path(args.out))
+        write_json(report, args.out, "--out")
         print(f"wrote {args.out}")
     return 0
 
 
+def _score(
+    args: argparse.Namespace, device: torch.device, model: nn.Module, spec: str, data_spec: str
+) -> tuple[Evaluation, Iterable[Any]]:
+    """MODEL ``spec``'s :class:`~gradmerge.evaluation.Evaluation` on DATA ``data_spec`` (in
+    DATA's order), and the data read."""
+    from gradmerge.evaluation import evaluate
+    from gradmerge.io.text_data import TextBatches
+
+    data = load_data(args, model, spec, data_spec, announce=True)
+    order: list[int] | None = None
+    batches: Iterable[Any] = data
+    if isinstance(data, TextBatches):  # similar lengths together: less padding to compute
+        batches, order = data.by_length()
+    if not args.no_progress:
+        batches = progress(batches, f"evaluate {spec} on {data_spec}")
+    result = evaluate(
+        model,
+        batches,
+        loss=args.loss,
+        ignore_index=args.ignore_index,
+        device=device,
+        autocast=AUTOCAST.get(args.autocast or ""),
+    )
+    return (result if order is None else result.in_order(order)), data
+
+
+@contextmanager
+def _where(spec: str, data_spec: str | None = None) -> Iterator[None]:
+    """Gradmerge errors raised inside, prefixed with the MODEL (and DATA) they came from."""
+    from gradmerge.errors import GradmergeError
+
+    try:
+        yield
+    except GradmergeError as err:
+        where = f"MODEL {spec}" + ("" if data_spec is None else f" on DATA {data_spec}")
+        raise type(err)(f"{where}: {err}") from err
+
+
+def _means(
+    args: argparse.Namespace, results: dict[tuple[int, int], Evaluation]
+) -> list[dict[str, Any]]:
+    """Per MODEL, the mean over DATA of its accuracy and of its mean loss (every DATA alike)."""
+    import math
+
+    out = []
+    for i, spec in enumerate(args.models):
+        scores = [results[i, j] for j in range(len(args.datas))]
+        accuracies = [r.accuracy for r in scores if r.accuracy is not None]
+        out.append(
+            {
+                "model": spec,
+                "accuracy": math.fsum(accuracies) / len(scores) if accuracies else None,
+                "mean_loss": math.fsum(r.mean_loss for r in scores) / len(scores),
+            }
+        )
+    return out
+
+
+def compare(args: argparse.Namespace, results: dict[tuple[int, int], Evaluation]) -> dict[str, Any]:
+    """Every MODEL but REF against REF: accuracy and mean-loss differences per DATA and their
+    mean over DATA, with paired-bootstrap intervals (:func:`gradmerge.bootstrap.paired_bootstrap`,
+    the same draws for every model and both figures).
+
+    Raises:
+        StructureError: a MODEL scored a different number of examples than REF on some DATA
+            (an entry point that yields other data on each call): no pairs to compare.
+    """
+    from gradmerge.bootstrap import paired_bootstrap
+    from gradmerge.errors import StructureError
+
+    ref = args.reference
+    resamples = RESAMPLES if args.resamples is None else args.resamples
+    seed = 0 if args.seed is None else args.seed
+    datas = range(len(args.datas))
+    out: dict[str, Any] = {
+        "reference": args.models[ref],
+        "method": "paired bootstrap over test examples, stratified by DATA; percentile intervals",
+        "pooled": "mean over DATA of the per-DATA figure (every DATA counts alike)",
+        "level": LEVEL,
+        "resamples": resamples,
+        "seed": seed,
+        "models": [],
+    }
+    for i, spec in enumerate(args.models):
+        if i == ref:
+            continue
+        for j in datas:
+            if results[i, j].examples != results[ref, j].examples:
+                raise StructureError(
+                    f"MODEL {spec} scored {results[i, j].examples} examples of DATA "
+                    f"{args.datas[j]} but REF {args.models[ref]} {results[ref, j].examples}: a "
+                    "paired comparison needs the same examples (an entry point must yield the "
+                    "same data on every call)"
+                )
+        figures: dict[str, PairedBootstrap | None] = {}
+        for figure, values in (
+            ("accuracy", lambda r: r.correct_per_example),
+            ("mean_loss", lambda r: r.loss_per_example),
+        ):
+            if any(values(results[k, j]) is None for k in (i, ref) for j in datas):
+                figures[figure] = None  # --loss mse: no accuracy
+                continue
+            figures[figure] = paired_bootstrap(
+                [values(results[i, j]) for j in datas],
+                [values(results[ref, j]) for j in datas],
+                a_weights=_weights([results[i, j] for j in datas]),
+                b_weights=_weights([results[ref, j] for j in datas]),
+                resamples=resamples,
+                seed=seed,
+                level=LEVEL,
+            )
+        out["models"].append(
+            {
+                "model": spec,
+                "data": [
+                    {"data": args.datas[j]}
+                    | {f: None if b is None else b.strata[j].to_dict() for f, b in figures.items()}
+                    for j in datas
+                ],
+                "pooled": {
+                    f: None if b is None else b.pooled.to_dict() for f, b in figures.items()
+                },
+            }
+        )
+    return out
+
+
+def _weights(results: Sequence[Evaluation]) -> list[list[int]] | None:
+    """Scored positions per example on each DATA (the weight of each example's correct count
+    and loss); ``None``: one per example (mse)."""
+    weights = [r.positions_per_example for r in results]
+    return None if any(w is None for w in weights) else [w for w in weights if w is not None]
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
-    """One line per model: examples (positions), accuracy, mean loss."""
+    """One line per model and DATA: examples (positions), accuracy, mean loss."""
     width = max(len("model"), *(len(r["model"]) for r in rows))
-    lines = [f"{'model':<{width}}  {'examples':>8}  {'positions':>9}  {'accuracy':>8}  mean loss"]
+    data_width = max(len("data"), *(len(r["data"]) for r in rows))
+    lines = [
+        f"{'model':<{width}}  {'data':<{data_width}}  {'examples':>8}  {'positions':>9}  "
+        f"{'accuracy':>8}  mean loss"
+    ]
     for r in rows:
         accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.4f}"
         positions = r.get("positions", r["examples"])
         lines.append(
-            f"{r['model']:<{width}}  {r['examples']:>8}  {positions:>9}  {accuracy:>8}  "
-            f"{r['mean_loss']:.4f}"
+            f"{r['model']:<{width}}  {r['data']:<{data_width}}  {r['examples']:>8}  "
+            f"{positions:>9}  {accuracy:>8}  {r['mean_loss']:.4f}"
         )
     return "\n".join(lines)
+
+
+def _means_table(means: list[dict[str, Any]], count: int) -> str:
+    """Per model, the mean over the ``count`` DATA of accuracy and mean loss."""
+    width = max(len("model"), *(len(m["model"]) for m in means))
+    lines = [f"mean over {count} DATA", f"{'model':<{width}}  {'accuracy':>8}  mean loss"]
+    for m in means:
+        accuracy = "-" if m["accuracy"] is None else f"{m['accuracy']:.4f}"
+        lines.append(f"{m['model']:<{width}}  {accuracy:>8}  {m['mean_loss']:.4f}")
+    return "\n".join(lines)
+
+
+def _comparison_table(comparison: dict[str, Any], datas: Sequence[str]) -> str:
+    """Per model and DATA (and mean over DATA): the differences to REF and their intervals."""
+
+    def cell(figure: dict[str, Any] | None) -> str:
+        if figure is None:
+            return "-"
+        low, high = figure["interval"]
+        return f"{figure['difference']:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+    pooled = f"mean over {len(datas)} DATA"
+    lines = []
+    for entry in comparison["models"]:
+        named = [(d["data"], d) for d in entry["data"]]
+        if len(datas) > 1:
+            named.append((pooled, entry["pooled"]))
+        for data, figures in named:
+            lines.append(
+                (entry["model"], data, cell(figures["accuracy"]), cell(figures["mean_loss"]))
+            )
+    header = ("model", "data", "accuracy", "mean loss")
+    widths = [max(len(h), *(len(line[k]) for line in lines)) for k, h in enumerate(header)]
+    title = (
+        f"difference to REF {comparison['reference']} ({comparison['level']:.0%} paired-bootstrap "
+        f"intervals, {comparison['resamples']:,} resamples, seed {comparison['seed']})"
+    )
+    out = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    out += [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    ]
+    return "\n".join(out)

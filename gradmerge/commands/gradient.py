@@ -110,19 +110,14 @@ def execute(args: argparse.Namespace) -> int:
 
 
 def save_gradient(gradient: dict[str, Tensor], out: Path, meta: dict[str, str]) -> Path:
-    """Write the tensors and metadata to ``out`` atomically (a temporary file, then renamed)."""
+    """Write the tensors and metadata to ``out`` atomically (a temporary file, then renamed;
+    :class:`~gradmerge.errors.OutputWriteError` and nothing left when it cannot be written)."""
     from safetensors.torch import save_file
 
-    from gradmerge._files import publish, temp_file_beside
+    from gradmerge._guard import staged_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file_beside(out)
-    try:
+    with staged_file(out, "OUT") as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in gradient.items()}, tmp, meta)
-        publish(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

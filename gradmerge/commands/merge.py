@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -55,7 +56,25 @@ def add_parser(sub: Any) -> None:
         epilog=EPILOG.replace("{methods}", help_table("merge")),
     )
     add_common_arguments(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, writes=writes)
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration (:mod:`gradmerge.commands._writes`): OUT_DIR, and CONFIG
+    with every path it names."""
+    from gradmerge.jobs import MergeConfig
+
+    return config_writes(args, MergeConfig.from_yaml(args.config))
+
+
+def config_writes(args: argparse.Namespace, config: Any) -> Any:
+    """OUT_DIR against ``config``'s inputs (:meth:`~gradmerge.jobs.config.FromYaml.inputs`)."""
+    from pathlib import Path
+
+    from gradmerge._guard import Output
+    from gradmerge.commands._writes import Writes
+
+    return Writes([Output("OUT_DIR", Path(args.out_dir), "folder")], config.inputs())
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,17 +200,37 @@ def describe_systems(config: Any) -> int:
     bad = [c for c in checks if not c.ok]
     if checks:
         print(f"systems: {len(checks) - len(bad)} of {len(checks)} units solvable as configured")
+        print(f"  {_checked(checks)}")
     for check in bad:
         print(f"  {check.describe()}")
-    if bad:
-        needed = max(c.needed for c in bad)
-        print(f"set `{bad[0].key}` to at least {needed:.2g} (the largest above) and run again")
-    elif isinstance(config, RemoveConfig):
+    fixable = [c.needed for c in bad if math.isfinite(c.needed)]
+    if fixable:
+        print(
+            f"set `{bad[0].key}` to at least {max(fixable):.2g} (the largest above) and run again"
+        )
+    if not bad and isinstance(config, RemoveConfig):
         return _removal_verdict(config)
     note = delta_note(config) if isinstance(config, MergeConfig) else None
     if note:
         print(f"gradmerge merge: warning: {note}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _checked(checks: Any) -> str:
+    """What the dry run checked of the units' values, by how it judged them."""
+    computed = sum(c.solved is not None for c in checks)
+    parts = []
+    if computed:
+        parts.append(
+            f"{computed} computed as the real run computes them (solve, certificate, overflow "
+            "of the compute and output dtypes)"
+        )
+    if len(checks) > computed:
+        parts.append(
+            f"{len(checks) - computed} judged by their smallest eigenvalue without computing "
+            "(their results' overflow is checked by the real run only)"
+        )
+    return "; ".join(parts)
 
 
 def _removal_verdict(config: Any) -> int:
@@ -219,8 +258,8 @@ def describe_plan(plan: Any, config: Any) -> str:
     """A short description of a plan, for ``--dry-run``."""
     largest = list(plan.largest_unit.keys)
     return (
-        f"{config.method}: inputs fit together (names, shapes, dtypes; their values — NaN/Inf, "
-        "definiteness, overflow — are checked only by the real run).\n"
+        f"{config.method}: inputs fit together (names, shapes, dtypes; their values — NaN/Inf — "
+        "are checked only by the real run, as is any result not computed below).\n"
         f"{len(plan.shapes)} tensors: {len(plan.merged)} merged in {sum(u.merged for u in plan.units)} "
         f"groups, {len(plan.copied)} copied from the base; output {_size(plan.out_bytes())}\n"
         f"largest group: {largest[:4]}{' ...' if len(largest) > 4 else ''} ({len(largest)} tensors)"

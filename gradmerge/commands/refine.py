@@ -66,7 +66,16 @@ def add_parser(sub: Any) -> None:
         help="let CONFIG name Python entry points (module:function), which RUN CODE: only for "
         "a file you trust as a script (also: GRADMERGE_ALLOW_ENTRY_POINTS=1)",
     )
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, writes=writes)
+
+
+def writes(args: argparse.Namespace) -> Any:
+    """The output guard's declaration: OUT_DIR, and CONFIG with every path it names."""
+    from gradmerge.commands.merge import config_writes
+    from gradmerge.jobs.refine import RefineConfig
+
+    config = RefineConfig.from_yaml(args.config, allow_entry_points=args.allow_entry_points or None)
+    return config_writes(args, config)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gradmerge.commands.merge import add_common_arguments, run_command
+from gradmerge.commands.merge import add_common_arguments, config_writes, run_command
 
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file):
@@ -85,7 +85,7 @@ def add_parser(sub: Any) -> None:
         epilog=EPILOG,
     )
     add_common_arguments(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, writes=lambda args: config_writes(args, load(args.config)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from gradmerge.commands._inputs import (
     add_reading_arguments,
     check_reading,
 )
+from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.jobs.tune import CRITERIA
 
 FORMAT = "gradmerge-tune/1"
@@ -159,7 +160,7 @@ def add_parser(sub: Any) -> None:
     )
     add_reading_arguments(p)
     add_autocast_argument(p)
-    p.set_defaults(run=run, check=check)
+    p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -171,19 +172,21 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--model-arg does not apply: tune's models are CONFIG's merged folders")
     if not Path(args.config).is_file():
         parser.error(f"CONFIG {args.config} is not a file")
-    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
-        if value is None:
-            continue
-        path = Path(value)
-        if path.exists() and not args.overwrite:
-            parser.error(f"{flag} {path} exists; pass --overwrite to replace it")
-        if flag == "--out" and path.is_dir():
-            parser.error(f"--out {path} is a folder; give a file name such as tune.json")
-        if flag == "--out-dir" and path.exists() and not path.is_dir():
-            parser.error(f"--out-dir {path} is a file; give a folder name")
-        for spec in (args.config, *_inputs(args)):
-            if Path(spec).exists() and path.resolve() == Path(spec).resolve():
-                parser.error(f"{flag} {path} is an input ({spec}); write it elsewhere")
+
+
+def writes(args: argparse.Namespace) -> Writes:
+    """The output guard's declaration: ``--out`` FILE and ``--out-dir`` DIR against CONFIG
+    with every path it names, each DATA (the tasks', ``--base-data``) and held-out file (``--validation``,
+    ``--base-validation``) and the reading flags'
+    folders."""
+    from gradmerge._guard import Output
+    from gradmerge.jobs.config import MergeConfig
+
+    outputs = file_output("--out", args.out)
+    if args.out_dir is not None:
+        outputs.append(Output("--out-dir", Path(args.out_dir), "folder"))
+    inputs = MergeConfig.from_yaml(args.config).inputs()
+    return Writes(outputs, inputs + reading_inputs(args, [], _inputs(args)))
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
 def execute(args: argparse.Namespace) -> int:
     """Load CONFIG, build the grid, run :func:`gradmerge.jobs.tune.tune`, report."""
     from gradmerge._devices import resolve_device
-    from gradmerge._files import write_json
+    from gradmerge._guard import write_json
     from gradmerge.errors import ArgumentError, SelectionWarning
     from gradmerge.jobs.config import MergeConfig
     from gradmerge.jobs.tune import DIAGNOSTIC_ONLY, Point, settings, tune
@@ -224,20 +227,6 @@ def execute(args: argparse.Namespace) -> int:
             "scores each merged model as a Hugging Face model, and a merge's folder takes its "
             "config and tokenizer from the base; give the base as such a folder"
         )
-    inputs = [config.base_model, *(m.model for m in config.models)]
-    inputs += [m.curvature for m in config.models if m.curvature is not None]
-    inputs += list(config.prior.files) if config.prior is not None else []
-    for flag, value in (("--out", args.out), ("--out-dir", args.out_dir)):
-        if value is None:
-            continue
-        target = Path(value).resolve()
-        for path in inputs:
-            inside = Path(path).resolve()
-            if target == inside or inside in target.parents:
-                raise ArgumentError(
-                    f"{flag} {value} is, or is inside, the merge's input {path}: writing there "
-                    "would replace or add to an input; write it elsewhere"
-                )
     if args.validation and len(args.validation) != len(config.models):
         raise ArgumentError(
             f"CONFIG {args.config} merges {len(config.models)} models but "
@@ -249,6 +238,7 @@ def execute(args: argparse.Namespace) -> int:
     if args.criterion in DIAGNOSTIC_ONLY:
         warnings.warn(DIAGNOSTIC_ONLY[args.criterion], SelectionWarning, stacklevel=1)
     scorer = Scorer(args, config, resolve_device(args.device))
+    scorer.read(Path(config.base_model))  # DATA errors (no labels, ...) before the first merge
     base = "" if args.base_data is None else " and the base model's"
     print(
         f"{config.method}: {len(points)} settings, criterion {args.criterion} on "
@@ -285,10 +275,13 @@ def execute(args: argparse.Namespace) -> int:
         body["validation"] = validation_summary(body)
     print(_table(body))
     if args.out is not None:
-        write_json(body, Path(args.out))
+        write_json(body, args.out, "--out")
         print(f"wrote {args.out}")
     if result.chosen is None:
-        print("gradmerge tune: error: every setting failed (errors above)", file=sys.stderr)
+        print(
+            "gradmerge tune: error: every setting failed (each one's error is in the table)",
+            file=sys.stderr,
+        )
         return 1
     if result.kept is not None:
         print(f"wrote the chosen merge to {result.kept}")
@@ -301,9 +294,9 @@ class Scorer:
 
     Task t < T is CONFIG's t-th model with the t-th DATA; with ``--base-data``, task T is the
     base task: base_model with that DATA (its head is base_model's under ``--task-heads``, its
-    mismatch reference ∇ℓ̄_0(θ_LLM)). The data are read once, with the first merged model (every
-    merged folder has the base's config and tokenizer, so the tokenised batches are the same for
-    all); for ``mismatch`` the reference gradients ∇ℓ̄_t(θ_t) are computed once per task.
+    mismatch reference ∇ℓ̄_0(θ_LLM)). The data are read once, with base_model before the first
+    merge (:meth:`read`; every merged folder has the base's config and tokenizer, so the
+    tokenised batches are the same for all); for ``mismatch`` the reference gradients ∇ℓ̄_t(θ_t) are computed once per task.
     """
 
     def __init__(self, args: argparse.Namespace, config: Any, device: torch.device) -> None:
@@ -324,7 +317,6 @@ class Scorer:
 
     def __call__(self, folder: Path) -> tuple[float, dict[str, Any]]:
         from gradmerge.estimate import gradient_fn
-        from gradmerge.evaluation import evaluate
         from gradmerge.io import sources
         from gradmerge.jobs.tune import term
 
@@ -332,20 +324,13 @@ class Scorer:
         model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
         model = model.to(self.device).eval()
         if self.data is None:
-            self.data = [self._load(model, folder, s, args.max_examples) for s in self.training]
-            self.validation = [self._load(model, folder, s, None) for _, s in self.held_out]
+            self.read(folder, model)
+        assert self.data is not None
         tasks: list[dict[str, Any]] = []
         for t, (spec, data) in enumerate(zip(self.training, self.data, strict=True)):
             if args.task_heads:
                 self._use_head(t, model)
-            result = evaluate(
-                model,
-                data,
-                loss=args.loss,
-                ignore_index=args.ignore_index,
-                device=self.device,
-                autocast=AUTOCAST.get(args.autocast or ""),
-            )
+            result = self._evaluate(model, data)
             entry: dict[str, Any] = {
                 "data": spec,
                 "examples": result.examples,
@@ -373,14 +358,7 @@ class Scorer:
         for (t, spec), data in zip(self.held_out, self.validation, strict=True):
             if args.task_heads:
                 self._use_head(t, model)
-            result = evaluate(
-                model,
-                data,
-                loss=args.loss,
-                ignore_index=args.ignore_index,
-                device=self.device,
-                autocast=AUTOCAST.get(args.autocast or ""),
-            )
+            result = self._evaluate(model, data)
             held_out.append(
                 {
                     "data": spec,
@@ -394,6 +372,37 @@ class Scorer:
         if args.base_validation is not None:
             figures["base_validation"] = held_out[-1]
         return total, figures
+
+    def _evaluate(self, model: Any, data: Any) -> Any:
+        """The model's accuracy and mean loss on ``data`` (:func:`gradmerge.evaluation.evaluate`
+        with the command's loss, ignore index, device and ``--autocast``)."""
+        from gradmerge.evaluation import evaluate
+
+        args = self.args
+        return evaluate(
+            model,
+            data,
+            loss=args.loss,
+            ignore_index=args.ignore_index,
+            device=self.device,
+            autocast=AUTOCAST.get(args.autocast or ""),
+        )
+
+    def read(self, folder: Path, model: torch.nn.Module | None = None) -> None:
+        """Read DATA, ``--base-data`` and the held-out files for the model of ``folder`` (the
+        base, before any merge: every merged folder has its config and tokenizer, so the
+        batches are the same).
+
+        Raises:
+            GradmergeError: unusable DATA (records without labels, ...), before any merge runs.
+        """
+        from gradmerge.io import sources
+
+        args = self.args
+        if model is None:
+            model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
+        self.data = [self._load(model, folder, s, args.max_examples) for s in self.training]
+        self.validation = [self._load(model, folder, s, None) for _, s in self.held_out]
 
     def _use_head(self, t: int, model: torch.nn.Module) -> None:
         """Copy task t's head (the parameters matching ``--task-heads``, read from task t's own
@@ -559,8 +568,8 @@ def _table(body: dict[str, Any]) -> str:
     lines = [f"{'setting':<40} {body['criterion']:>12}  term per task ({order})"]
     for index, point in enumerate(body["points"]):
         mark = " <- chosen" if index == body["chosen_index"] else ""
-        if point["criterion"] is None:
-            value, terms = "failed", ""
+        if point["criterion"] is None:  # the reason, whether progress lines were printed or not
+            value, terms = "failed", f"({point['error']})"
         else:
             value = f"{point['criterion']:.6g}"
             terms = " ".join(f"{task['term']:.4g}" for task in point["tasks"])

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmerge._files import publish, temp_file_beside
+from gradmerge._guard import staged_file
 from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
@@ -43,7 +43,14 @@ def fingerprint(layout: Layout) -> str:
 
 
 def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
-    """Write ``curvature`` to ``path`` (a ``.safetensors`` file), atomically."""
+    """Write ``curvature`` to ``path`` (a ``.safetensors`` file), atomically.
+
+    Raises:
+        ArgumentError: δ·I alone, or Blocks/Sums nested too deep for a file.
+        OutputWriteError: ``path`` could not be written (a full disk, a read-only folder, a
+            parent that is a file, a folder at ``path``); nothing is left of it
+            (:func:`gradmerge._guard.staged_file`).
+    """
     from safetensors.torch import save_file
 
     if curvature.layout is None:
@@ -76,17 +83,43 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         **{f"info.{k}": str(v) for k, v in curvature.meta.items()},
     }
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file_beside(target)
-    try:
+    with staged_file(target, "the curvature file") as tmp:
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta
         )
-        publish(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
+
+
+def recorded_examples(info: Mapping[str, str], *, where: str) -> int | None:
+    """The ``num_examples`` a curvature file records (``info``: its ``info.*`` metadata), or
+    ``None`` when it records none (files made by hand, or before it was recorded).
+
+    Checked where every reader opens a file (:class:`CurvatureFile`: ``merge``, ``remove``,
+    ``tune``, ``gm.load_curvature``, ``inspect``), so that all treat it alike.
+
+    Example:
+        >>> recorded_examples({"num_examples": "12"}, where="a.safetensors")
+        12
+
+    Raises:
+        FileFormatError: a value that is not a whole number ≥ 1 (zero, negative, ``"abc"``,
+            ``"1.5"``), naming the file (``where``): a curvature is a SUM over its examples, and
+            a count that is not one says the file is not what it claims to be.
+    """
+    value = info.get("num_examples")
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1 or str(count) != value.strip():
+        raise FileFormatError(
+            f"{where}: num_examples is {value!r}, expected a whole number ≥ 1 (a curvature is a "
+            "SUM over its examples): the file is damaged or was edited; estimate it again, or "
+            "record the right count (gradmerge convert-curvature --num-examples N)"
+        )
+    return count
 
 
 def load_curvature(
@@ -284,6 +317,7 @@ class CurvatureFile:
         self._groups = groups
         self.metadata: dict[str, str] = dict(meta)
         self.info: dict[str, str] = {k[5:]: v for k, v in meta.items() if k.startswith("info.")}
+        self.num_examples = recorded_examples(self.info, where=str(self.path))
         self.bytes_read = 0
         self._starts = data_offsets(self.path)
         self._readahead = Readahead([self.path])

@@ -29,9 +29,9 @@ coordinates, above it task arithmetic; coordinates with H_i = 0 get task arithme
 diagonal entries stand in for the spectrum (they lie within it; the same algebra holds in the
 eigenbasis of a single Kronecker term).
 
-Percentiles are exact (linear interpolation between order statistics, as ``numpy.quantile``)
-over at most :data:`EXACT` entries per tensor; a larger tensor contributes a strided sample of
-EXACT entries, each weighted by its stride, and the summary says ``sampled``.
+Percentiles are exact: those ``numpy.percentile`` computes on the concatenated entries (linear
+interpolation between order statistics), found in bounded memory by a selection over a few
+passes (:mod:`gradmerge.curvature.quantiles`), so a file larger than memory is summarised too.
 
 Example:
     >>> import torch, gradmerge as gm
@@ -50,11 +50,10 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -63,13 +62,12 @@ from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.dense import Dense
 from gradmerge.curvature.diagonal import Diagonal
 from gradmerge.curvature.identity import ScaledIdentity
-from gradmerge.curvature.kfac import KFAC
+from gradmerge.curvature.kfac import EXACT_EIG_MAX_SIZE, KFAC
 from gradmerge.curvature.lazy import Sum
+from gradmerge.curvature.quantiles import OrderStatistics, order_statistics
 from gradmerge.errors import ArgumentError
 
 PERCENTILES = {"min": 0.0, "p1": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99, "max": 1.0}
-EXACT = 1 << 22
-"""Entries per tensor above which a strided sample of this many stands in for the tensor."""
 RHO = 1e-3
 """The prior share s that counts as "gradient matching differs" (see the module docstring)."""
 
@@ -77,14 +75,12 @@ RHO = 1e-3
 @dataclass(frozen=True)
 class Scale:
     """Percentiles of a set of curvature entries (``PERCENTILES`` keys → value), the fraction
-    of exact zeros, the smallest positive entry, how many entries, and whether a strided sample
-    stood in for some tensor."""
+    of exact zeros, the smallest positive entry and how many entries."""
 
     percentiles: dict[str, float]
     zeros: float
     min_positive: float | None
     entries: int
-    sampled: bool
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON values."""
@@ -93,7 +89,6 @@ class Scale:
             "zeros": self.zeros,
             "min_positive": self.min_positive,
             "entries": self.entries,
-            "sampled": self.sampled,
         }
 
 
@@ -136,69 +131,38 @@ def diagonal_values(curvature: Curvature) -> dict[str, Tensor]:
     raise ArgumentError(f"no diagonal for a {type(curvature).__name__}")
 
 
-def _sample(values: Tensor) -> tuple[np.ndarray, float, bool]:
-    """(entries as float64, the weight of each, whether it is a strided sample)."""
-    flat = values.detach().reshape(-1)
-    if flat.numel() <= EXACT:
-        return flat.double().cpu().numpy(), 1.0, False
-    stride = math.ceil(flat.numel() / EXACT)
-    part = flat[::stride]
-    return part.double().cpu().numpy(), flat.numel() / part.numel(), True
-
-
-def scale_of(tensors: Iterable[Tensor]) -> Scale:
+def scale_of(tensors: Iterable[Tensor], *, dtype: torch.dtype = torch.float64) -> Scale:
     """The :class:`Scale` of the entries of ``tensors`` together (each tensor counts by its
-    number of entries; see the module docstring for sampling)."""
-    parts, weights, sampled = [], [], False
-    entries = zeros = 0
-    min_positive: float | None = None
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        entries += t.numel()
-        zeros += int((t == 0).sum())
-        positive = t[t > 0]
-        if positive.numel():
-            low = float(positive.min())
-            min_positive = low if min_positive is None else min(min_positive, low)
-        values, weight, was = _sample(t)
-        parts.append(values)
-        weights.append(np.full(values.shape, weight))
-        sampled |= was
-    if not parts:
+    number of entries), exact (:func:`gradmerge.curvature.quantiles.order_statistics`; the
+    tensors are read once per pass).
+
+    Raises:
+        ArgumentError: no entry at all.
+        NonFiniteError: a NaN or infinite entry.
+    """
+    return scale_from(order_statistics(tensors, PERCENTILES, dtype=dtype))
+
+
+def scale_from(stats: OrderStatistics) -> Scale:
+    """The :class:`Scale` of completed order statistics over ``PERCENTILES``.
+
+    Raises:
+        ArgumentError: they saw no entry.
+    """
+    if stats.count == 0:
         raise ArgumentError("no curvature entries to summarise")
-    values, w = np.concatenate(parts), np.concatenate(weights)
-    return Scale(
-        {k: _weighted_quantile(values, w, q) for k, q in PERCENTILES.items()},
-        zeros / entries,
-        min_positive,
-        entries,
-        sampled,
-    )
-
-
-def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
-    """numpy.quantile's linear interpolation, generalised to integer-like weights: each value
-    stands for ``weight`` equal entries (with weights 1 it equals ``numpy.quantile``)."""
-    order = np.argsort(values, kind="stable")
-    v, w = values[order], weights[order]
-    ends = np.cumsum(w)  # the entry positions 0..n−1 covered: [ends − w, ends − 1]
-    position = q * (ends[-1] - 1)
-    below, frac = math.floor(position), position - math.floor(position)
-    lo = v[np.searchsorted(ends, below, side="right")]
-    hi = v[min(np.searchsorted(ends, below + 1, side="right"), len(v) - 1)]
-    return float(lo + frac * (hi - lo))
+    return Scale(stats.percentiles, stats.zeros / stats.count, stats.min_positive, stats.count)
 
 
 def factor_spectra(kfac: KFAC) -> dict[str, list[dict[str, float]]]:
     """Per K-FAC layer and Kronecker term, the range of each factor's eigenvalues
-    (``a_min``, ``a_max``, ``g_min``, ``g_max``; float64 ``eigvalsh``)."""
+    (``a_min``, ``a_max``, ``g_min``, ``g_max``; in the factors' dtype, each factor
+    decomposed once per operator: :meth:`KFAC.min_eigenvalue` reuses them)."""
     out = {}
     for name, terms in kfac.terms.items():
         rows = []
         for a, g in terms:
-            ea = torch.linalg.eigvalsh(a.double())
-            eg = torch.linalg.eigvalsh(g.double())
+            ea, eg = kfac._eigenvalues(a), kfac._eigenvalues(g)
             rows.append(
                 {
                     "a_min": float(ea[0]),
@@ -211,12 +175,57 @@ def factor_spectra(kfac: KFAC) -> dict[str, list[dict[str, float]]]:
     return out
 
 
+def max_eigenvalue(curvature: Curvature) -> tuple[float, bool]:
+    """λ_max of ``curvature``, or an upper bound, and whether it is exact: the counterpart of
+    :meth:`Curvature.min_eigenvalue`, exact where that is (a diagonal's largest entry, δ of δ·I,
+    a dense block's top eigenvalue, a one-term K-FAC layer's largest product λ(G)·λ(A), a small
+    multi-term layer's dense sum); Weyl's bound Σ_k λ_max(term k) for a lazy sum and for the
+    large multi-term K-FAC layers; +∞ (a bound) for a structure without a spectrum here.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> max_eigenvalue(gm.Diagonal({"w": torch.tensor([2.0, 5.0])}) + 1.0)
+        (6.0, True)
+    """
+    if isinstance(curvature, Diagonal):
+        return max(float(v.max()) for v in curvature.values.values() if v.numel()), True
+    if isinstance(curvature, ScaledIdentity):
+        return float(curvature.delta), True
+    if isinstance(curvature, Dense):
+        m = curvature.matrix.double()
+        return float(torch.linalg.eigvalsh((m + m.T) / 2)[-1]), True
+    if isinstance(curvature, KFAC):
+        high = -math.inf
+        for terms in curvature.terms.values():
+            a0, g0 = terms[0]
+            if len(terms) > 1 and a0.shape[0] * g0.shape[0] <= EXACT_EIG_MAX_SIZE:
+                dense = sum(torch.kron(g, a) for a, g in terms)
+                assert isinstance(dense, Tensor)
+                high = max(high, float(torch.linalg.eigvalsh(dense)[-1]))
+                continue
+            layer = sum(
+                float(torch.outer(curvature._eigenvalues(g), curvature._eigenvalues(a)).max())
+                for a, g in terms
+            )
+            high = max(high, layer)
+        return high, curvature.min_eigenvalue_exact
+    if isinstance(curvature, Blocks):
+        parts = [max_eigenvalue(b) for b in curvature.blocks]
+        return max(v for v, _ in parts), all(e for _, e in parts)
+    if isinstance(curvature, Sum):
+        parts = [max_eigenvalue(t) for t in curvature.terms]
+        return sum(v for v, _ in parts), len(parts) == 1 and parts[0][1]
+    return math.inf, False
+
+
 def kfac_parts(curvature: Curvature) -> list[KFAC]:
-    """The K-FAC blocks of ``curvature`` (itself, or those of a :class:`Blocks`)."""
+    """The K-FAC blocks of ``curvature`` (itself, or those of a :class:`Blocks` or the terms of
+    a lazy :class:`Sum`)."""
     if isinstance(curvature, KFAC):
         return [curvature]
-    if isinstance(curvature, Blocks):
-        return [k for b in curvature.blocks for k in kfac_parts(b)]
+    if isinstance(curvature, (Blocks, Sum)):
+        parts = curvature.blocks if isinstance(curvature, Blocks) else curvature.terms
+        return [k for b in parts for k in kfac_parts(b)]
     return []
 
 
@@ -229,25 +238,139 @@ def delta_window(total: Tensor | Iterable[Tensor], *, rho: float = RHO) -> tuple
     Raises:
         ArgumentError: no positive entry, or ρ outside (0, 0.5).
     """
-    if not 0 < rho < 0.5:
-        raise ArgumentError(f"rho must be in (0, 0.5), got {rho!r}")
     tensors = [total] if isinstance(total, Tensor) else list(total)
-    positive = [p for t in tensors if (p := t[t > 0]).numel()]
-    if not positive:
+    return window_from(order_statistics(tensors, {}, positive=WINDOW), rho=rho)
+
+
+WINDOW = {"p10": 0.1, "p90": 0.9}
+"""The percentiles of the positive entries that bound the δ window."""
+
+
+def window_from(stats: OrderStatistics, *, rho: float = RHO) -> tuple[float, float]:
+    """:func:`delta_window` from completed order statistics whose ``positive`` quantiles hold
+    :data:`WINDOW` (the summed entries H_i streamed through them).
+
+    Raises:
+        ArgumentError: no positive entry, or ρ outside (0, 0.5).
+    """
+    check_rho(rho)
+    p = stats.positive_percentiles
+    if not p:
         raise ArgumentError(
             "the curvature has no positive entry: every δ > 0 gives task arithmetic"
         )
-    scale = scale_of(positive)
-    return (
-        rho / (1 - rho) * scale.percentiles["p90"],
-        (1 - rho) / rho * scale.percentiles["p10"],
-    )
+    return rho / (1 - rho) * p["p90"], (1 - rho) / rho * p["p10"]
 
 
-def summed_diagonals(curvatures: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Σ_t of per-parameter diagonal entries (the same parameters in each), float64."""
-    total: dict[str, Tensor] = {}
-    for values in curvatures:
-        for k, v in values.items():
-            total[k] = total[k] + v.double() if k in total else v.double().clone()
-    return total
+def check_rho(rho: float) -> None:
+    """ρ, the prior share counted as a difference, must lie in (0, 0.5): at 0 every δ counts,
+    from 0.5 on the window's ends cross (NaN is refused too).
+
+    Raises:
+        ArgumentError: ρ outside (0, 0.5).
+    """
+    if not 0 < rho < 0.5:
+        raise ArgumentError(
+            f"rho (--rho) must be in (0, 0.5), got {rho!r}: the share of the prior counted as a "
+            "difference, e.g. 1e-3"
+        )
+
+
+class PriorShare:
+    r"""The δ window and the prior's share of a configured prior H_0 = δ·I + C, streamed.
+
+    With a prior curvature C (its diagonal c_i, already times its ``scale``) the prior's share
+    on coordinate i is s_i = (δ + c_i)/(δ + c_i + H_i), H_i = Σ_t α_t h_{t,i} (module
+    docstring: gradient matching weighs task t by s_i·α_t + (1 − s_i)·α_t h_{t,i}/H_i), and
+
+    .. math::
+
+        \rho \le s_i \iff \delta \ge \tfrac{\rho}{1-\rho} H_i - c_i, \qquad
+        s_i \le 1 - \rho \iff \delta \le \tfrac{1-\rho}{\rho} H_i - c_i .
+
+    The window is [the 90th percentile of the first bound, the 10th of the second] over the
+    coordinates with H_i > 0: inside it s_i ∈ [ρ, 1 − ρ] on at least 80% of them, as for
+    :func:`delta_window`, which is the case c = 0. Besides, at the configured δ: the share's
+    percentiles over those coordinates, how many have s_i < ρ (Fisher averaging there) and
+    s_i > 1 − ρ (task arithmetic there), and how many have H_i = 0 (task arithmetic) or
+    H_i < 0 (a negative α). Every percentile is exact (:class:`OrderStatistics`).
+
+    Use: ``while share.wants_pass: (add every coordinate's H and c); share.end_pass()``.
+
+    Example:
+        >>> import torch
+        >>> share = PriorShare(delta=1.0, rho=0.1)
+        >>> while share.wants_pass:
+        ...     share.add(torch.tensor([1.0, 3.0, 0.0]), None)
+        ...     share.end_pass()
+        >>> share.to_json()["share"]["p50"], share.to_json()["no_curvature"]
+        (0.375, 1)
+    """
+
+    def __init__(self, *, delta: float, rho: float = RHO) -> None:
+        check_rho(rho)
+        self.delta, self.rho = delta, rho
+        self._low = OrderStatistics({"p90": 0.9})
+        self._high = OrderStatistics({"p10": 0.1})
+        self._share = OrderStatistics(PERCENTILES)
+        self._first = True
+        self.fisher = self.arithmetic = self.flat = self.negative = 0
+
+    @property
+    def _parts(self) -> tuple[OrderStatistics, ...]:
+        return self._low, self._high, self._share
+
+    @property
+    def wants_pass(self) -> bool:
+        """Whether another pass over the coordinates is needed."""
+        return any(p.wants_pass for p in self._parts)
+
+    def add(self, h: Tensor, c: Tensor | None) -> None:
+        """Take the coordinates of one tensor: H (Σ_t α_t h_t) and c (the prior curvature's
+        diagonal times its scale; None: no prior curvature there)."""
+        h = h.detach().reshape(-1).double()
+        c = None if c is None else c.detach().reshape(-1).double()
+        positive = h > 0
+        hp = h[positive]
+        cp = 0.0 if c is None else c[positive]
+        rho = self.rho
+        if self._low.wants_pass:
+            self._low.add(rho / (1 - rho) * hp - cp)
+        if self._high.wants_pass:
+            self._high.add((1 - rho) / rho * hp - cp)
+        if self._share.wants_pass or self._first:
+            prior = self.delta + cp
+            share = prior / (prior + hp)
+            if self._share.wants_pass:
+                self._share.add(share)
+            if self._first:
+                self.fisher += int((share < rho).sum())
+                self.arithmetic += int((share > 1 - rho).sum())
+                self.negative += int((h < 0).sum())
+                self.flat += h.numel() - hp.numel() - int((h < 0).sum())
+
+    def end_pass(self) -> None:
+        """Close the current pass."""
+        for p in self._parts:
+            if p.wants_pass:
+                p.end_pass()
+        self._first = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The window (``low``, ``high``, ``empty``; None without a positive H), the share's
+        percentiles and the counts, as plain JSON values."""
+        curved = self._share.count
+        out: dict[str, Any] = {"rho": self.rho, "delta": self.delta, "coordinates": curved}
+        if curved:
+            low, high = self._low.percentiles["p90"], self._high.percentiles["p10"]
+            out.update(low=max(low, 0.0), high=high, empty=high < max(low, 0.0))
+        else:
+            out.update(low=None, high=None, empty=True)
+        out.update(
+            share=self._share.percentiles if curved else None,
+            fisher_like=self.fisher,
+            arithmetic_like=self.arithmetic,
+            no_curvature=self.flat,
+            negative=self.negative,
+        )
+        return out

@@ -21,8 +21,9 @@ Newton's method. The study then
 Modules: :mod:`~gradmerge.demo.data` (digits and shifts), :mod:`~gradmerge.demo.mlp` (the model
 and its exact Hessian), :mod:`~gradmerge.demo.training` (Newton MAP fits),
 :mod:`~gradmerge.demo.methods` (the gradmerge calls), :mod:`~gradmerge.demo.study` (the steps),
-:mod:`~gradmerge.demo.results` (tables, JSON), :mod:`~gradmerge.demo.plots` (PNG figures),
-:mod:`~gradmerge.demo.output` (the output directory, written atomically).
+:mod:`~gradmerge.demo.results` (tables, JSON), :mod:`~gradmerge.demo.plots` (PNG figures); the
+output directory is checked and written all at once by the output guard every command uses
+(:mod:`gradmerge._guard`).
 
 Example:
     >>> from gradmerge.demo import run_demo
@@ -48,8 +49,8 @@ require("demo", "the demo (gradmerge demo, gradmerge.demo)")
 import torch  # noqa: E402 (after the check for scikit-learn and matplotlib)
 
 from gradmerge._devices import resolve_device  # noqa: E402
+from gradmerge._guard import Output, check, staged_folder  # noqa: E402
 from gradmerge.demo.config import DemoConfig  # noqa: E402
-from gradmerge.demo.output import check_output, staged_output  # noqa: E402
 from gradmerge.demo.results import DemoResults  # noqa: E402
 from gradmerge.errors import ArgumentError  # noqa: E402
 
@@ -70,14 +71,14 @@ def run_demo(
     """Run the study; with ``out``, write ``results.json``, ``table.txt`` and the PNG plots there.
 
     Args:
-        out: the output directory (None: write nothing). It must not exist, be empty, or be
-            replaced with ``overwrite=True``; it is written all at once (see
-            :mod:`gradmerge.demo.output`).
+        out: the output directory (None: write nothing). It must not exist, or be replaced
+            with ``overwrite=True``; it is built in a hidden sibling and renamed into place
+            when complete (:func:`gradmerge._guard.staged_folder`).
         quick: the small preset (:meth:`DemoConfig.quick`: seconds, for tests).
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``.
         seed: the data split and the initialisation; the results are a function of the seed
             and the device.
-        overwrite: replace a non-empty ``out``.
+        overwrite: replace an existing ``out``.
         config: settings other than the presets (then ``quick`` and ``seed`` are ignored).
         threads: torch's CPU threads during the run, restored after (None: leave as is). The
             default 1 is the fastest here: the matrices are small, and more threads contend on a
@@ -88,8 +89,10 @@ def run_demo(
         The :class:`DemoResults` (the same numbers as ``results.json``).
 
     Raises:
-        ArgumentError: an unusable ``out`` (a file, non-empty without ``overwrite``, not
-            writable), checked before any work; a bad ``device`` name.
+        OutputExistsError, OutputWriteError: an unusable ``out`` (existing without
+            ``overwrite``; a file, below a file, not writable), checked before any work
+            (:func:`check_output`); a full disk while writing.
+        ArgumentError: a bad ``device`` name.
         DeviceError: CUDA asked for but not available.
     """
     from gradmerge.demo.plots import write_plots
@@ -104,7 +107,8 @@ def run_demo(
     if out is None:
         with _threads(threads):
             return run_study(config, resolved, log=say)
-    with staged_output(out, overwrite=overwrite) as staging, _threads(threads):
+    check_output(out, overwrite=overwrite)
+    with staged_folder(out, overwrite=overwrite, role="--out") as staging, _threads(threads):
         results = run_study(config, resolved, log=say)
         (staging / "results.json").write_text(
             json.dumps(_finite(results.to_dict()), indent=2) + "\n"
@@ -115,6 +119,19 @@ def run_demo(
         f"wrote {Path(out)}/: results.json, table.txt, accuracy_vs_alpha.png, error_vs_mismatch.png"
     )
     return results
+
+
+def check_output(out: str | os.PathLike[str], *, overwrite: bool) -> Path:
+    """The output guard (:func:`gradmerge._guard.check`) for the demo's ``out``: the study
+    reads no file, so only rules 2-3 apply (exists without ``overwrite``; a file, below a file,
+    or not writable). Returns ``out`` as a Path.
+
+    Raises:
+        OutputExistsError, OutputWriteError: as :func:`gradmerge._guard.check`.
+    """
+    path = Path(out)
+    check([Output("--out", path, "folder")], [], overwrite=overwrite)
+    return path
 
 
 @contextmanager

@@ -135,7 +135,7 @@ def merge(
         "fisher_average": gm.fisher_average(
             finetuned, [c + EPS for c in curvatures["diag"]], alphas=alphas
         ),
-        "regmean": gm.regmean(finetuned, ridged, alphas=alphas, bias=["0", "2"]),
+        "regmean": gm.regmean(finetuned, ridged, alphas=alphas, bias=["0", "2"], off_diagonal=1.0),
     }
     for structure in STRUCTURES:
         out[f"gm_{structure}"] = gm.gradient_matching(

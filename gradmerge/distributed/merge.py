@@ -49,18 +49,14 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge._files import temp_dir_beside
+from gradmerge._guard import Output, publish_folder, refuse_existing
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
 from gradmerge.io import open_checkpoint
-from gradmerge.io.writer import (
-    INDEX_NAME,
-    ShardedWriter,
-    publish_stage,
-    refuse_existing,
-)
+from gradmerge.io.writer import INDEX_NAME, ShardedWriter
 from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig
-from gradmerge.jobs.engine import Job, open_job
+from gradmerge.jobs.engine import Job, check_output, open_job
 from gradmerge.jobs.plan import Plan, Unit
 
 
@@ -139,7 +135,7 @@ def _run(
     with Comm.open(group, timeout) as comm, ExitStack() as stack:
         step = _Steps(comm)
         # 1. Open the inputs and plan; every rank must see the same.
-        job = step.run("plan", lambda: _open(config, target, stack))
+        job = step.run("plan", lambda: _open(config, target, overwrite, stack))
         summaries = step.exchange("agree on the plan", lambda: _summary(job, config))
         _check_same_plan(summaries)
         # 2. Rank 0 makes the staging folder; every rank must see it.
@@ -179,7 +175,7 @@ def _run(
             # 5. Rank 0 moves the output into place.
             step.exchange(
                 "move the output into place",
-                lambda: publish_stage(stage, target, overwrite) if comm.rank == 0 else None,
+                lambda: publish_folder(stage, target, overwrite) if comm.rank == 0 else None,
             )
     plan = job.plan
     return MergeReport(
@@ -235,10 +231,9 @@ class _Steps:
         return [v for _, v in gathered]
 
 
-def _open(config: Any, target: Path, stack: ExitStack) -> Job:
-    job = open_job(config, stack)
-    job.check_output(target)
-    return job
+def _open(config: Any, target: Path, overwrite: bool, stack: ExitStack) -> Job:
+    check_output(config, target, overwrite=overwrite)  # the guard, before any input is opened
+    return open_job(config, stack)
 
 
 def _summary(job: Job, config: Any) -> dict[str, Any]:
@@ -267,7 +262,7 @@ def _check_same_plan(summaries: list[dict[str, Any]]) -> None:
 
 def _make_stage(target: Path, overwrite: bool) -> Path:
     """Rank 0: the hidden staging folder beside ``target`` (refusing an existing ``target``)."""
-    refuse_existing(target, overwrite)
+    refuse_existing(Output("OUT_DIR", target, "folder"), overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     return temp_dir_beside(target, "gradmerge")
 
@@ -327,7 +322,8 @@ def _finish(
     world_size: int,
     start: float,
 ) -> list[str]:
-    """Rank 0: the index (several shards), the base's assets and the record. The files' names."""
+    """Rank 0: the index (several shards), the base's assets, the record and the model card.
+    The files' names."""
     shards = [n for per_rank in names for n in per_rank]
     files = list(shards)
     if len(shards) > 1:
@@ -352,7 +348,8 @@ def _finish(
     }
     name = f"gradmerge_{job.command}.json"
     (stage / name).write_text(json.dumps(record, indent=2) + "\n")
-    return [*files, *(a.name for a in assets), name]
+    readme = job.write_card(stage, config, record)
+    return [*files, *(a.name for a in assets), name, readme.name]
 
 
 @contextmanager

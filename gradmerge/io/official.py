@@ -26,8 +26,9 @@ Example:
     ...     print(C.values, C.meta["source.scale"])
     {'w': tensor([4., 2.])} 4.0
 
-OUT may not be SRC nor lie inside it (it would replace the Fisher, or be read as part of it by
-the next conversion: safetensors win over ``.bin``), and a gradmerge curvature file is refused
+OUT may not be SRC, lie inside it or contain it (the output guard, :mod:`gradmerge._guard`: it
+would replace the Fisher, or be read as part of it by the next conversion: safetensors win over
+``.bin``), and a gradmerge curvature file is refused
 as SRC (it is converted already).
 """
 
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gradmerge._guard import Input, Output, refuse_overlap
 from gradmerge.curvature import Diagonal
 from gradmerge.errors import ArgumentError, FileFormatError, MissingInputError, NonFiniteError
 from gradmerge.io.reader import open_checkpoint
@@ -73,7 +75,9 @@ def convert_curvature(
 
     Raises:
         ArgumentError: a scale that is not a positive finite number, num_examples below 1;
-            ``out`` that is ``src`` or lies inside it (:func:`output_in_source`).
+        OutputOverlapError: ``out`` is, lies inside or contains ``src`` (the output guard,
+            :mod:`gradmerge._guard`).
+        OutputWriteError: ``out`` could not be written (nothing is left of it).
         MissingInputError: no such file or folder, or a shard that the index names is missing.
         FileFormatError: no weights, an unreadable file, negative values, no float tensor; a
             gradmerge curvature file as (or inside) ``src``.
@@ -85,9 +89,7 @@ def convert_curvature(
         raise ArgumentError(f"scale must be a positive finite number, got {scale}")
     if num_examples is not None and num_examples < 1:
         raise ArgumentError(f"num_examples must be at least 1, got {num_examples}")
-    problem = output_in_source(src, out)
-    if problem:
-        raise ArgumentError(problem)
+    refuse_overlap(Output("OUT", Path(out)), [Input("SRC", Path(src))])
     source = _resolve(Path(src))
     _refuse_converted(source)
     values: dict[str, Tensor] = {}
@@ -112,18 +114,6 @@ def convert_curvature(
         curvature.meta["num_examples"] = str(num_examples)
     curvature.save(out)
     return curvature
-
-
-def output_in_source(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> str | None:
-    """Why ``out`` may not be written: it is ``src`` or lies inside it (as the other commands
-    refuse an output that is or holds an input); ``None`` when it may."""
-    target, source = Path(out).resolve(), Path(src).resolve()
-    if target == source or source in target.parents:
-        return (
-            f"OUT {out} is, or is inside, SRC ({src}): writing it would replace the Fisher or "
-            "be read as part of it by the next conversion; write it elsewhere"
-        )
-    return None
 
 
 def _refuse_converted(source: Path) -> None:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge._extras import require
+from gradmerge._guard import Input
 from gradmerge._version import __version__
 from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
 from gradmerge.io.lora import is_adapter, merged_state_dict
@@ -204,6 +205,34 @@ def adapter_base(folder: Path, base: str | os.PathLike[str] | None = None) -> Pa
         f"(a relative name is read relative to {folder.parent}); {fix}, or set "
         "base_model_name_or_path in its adapter_config.json"
     )
+
+
+def spec_inputs(
+    role: str, spec: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
+) -> list[Input]:
+    """The files and folders that reading MODEL or DATA ``spec`` reads, for the output guard
+    (:mod:`gradmerge._guard`): the path itself; for an entry point ``path/to/file.py:function``
+    its file (a dotted module is found by Python, not by a path); for a LoRA adapter folder also
+    the base it applies to (``base`` when given, else the one its
+    ``adapter_config.json`` names, :func:`adapter_base`; left out when that cannot be told, as
+    loading refuses it then).
+
+    Example:
+        >>> [str(i.path) for i in spec_inputs("DATA", "scripts/data.py:batches")]
+        ['scripts/data.py']
+    """
+    text = str(spec)
+    if ":" in text and not Path(text).exists():  # an entry point
+        module = text.rpartition(":")[0]
+        if module.endswith(".py") or "/" in module or os.sep in module:
+            return [Input(role, Path(module))]
+        return []
+    found = [Input(role, Path(text))]
+    if is_adapter(text):
+        # an adapter whose base cannot be told is refused by loading, which names the fix
+        with contextlib.suppress(ArgumentError, FileFormatError):
+            found.append(Input(f"the base of LoRA adapter {role}", adapter_base(Path(text), base)))
+    return found
 
 
 def base_fingerprint(path: Path) -> str:

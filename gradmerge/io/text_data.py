@@ -486,6 +486,7 @@ class TextBatches:
                 self.examples += 1
                 self.tokens += len(encoded["input_ids"])
                 lengths.add(len(encoded["input_ids"]))
+        self.labels_ignored = self._labels_ignored  # records whose label a causal LM ignores
         if self.examples == 0:
             raise FileFormatError(f"DATA {source} holds no examples")
         self.pad_id = self._pad_id(tokenizer, config, len(lengths) > 1)
@@ -493,6 +494,7 @@ class TextBatches:
     def _chunks(self) -> Iterator[tuple[list[dict[str, Any]], int]]:
         """The examples, tokenised and checked, ``batch_size`` at a time, and how many of them
         ``max_length`` cut."""
+        self._labels_ignored = 0
         chunk: list[Mapping[str, Any]] = []
         start = 0
         for record in self.records:
@@ -580,6 +582,8 @@ class TextBatches:
         if self.task == CLASSIFICATION:
             label = _field(record, self.options.label_field, "--label-field", where)
             out["labels"] = label_id(label, self.label2id, self.num_labels, where)
+        elif self.options.label_field in record:  # a causal LM predicts the text's next tokens
+            self._labels_ignored += 1
         return out
 
     def _pad_id(self, tokenizer: Any, config: Any, ragged: bool) -> int:
@@ -644,9 +648,17 @@ class TextBatches:
         return token_labels(out, True, self.ignore_index, self.source)
 
     def summary(self) -> str:
-        """One line: examples, tokens, truncation."""
+        """One line: examples, tokens, truncation; and, for a causal LM reading records that
+        carry a label field, that it ignores them."""
         cut = f", {self.truncated} truncated" if self.truncated else ""
-        return f"{self.examples} examples, {self.tokens} tokens{cut} ({self.task})"
+        line = f"{self.examples} examples, {self.tokens} tokens{cut} ({self.task})"
+        if self.labels_ignored:
+            line += (
+                f"; {self.labels_ignored} of {self.examples} records have a "
+                f"`{self.options.label_field}` field, and a causal LM ignores it (it is scored on "
+                "next-token prediction of the text)"
+            )
+        return line
 
     def metadata(self) -> dict[str, str]:
         """What a curvature's metadata records about the examples (``source.*`` keys)."""

@@ -6,9 +6,10 @@ appended as they come: nothing is buffered beyond the tensor being written. Shar
 Hugging Face layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with a
 ``model.safetensors.index.json``.
 
-:func:`staged_output` builds the output in a hidden sibling folder and renames it into place only
-when everything succeeded: a failing or interrupted run leaves no output folder, never a
-half-written one. A killed process can leave the hidden ``.OUT.gradmerge-*`` folder behind; its
+:func:`staged_output` (:func:`gradmerge._guard.staged_folder`, the guard every command writes
+through) builds the output in a hidden sibling folder and renames it into place only when
+everything succeeded: a failing or interrupted run leaves no output folder, never a half-written
+one. A killed process can leave the hidden ``.OUT.gradmerge-*`` folder behind; its
 name records the owning process, and :func:`remove_stale_stages` removes it once that is gone.
 """
 
@@ -18,18 +19,16 @@ import errno
 import json
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 from torch import Tensor
 
-from gradmerge._files import remove_stale_dirs_beside, temp_dir_beside
-from gradmerge.errors import ArgumentError, OutputExistsError
+from gradmerge._files import remove_stale_dirs_beside
+from gradmerge._guard import staged_folder
+from gradmerge.errors import ArgumentError
 from gradmerge.io.reader import SAFETENSORS_DTYPES
 
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -210,35 +209,9 @@ def _header(
     return len(raw).to_bytes(8, "little") + raw
 
 
-@contextmanager
-def staged_output(out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
-    """A temporary sibling of ``out_dir`` that becomes ``out_dir`` if the block succeeds.
-
-    On an exception (or ``KeyboardInterrupt``) the temporary folder is removed and ``out_dir`` is
-    left as it was. With ``overwrite``, an existing ``out_dir`` is replaced only at the end. The
-    temporary folder's name records its owner; one left behind by a killed process is removed by
-    the next run into ``out_dir`` (:func:`remove_stale_stages`).
-
-    Raises:
-        OutputExistsError: ``out_dir`` exists and ``overwrite`` is false (checked before the
-            block runs and again before the rename).
-    """
-    target = Path(out_dir).absolute()
-    refuse_existing(target, overwrite)
-    created = [p for p in reversed(target.parents) if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    stage = temp_dir_beside(target, "gradmerge")
-    try:
-        yield stage
-        publish_stage(stage, target, overwrite)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        for folder in reversed(created):  # parents this call made, if still empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
+staged_output = staged_folder
+"""The output folder built in a hidden sibling and renamed into place when complete:
+:func:`gradmerge._guard.staged_folder` (the one implementation, shared with every command)."""
 
 
 def remove_stale_stages(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
@@ -253,27 +226,3 @@ def remove_stale_stages(out_dir: str | os.PathLike[str]) -> tuple[list[Path], li
         ([], [])
     """
     return remove_stale_dirs_beside(Path(out_dir).absolute(), "gradmerge")
-
-
-def publish_stage(stage: Path, target: Path, overwrite: bool) -> None:
-    """Rename the finished ``stage`` folder to ``target``, replacing an existing ``target`` only
-    with ``overwrite`` (moved aside first, removed after the rename)."""
-    refuse_existing(target, overwrite)
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / target.name)
-        os.replace(stage, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(stage, target)
-
-
-def refuse_existing(target: Path, overwrite: bool) -> None:
-    """Raise :class:`OutputExistsError` if ``target`` is a file, or a folder and not ``overwrite``."""
-    if target.exists() and not target.is_dir():
-        raise OutputExistsError(f"{target} exists and is not a folder; choose another output path")
-    if target.exists() and not overwrite:
-        raise OutputExistsError(
-            f"{target} exists; pass --overwrite (overwrite=True) to replace it, or choose another "
-            "output folder"
-        )

@@ -17,9 +17,15 @@ Every merged unit (a tensor, a K-FAC layer, ...) solves one linear system:
 
 A unit that fails is named with the damping that lifts it, to be set with the YAML key the method
 uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``): for an elementwise
-system δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖; for a solve that refused its system the δ the
-error suggests; for CG that did not converge the δ that fits CG's iteration bound into
-``solver.maxiter`` (:func:`_cg_delta`, a suggestion). RegMean's
+system δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖. A computed unit that fails — a singular
+system, CG that does not converge within ``solver.maxiter``, a result that overflows the compute
+or the output dtype — is computed again at other values of that key (:func:`least_delta`): up
+from the configured one by factors of :data:`CLIMB`, starting at the δ the failure suggests
+(the error's own, :func:`_cg_delta` for CG, 10× the configured δ for an overflow), then bisected
+geometrically to a factor 2, so that the dry run names the least δ it found finite and
+certified and the largest it found failing below it (or, when none up to far above the
+curvature's scale works, why). This assumes that a larger δ does not break a unit that a smaller
+one solved; every δ it names was computed. RegMean's
 Gram systems are judged by the check :func:`gm.regmean` itself runs
 (:func:`gradmerge.merge.regmean_systems`: λ_min of Σ_t α_t G̃_t against the rounding threshold
 of the Grams' dtype), on the Grams the merge forms.
@@ -50,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -59,12 +66,21 @@ from torch import Tensor
 
 from gradmerge.curvature import Curvature, Diagonal, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
-from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
+from gradmerge.errors import (
+    InputWarning,
+    NotConvergedError,
+    NotPositiveDefiniteError,
+    ResultOverflowError,
+)
 from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
 from gradmerge.jobs.engine import Job, Rounding, StepSize, open_job
 from gradmerge.jobs.plan import Unit
 from gradmerge.merge import regmean_systems
+
+CLIMB = 100.0
+"""The factor between the δ tried while none works (:func:`least_delta`): from δ = 1e-12 to a
+pooler's 0.83, 7 tries, then 3 bisections to a factor 2 (each try one solve of that unit)."""
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
@@ -83,6 +99,10 @@ class SystemCheck:
     solved: bool | None = None
     """None: judged by λ_min alone (an elementwise system: exact); True/False: the unit was
     computed as the real run computes it, and succeeded or failed."""
+    why: str = ""
+    """What failed as configured (a computed unit): singular, not converged, an overflow."""
+    below: float = 0.0
+    """The largest δ found failing below ``needed`` (the configured one at least)."""
 
     @property
     def ok(self) -> bool:
@@ -90,12 +110,18 @@ class SystemCheck:
         return self.needed == 0.0
 
     def describe(self) -> str:
-        """One line naming the unit, λ_min, the floor and the fix."""
+        """One line naming the unit, what failed and the fix."""
         head = ", ".join(repr(k) for k in self.keys[:2]) + (" ..." if len(self.keys) > 2 else "")
         if self.solved is False:
+            if math.isinf(self.needed):
+                return (
+                    f"[{head}]: {self.why} as configured, and at every `{self.key}` tried up to "
+                    f"{self.below:.2g}: no δ makes it finite and certified"
+                )
             return (
-                f"[{head}]: the solve fails as configured (λ_min ≥ {self.min_eigenvalue:.3g}): "
-                f"set `{self.key}` to at least about {self.needed:.2g}"
+                f"[{head}]: {self.why} as configured; finite and certified from δ = "
+                f"{self.needed:.2g} (δ = {self.below:.3g} fails): set `{self.key}` to at least "
+                f"{self.needed:.2g}"
             )
         return (
             f"[{head}]: λ_min = {self.min_eigenvalue:.3g} ≤ {self.floor:.3g}, singular: set "
@@ -143,21 +169,117 @@ def _solved(
     config: MergeConfig | RemoveConfig,
 ) -> SystemCheck:
     """A factorised or iterative unit (K-FAC, dense, a lazy sum) is judged by the real run's own
-    computation of it — the same solve, reading the unit's tensors — so that the dry run and the
-    run agree: λ_min against a round-off floor is only a sufficient condition (a K-FAC sum's
-    λ_min is a lower bound), and CG's convergence is not predicted by it. A failure gives the
-    damping the error suggests, or the estimate of :func:`_cg_delta` for a solve that did not
-    converge."""
+    computation of it — the same solve and the same checks of its result (finite, within the
+    output dtype), reading the unit's tensors — so that the dry run and the run agree: λ_min
+    against a round-off floor is only a sufficient condition (a K-FAC sum's λ_min is a lower
+    bound), and neither CG's convergence nor an overflow is predicted by it. A failure is
+    followed by the search of :func:`least_delta`."""
+    err = _failure(job, unit)
+    if err is None:
+        return replace(check, needed=0.0, solved=True)
+    current = _delta(config)
+    if isinstance(err, NotPositiveDefiniteError):
+        guess = max(err.suggested_delta or 0.0, check.needed if not check.ok else 0.0)
+        if not guess > 0:
+            guess = max(2 * (check.floor - check.min_eigenvalue), 1e-6 * _magnitude(system))
+    elif isinstance(err, NotConvergedError):
+        guess = _cg_delta(system, config)
+    else:
+        guess = 10 * current if current > 0 else 1e-6 * _magnitude(system)
+    least, below = least_delta(config, unit, guess, _magnitude(system))
+    return replace(check, needed=least, below=below, solved=False, why=_reason(err))
+
+
+def least_delta(
+    config: MergeConfig | RemoveConfig, unit: Unit, guess: float, magnitude: float
+) -> tuple[float, float]:
+    """(least, below): the least value of the method's damping key (``prior: {delta}``,
+    ``damping``, ``remaining: {delta}``) found to compute ``unit`` finite and certified, and
+    the largest found failing below it; ``(inf, last tried)`` when none up to 10¹²·``magnitude``
+    (far above the curvature's scale, where H̄ ≈ δ·I and nothing changes any more) does.
+
+    The configured value fails; the search tries ``guess`` (at least twice the configured
+    value), then :data:`CLIMB` times more until a value works, then bisects geometrically
+    between the largest failing and the least working value until they are within a factor 2
+    (from a configured 0, down by :data:`CLIMB` until a value fails first), and finally
+    rounds the least working value up to two significant digits (computed too), the figure
+    printed. Every value returned was computed as the real run computes the unit."""
+    lo = _delta(config)
+    hi = max(guess, 2 * lo, torch.finfo(torch.float64).tiny)
+    cap = max(1e12 * magnitude, CLIMB * hi)
+    while not _works(config, unit, hi):
+        lo, hi = hi, CLIMB * hi
+        if hi > cap:
+            return math.inf, lo
+    while lo == 0.0:  # damping 0 configured: find a failing value below the working one
+        lower = hi / CLIMB
+        if lower < torch.finfo(torch.float64).tiny or not _works(config, unit, lower):
+            lo = lower
+        else:
+            hi = lower
+    while hi > 2 * lo:
+        mid = math.sqrt(lo * hi)
+        if _works(config, unit, mid):
+            hi = mid
+        else:
+            lo = mid
+    printed = float(f"{_round_up(hi):.2g}")
+    if printed != hi and _works(config, unit, printed):
+        hi = printed
+    return hi, lo
+
+
+def _round_up(x: float) -> float:
+    """x rounded up to two significant digits."""
+    unit = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return math.ceil(x / unit * (1 - 1e-12)) * unit
+
+
+def _works(config: MergeConfig | RemoveConfig, unit: Unit, delta: float) -> bool:
+    """Whether ``unit`` computes, as the real run computes it, with the damping key at ``delta``
+    (the inputs' warnings were shown once already)."""
+    with ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore", InputWarning)
+        return _failure(open_job(_with_delta(config, delta), stack), unit) is None
+
+
+def _failure(job: Job, unit: Unit) -> Exception | None:
+    """The error that makes the real run refuse ``unit`` (None: it computes)."""
     try:
-        job.compute(unit)
-    except NotPositiveDefiniteError as err:
-        needed = max(err.suggested_delta or 0.0, check.needed if not check.ok else 0.0)
-        if not needed > 0:
-            needed = max(2 * (check.floor - check.min_eigenvalue), 1e-6 * _magnitude(system))
-        return replace(check, needed=needed, solved=False)
-    except NotConvergedError:
-        return replace(check, needed=_cg_delta(system, config), solved=False)
-    return replace(check, needed=0.0, solved=True)
+        job.compute_unit(unit)
+    except (NotPositiveDefiniteError, NotConvergedError, ResultOverflowError) as err:
+        return err
+    return None
+
+
+def _reason(err: Exception) -> str:
+    """What failed, in a few words."""
+    if isinstance(err, ResultOverflowError):
+        what = str(err).split(" although")[0].split(" (largest")[0]
+        return f"its result overflows ({what})"
+    if isinstance(err, NotConvergedError):
+        return "CG does not reach solver.tol within solver.maxiter"
+    return "the system is singular or not positive definite"
+
+
+def _delta(config: MergeConfig | RemoveConfig) -> float:
+    """The configured value of the method's damping key."""
+    if isinstance(config, RemoveConfig):
+        return config.remaining.delta
+    if config.method == "gradient_matching":
+        assert config.prior is not None
+        return config.prior.delta
+    return config.damping
+
+
+def _with_delta(config: MergeConfig | RemoveConfig, delta: float) -> MergeConfig | RemoveConfig:
+    """``config`` with the method's damping key set to ``delta``."""
+    if isinstance(config, RemoveConfig):
+        return replace(config, remaining=replace(config.remaining, delta=delta))
+    if config.method == "gradient_matching":
+        assert config.prior is not None
+        return replace(config, prior=replace(config.prior, delta=delta))
+    return replace(config, damping=delta)
 
 
 def _magnitude(system: Curvature) -> float:
@@ -197,7 +319,11 @@ def _regmean_checks(
             for t in range(len(config.models))
         ]
         found = rules.regmean_grams(
-            hs, config.damping, keys=unit.keys, scales=config.curvature_scales
+            hs,
+            config.damping,
+            keys=unit.keys,
+            scales=config.curvature_scales,
+            embeddings=config.embeddings == "gram",
         )
         if found is None:
             continue

@@ -31,12 +31,13 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from gradmerge._guard import Input
 from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
@@ -136,6 +137,23 @@ class FromYaml:
     def _read(cls: type[_Config], r: _Reader, source: Path | None) -> _Config:
         raise NotImplementedError
 
+    def inputs(self) -> list[Input]:
+        """Every file and folder the run reads, for the output guard (:mod:`gradmerge._guard`):
+        the YAML file (``CONFIG``), each path it names under its key (``base_model``,
+        ``models[1].curvature``, ``prior.curvature[0]``, an entry point's ``.py`` file) and the
+        base each LoRA adapter applies to.
+
+        Example:
+            >>> cfg = MergeConfig.from_dict(
+            ...     {"method": "task_arithmetic", "base_model": "b", "models": [{"model": "a"}]},
+            ...     check_files=False)
+            >>> [(i.role, i.path.name) for i in cfg.inputs()]
+            [('base_model', 'b'), ('models[0].model', 'a')]
+        """
+        source = getattr(self, "source", None)
+        found = [Input("CONFIG", source)] if source is not None else []
+        return found + _path_inputs(self, "")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Options(FromYaml):
@@ -180,12 +198,14 @@ class MergeConfig(Options):
 
     ``method`` picks the rule: ``task_arithmetic`` (no curvature), ``fisher_average``
     (H_0 = 0; ``damping`` adds δ·I to every H_t), ``gradient_matching`` (``prior`` H_0 required),
-    ``regmean`` (the K-FAC input factors of each model's curvature as RegMean's Gram matrices,
-    their off-diagonal entries times ``off_diagonal``, Jin et al.'s r, default 0.9, and
-    ``damping`` added to each), and the data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
+    ``regmean`` (the K-FAC input factors of each model's curvature, bias column left out, as
+    RegMean's Gram matrices of the linear layers' weights, their off-diagonal entries times
+    ``off_diagonal``, Jin et al.'s r, default :data:`gradmerge.merge.REGMEAN_OFF_DIAGONAL`, and
+    ``damping`` added to each; biases and, unless ``embeddings: gram``, embeddings averaged).
+    Every α_t is multiplied by ``scale``; each model's ``scale``
+    multiplies its H_t. The data-free ``tsv_merge``, ``iso_c`` and ``iso_cts``
     (:mod:`gradmerge.spectral`; ``average``: globs of 2-D tensors merged by the mean of the task
-    vectors; Iso-CTS's ``common_space_fraction``, default 0.8). Every α_t is multiplied by
-    ``scale``; each model's ``scale`` multiplies its H_t.
+    vectors; Iso-CTS's ``common_space_fraction``, default 0.8).
 
     Example:
         >>> cfg = MergeConfig.from_dict(
@@ -201,7 +221,8 @@ class MergeConfig(Options):
     prior: CurvatureTerm | None = None
     scale: float = 1.0
     damping: float = 0.0
-    off_diagonal: float = 1.0
+    off_diagonal: float = REGMEAN_OFF_DIAGONAL
+    embeddings: str = "average"
     common_space_fraction: float = ISO_CTS_COMMON_SPACE_FRACTION
     average: tuple[str, ...] = ()
 
@@ -231,6 +252,7 @@ class MergeConfig(Options):
             "off_diagonal",
             "common_space_fraction",
             "average",
+            "embeddings",
             *_OPTION_KEYS,
         )
         models = tuple(_model(r, i, m, spec) for i, m in enumerate(r.entries("models")))
@@ -247,7 +269,11 @@ class MergeConfig(Options):
         else:
             damping = 0.0
             r.forbid("damping", method, spec.refusal("damping"))
-        off_diagonal = 1.0
+        off_diagonal, embeddings = REGMEAN_OFF_DIAGONAL, "average"
+        if spec.need("embeddings") != "forbidden":
+            embeddings = r.choice("embeddings", ("average", "gram"), default="average")
+        else:
+            r.forbid("embeddings", method, spec.refusal("embeddings"))
         if spec.need("off_diagonal") != "forbidden":
             off_diagonal = r.number("off_diagonal", default=REGMEAN_OFF_DIAGONAL, minimum=0.0)
             if off_diagonal > 1.0:
@@ -282,6 +308,7 @@ class MergeConfig(Options):
             off_diagonal=off_diagonal,
             common_space_fraction=fraction,
             average=average,
+            embeddings=embeddings,
             source=source,
             **_options(r),
         )
@@ -749,6 +776,32 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
+_SPEC_KEYS = ("start", "base_model", "model", "data")
+"""Keys whose string values are MODEL/DATA specs (a path or an entry point; refine's YAML)."""
+
+
+def _path_inputs(value: Any, key: str) -> list[Input]:
+    """The inputs named by ``value`` (a path, a spec under a key of :data:`_SPEC_KEYS`, or a
+    tuple or dataclass of them), each under its YAML key; a ``model`` with the LoRA adapter base
+    given beside it (``adapter_base``)."""
+    from gradmerge.io.sources import spec_inputs
+
+    if isinstance(value, Path) or (isinstance(value, str) and key.rpartition(".")[2] in _SPEC_KEYS):
+        return spec_inputs(key, value)
+    if isinstance(value, (tuple, list)):
+        return [i for n, item in enumerate(value) for i in _path_inputs(item, f"{key}[{n}]")]
+    if not is_dataclass(value):
+        return []
+    found: list[Input] = []
+    for f in fields(value):
+        item, sub = getattr(value, f.name), f"{key}.{f.name}" if key else f.name
+        if f.name == "model" and item is not None:
+            found += spec_inputs(sub, item, base=getattr(value, "adapter_base", None))
+        elif f.name != "source":
+            found += _path_inputs(item, sub)
+    return found
+
+
 def parse_size(value: object) -> int:
     """Bytes from an int or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"`` (decimal/binary).
 
@@ -792,6 +845,11 @@ def _load_yaml(path: str | os.PathLike[str]) -> tuple[Any, Path]:
         data = yaml.load(text, Loader=_strict_loader())  # a yaml.SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError(f"{source} is not valid YAML: {err}") from err
+    except RecursionError:  # PyYAML reads nested lists and mappings recursively
+        raise ConfigError(
+            f"{source} nests deeper than gradmerge reads (lists or mappings inside one another, "
+            "hundreds of levels deep); a configuration needs a few levels: check the file"
+        ) from None
     return data, source.absolute().parent
 
 
@@ -841,6 +899,8 @@ def _shown(value: Any, *, quoted: bool = True) -> str:
 def _unused(value: Any, name: str) -> bool:
     """An optional key left out of records when not given (records of runs without it stay as
     they were)."""
+    if name == "embeddings":  # RegMean's alone
+        return getattr(value, "method", None) != "regmean"
     return name == "adapter_base" and getattr(value, name) is None
 
 

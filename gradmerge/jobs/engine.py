@@ -15,7 +15,8 @@ several float32 copies of the whole matrix. The result is the same bit for bit. 
 covers, so with one the whole model is a single unit (and must fit in memory).
 
 The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
-shards, the base's config and tokenizer files (``dtype`` in config.json updated) and a record,
+shards, the base's config and tokenizer files (``dtype`` in config.json updated), a model card
+(README.md, :mod:`gradmerge.jobs.card`; never the base's own) and a record,
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
 and torch versions, each input's fingerprint (a SHA-256 content hash of its values, exact on
 every small tensor and on 16 evenly spaced rows of every large one:
@@ -24,9 +25,10 @@ file's metadata.
 
 The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
 gives each rank its own units): :func:`open_job` opens the inputs and builds the plan,
-:meth:`Job.compute_unit` computes one unit's output tensors, :meth:`Job.check_output` refuses an
-output folder that holds an input, :meth:`Job.copy_assets` and :meth:`Job.record` finish the
-output folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` in a staged folder.
+:meth:`Job.compute_unit` computes one unit's output tensors, :func:`check_output` refuses an
+output folder the guard refuses (:mod:`gradmerge._guard`: one that is, lies inside or holds an
+input), :meth:`Job.copy_assets`, :meth:`Job.record` and :meth:`Job.write_card` finish the output
+folder. :func:`run_merge` is these steps with one :class:`ShardedWriter` in a staged folder.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _removal, _weight_sample
+from gradmerge import _guard, _removal, _weight_sample
 from gradmerge import params as P
 from gradmerge._devices import resolve_device
+from gradmerge._guard import Output
 from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge._version import __version__
@@ -71,7 +74,7 @@ from gradmerge.errors import (
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.jobs import methods, rules
+from gradmerge.jobs import card, methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.kernels import memory, select
@@ -152,10 +155,13 @@ def run_merge(
         progress: show a progress bar on stderr (only when stderr is a terminal).
 
     Raises:
-        OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
+        OutputExistsError, OutputOverlapError, OutputWriteError: ``out_dir`` exists and
+            ``overwrite`` is false; it is, lies inside or contains an input; it cannot be
+            written (:func:`check_output`, :mod:`gradmerge._guard`).
         StructureError, DTypeError: inputs that do not fit together (the tensor is named).
         NotPositiveDefiniteError: a singular system (the message says which prior/damping to raise).
         FileFormatError: a corrupt or truncated input.
+        InputChangedError: an input file changed while the merge read it (nothing written).
 
     Example:
         >>> import tempfile, torch
@@ -175,8 +181,9 @@ def run_merge(
     """
     with ExitStack() as stack:
         start = time.perf_counter()
+        snapshot = check_output(config, out_dir, overwrite=overwrite)
         job = _open_merge(config, stack)
-        return _execute(job, config, out_dir, overwrite, progress, start)
+        return _execute(job, config, out_dir, overwrite, progress, start, snapshot)
 
 
 def run_remove(
@@ -194,8 +201,9 @@ def run_remove(
     """
     with ExitStack() as stack:
         start = time.perf_counter()
+        snapshot = check_output(config, out_dir, overwrite=overwrite)
         job = _open_remove(config, stack)
-        return _execute(job, config, out_dir, overwrite, progress, start)
+        return _execute(job, config, out_dir, overwrite, progress, start, snapshot)
 
 
 def plan_merge(config: MergeConfig) -> Plan:
@@ -473,14 +481,6 @@ class Job:
                     self.solves[name] = part.summary()
         return out
 
-    def check_output(self, out_dir: str | os.PathLike[str]) -> None:
-        """Refuse an output folder that is, or holds, one of the inputs or the configuration file.
-
-        Raises:
-            ConfigError: ``out_dir`` is an input or contains one.
-        """
-        _refuse_input_inside(Path(out_dir).absolute(), self)
-
     @property
     def bytes_read(self) -> int:
         """Tensor bytes read so far from every input (checkpoints and curvature files)."""
@@ -495,6 +495,22 @@ class Job:
     def record(self, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
         """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints, output."""
         return _record(self, config, shards, seconds)
+
+    def write_card(self, folder: Path, config: Options, record: Mapping[str, Any]) -> Path:
+        """Write ``folder``/README.md, the model card made from ``record``
+        (:mod:`gradmerge.jobs.card`), with ``config``'s YAML file when it still reads as
+        ``config`` (``gradmerge tune`` runs settings the file does not hold)."""
+        source = None
+        if config.source is not None and config.source.is_file():
+            try:
+                with warnings.catch_warnings():  # read once more: its warnings were given
+                    warnings.simplefilter("ignore")
+                    if type(config).from_yaml(config.source) == config:
+                        source = config.source.read_text()
+            except GradmergeError:
+                source = None
+        base = Path(self.base.folder or self.base.path)
+        return card.write(folder, record, source=source, base=base)
 
 
 def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
@@ -569,6 +585,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             curvature_scales=config.curvature_scales,
             common_space_fraction=config.common_space_fraction,
             average=average,
+            embeddings=config.embeddings,
         )
         try:
             return rule(unit_inputs)
@@ -842,9 +859,9 @@ def _execute(
     overwrite: bool,
     progress: bool,
     start: float,
+    snapshot: _guard.Snapshot,
 ) -> MergeReport:
     target = Path(out_dir).absolute()
-    _refuse_input_inside(target, job)
     plan = job.plan
     entries = [(k, plan.shapes[k], plan.out_dtypes[k]) for u in plan.units for k in u.keys]
     bar = _progress(progress, plan.out_bytes(), job.command, len(entries))
@@ -894,8 +911,11 @@ def _execute(
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
         record = stage / f"gradmerge_{job.command}.json"
-        record.write_text(json.dumps(job.record(config, shards, seconds), indent=2) + "\n")
-        names = [p.name for p in (*shards, *assets, record)]
+        facts = job.record(config, shards, seconds)
+        record.write_text(json.dumps(facts, indent=2) + "\n")
+        readme = job.write_card(stage, config, facts)
+        names = [p.name for p in (*shards, *assets, record, readme)]
+        snapshot.check()  # an input rewritten while read: nothing is published
     return MergeReport(
         out_dir=target,
         files=tuple(target / n for n in names),
@@ -1029,18 +1049,23 @@ def _progress(enabled: bool, total: int, command: str, tensors: int) -> Progress
     return Progress(f"gradmerge {command}", total, unit="B", items="tensors", items_total=tensors)
 
 
-def _refuse_input_inside(target: Path, job: Job) -> None:
-    inputs = [c.path for c in job.checkpoints.values()] + [f.path for f in job.curvatures.values()]
-    if job.source is not None:
-        inputs.append(job.source)
-    for path in inputs:
-        resolved, out = path.resolve(), target.resolve()
-        if resolved == out or out in resolved.parents:
-            what = "the configuration file" if path == job.source else "an input"
-            raise ConfigError(
-                f"the output folder {target} holds {what} ({path}), which writing it would "
-                "replace or delete; write to another folder"
-            )
+def check_output(
+    config: MergeConfig | RemoveConfig, out_dir: str | os.PathLike[str], *, overwrite: bool
+) -> _guard.Snapshot:
+    """The output guard (:func:`gradmerge._guard.check`) for ``out_dir`` against every input of
+    ``config`` (:meth:`~gradmerge.jobs.config.FromYaml.inputs`), before any input is opened;
+    returns the inputs' :class:`~gradmerge._guard.Snapshot`, checked again before the output is
+    renamed into place.
+
+    Raises:
+        OutputOverlapError: ``out_dir`` is, lies inside or contains an input.
+        OutputExistsError: ``out_dir`` exists and not ``overwrite``.
+        OutputWriteError: ``out_dir`` is a file, lies below one, or its folder is not writable.
+    """
+    inputs = config.inputs()
+    _guard.check([Output("OUT_DIR", Path(out_dir), "folder")], inputs, overwrite=overwrite)
+    # the files read while the merge runs (the configuration was read once, before)
+    return _guard.Snapshot.of([i for i in inputs if i.role != "CONFIG"])
 
 
 def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]:

@@ -57,6 +57,7 @@ KEYS: dict[Job, tuple[str, ...]] = {
         "off_diagonal",
         "common_space_fraction",
         "average",
+        "embeddings",
     ),
     "remove": ("model", "curvature", "prior", "gradient"),
 }
@@ -70,6 +71,7 @@ MEANING = {
     "off_diagonal": "`off_diagonal` (Jin et al.'s factor on the Gram matrices' off-diagonals)",
     "common_space_fraction": "`common_space_fraction` (Iso-CTS's share of the common subspace)",
     "average": "`average` (2-D tensors merged by the mean of the task vectors)",
+    "embeddings": "`embeddings` (whether RegMean averages the embeddings or solves them)",
     "model": "the fine-tuned model θ_t",
     "gradient": "the gradient ∇ℓ̄_t(θ_LLM)",
 }
@@ -210,15 +212,17 @@ REGISTRY: tuple[MergeMethod, ...] = (
     MergeMethod(
         "regmean",
         "merge",
-        "RegMean (Jin et al.) with Gram_t = M_t·A_t = Σ a aᵀ (A_t: each curvature's\n"
-        "K-FAC input factor, a mean over M_t rows), its off-diagonal entries times\n"
-        "`off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.9; 1: the plain closed\n"
-        "form); other tensors are averaged; optional `damping`",
+        "RegMean (Jin et al.): each linear layer's weight from Gram_t = M_t·A_t = Σ x xᵀ\n"
+        "(A_t: each curvature's K-FAC input factor, a mean over M_t rows), off-diagonal\n"
+        "entries times `off_diagonal: r` (Jin et al.'s α, in [0, 1], default 0.1; 1: the\n"
+        "plain closed form); biases, embeddings (`embeddings: gram` solves them too) and\n"
+        "other tensors are averaged; optional `damping`",
         {
             "base_model": "optional",
             "curvature": "required",
             "damping": "optional",
             "off_diagonal": "optional",
+            "embeddings": "optional",
         },
         rules.regmean,
         coverage="kfac",

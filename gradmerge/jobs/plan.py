@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -23,7 +24,7 @@ import torch
 
 from gradmerge._text import first_and_more
 from gradmerge.curvature.io import CurvatureFile, join_groups
-from gradmerge.errors import ConfigError, DTypeError, StructureError
+from gradmerge.errors import ConfigError, DTypeError, InputWarning, StructureError
 from gradmerge.io.reader import Checkpoint
 
 Coverage = Literal["all", "kfac", "none"]
@@ -96,6 +97,9 @@ def build_plan(
             merged tensor or that couple it with a passthrough tensor (each names the tensor).
         DTypeError: a tensor whose dtype differs between inputs.
         ConfigError: a passthrough glob that matches no tensor.
+
+    Warns:
+        InputWarning: ``passthrough`` covers every floating-point tensor (nothing is merged).
     """
     keys = base.keys()
     role = f"base_model ({base.path})"
@@ -104,6 +108,15 @@ def build_plan(
     floating = [k for k in keys if base.dtype(k).is_floating_point]
     copied = matching(keys, passthrough, key="passthrough")
     merged = [k for k in floating if k not in copied]
+    if floating and not merged:
+        warnings.warn(
+            InputWarning(
+                f"passthrough {list(passthrough)} covers every floating-point tensor of the base "
+                "model: nothing is merged, and the output is the base model unchanged; list only "
+                "the tensors to copy (e.g. 'classifier.*')"
+            ),
+            stacklevel=2,
+        )
     if gradient is not None:
         _check_gradient(base, merged, *gradient)
 

@@ -59,8 +59,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from gradmerge import _guard
 from gradmerge import params as P
 from gradmerge._devices import resolve_device
+from gradmerge._guard import Output
 from gradmerge._text import key_list
 from gradmerge._version import __version__
 from gradmerge.curvature import Curvature, load_curvature
@@ -76,7 +78,7 @@ from gradmerge.estimate.options import Fisher, LossFunction, Structure
 from gradmerge.io import sources
 from gradmerge.io.reader import ASSET_PATTERNS
 from gradmerge.io.text_data import TEXT_SUFFIXES, TextOptions
-from gradmerge.io.writer import refuse_existing, staged_output
+from gradmerge.io.writer import staged_output
 from gradmerge.jobs.config import (
     _REQUIRED,
     CurvatureTerm,
@@ -262,15 +264,16 @@ def run_refine(
 
     Raises:
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
-        ConfigError: ``out_dir`` is, or holds, one of the inputs.
+        OutputOverlapError: ``out_dir`` is, lies inside or contains an input (the guard,
+            :mod:`gradmerge._guard`, over :meth:`RefineConfig.inputs`).
+        OutputWriteError: ``out_dir`` cannot be written.
         StructureError: a model whose parameters differ from the start's (named).
         ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.io.sources`).
         NotPositiveDefiniteError, NonFiniteError: from the solve or the data.
     """
     begin = time.perf_counter()
     target = Path(out_dir).absolute()
-    refuse_existing(target, overwrite)
-    _refuse_input_inside(target, config)
+    _guard.check([Output("OUT_DIR", target, "folder")], config.inputs(), overwrite=overwrite)
     device = resolve_device(config.device)
     say = log if log is not None else (lambda line: None)
 
@@ -426,24 +429,6 @@ def _integer(r: _Reader, key: str, default: Any, *, minimum: int | None = None) 
     if minimum is not None and value < minimum:
         raise ConfigError(f"`{key}` must be at least {minimum}, got {value}")
     return value
-
-
-def _refuse_input_inside(target: Path, config: RefineConfig) -> None:
-    """A ConfigError if writing ``target`` would replace or delete an input."""
-    inputs = [config.start, config.base_model]
-    inputs += [s for m in config.models for s in (m.model, m.data)]
-    inputs += [str(path) for path in config.prior.files]
-    if config.source is not None:
-        inputs.append(str(config.source))
-    out = target.resolve()
-    for spec in inputs:
-        path = Path(spec.rpartition(":")[0] if _is_entry_point(spec) else spec)
-        resolved = path.resolve()
-        if resolved == out or out in resolved.parents:
-            raise ConfigError(
-                f"the output folder {target} holds an input ({spec}), which writing it would "
-                "replace or delete; write to another folder"
-            )
 
 
 def _is_entry_point(spec: str) -> bool:

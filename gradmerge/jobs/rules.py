@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from gradmerge import merge, spectral
@@ -49,9 +50,11 @@ class MergeUnit:
     """One unit of a merge, as the engine reads it: θ_LLM, the θ_t and their H_t on the unit's
     tensors, the α_t, the prior H_0, the merge's ``damping``, ``kernel``, the fast elementwise
     evaluator the engine chose (:func:`gradmerge.kernels.select`) for the diagonal merges,
-    RegMean's ``off_diagonal`` factor, the models' ``scale`` (``curvature_scales``, the factor
-    on each H_t; RegMean: on each Gram), the job's ``solver`` settings, and for the spectral
-    merges Iso-CTS's ``common_space_fraction`` and the names of the matrices to ``average``."""
+    RegMean's ``off_diagonal`` factor and ``embeddings`` choice (``average``, or ``gram``: solve
+    the embeddings from their Grams too), the models' ``scale`` (``curvature_scales``, the
+    factor on each H_t; RegMean: on each Gram), the job's ``solver`` settings, and for the
+    spectral merges Iso-CTS's ``common_space_fraction`` and the names of the matrices to
+    ``average``."""
 
     base: Params
     finetuned: Sequence[Params]
@@ -60,9 +63,10 @@ class MergeUnit:
     prior: Precision | None = None
     damping: float = 0.0
     kernel: Kernel | None = None
-    off_diagonal: float = 1.0
+    off_diagonal: float = merge.REGMEAN_OFF_DIAGONAL
     curvature_scales: Sequence[float] | None = None
     solver: SolverSpec | None = None
+    embeddings: str = "average"
     common_space_fraction: float = spectral.ISO_CTS_COMMON_SPACE_FRACTION
     average: frozenset[str] = frozenset()
 
@@ -128,22 +132,29 @@ def gradient_matching(u: MergeUnit) -> Solved:
 
 
 def regmean(u: MergeUnit) -> Solved:
-    """:func:`gm.regmean` with Gram_t = M_t·A_t (+ damping·I) = Σ a aᵀ from each model's K-FAC
-    input factor A_t, a mean over M_t rows (kept positions, or examples: the curvature's
-    ``KFAC.counts``), times the model's ``scale``, off-diagonal entries times ``off_diagonal``
-    (Jin et al.'s r); a unit that is not a K-FAC layer is α-averaged, as RegMean does, through
-    :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
-    found = regmean_grams(u.curvatures, u.damping, keys=sorted(u.finetuned[0]), scales=u.scales())
+    """:func:`gm.regmean` as Jin et al.'s code runs it: each linear layer's weight W from
+    Gram_t = s_t·M_t·A_t (+ damping·I) = Σ x xᵀ, the input factor A_t of each model's K-FAC
+    curvature without its bias column (a mean over M_t rows: kept positions, or examples, the
+    curvature's ``KFAC.counts``; s_t the model's ``scale``), off-diagonal entries times
+    ``off_diagonal`` (their α); every other tensor of the unit — the layer's bias, an
+    embedding (unless ``embeddings: gram``), a tensor without K-FAC factors — is α-averaged
+    through :func:`gm.fisher_average` with identity curvatures (base and prior unused)."""
+    found = regmean_grams(
+        u.curvatures,
+        u.damping,
+        keys=sorted(u.finetuned[0]),
+        scales=u.scales(),
+        embeddings=u.embeddings == "gram",
+    )
     if found is None:
         ones = [ScaledIdentity(1.0)] * len(u.finetuned)  # RegMean averages non-linear parameters
         return merge.fisher_average(u.finetuned, ones, alphas=list(u.alphas)), None
-    grams, kfac = found
+    grams, transposed = found
     merged = merge.regmean(
         u.finetuned,
         grams,
         alphas=list(u.alphas),
-        bias=sorted(kfac.bias),
-        transposed=sorted(kfac.transposed),
+        transposed=transposed,
         off_diagonal=u.off_diagonal,
     )
     return merged, None
@@ -223,24 +234,27 @@ def regmean_grams(
     *,
     keys: Sequence[str] = (),
     scales: Sequence[float] | None = None,
-) -> tuple[list[dict[str, Tensor]], KFAC] | None:
+    embeddings: bool = False,
+) -> tuple[list[dict[str, Tensor]], list[str]] | None:
     """RegMean's Gram matrices of one unit, per model: s_t·M_t·A_t (+ damping·I) from each
-    curvature's K-FAC input factor (in the factor's own dtype), and one of the K-FACs (for its
-    bias and transposed layers); None when no curvature has K-FAC factors here (the unit is
-    α-averaged). Shared by the merge and its ``--dry-run`` check. ``keys`` name the unit in
-    errors."""
+    curvature's K-FAC input factor without its bias row and column (in the factor's own dtype),
+    and the layers among them stored transposed; None when the unit solves nothing (no K-FAC
+    factors here, or only an embedding and ``embeddings`` is False: the unit is α-averaged).
+    An embedding is a layer whose inputs are one-hot (:func:`is_embedding`). Shared by the
+    merge and its ``--dry-run`` check. ``keys`` name the unit in errors."""
     layers = [_kfac_of(c) for c in curvatures]
     if all(k is None for k in layers):
         return None
+    first = next(k for k in layers if k is not None)  # decides which layers are embeddings
+    skipped = set() if embeddings else {n for n in first.terms if is_embedding(first, n)}
     grams: list[dict[str, Tensor]] = []
-    kfac: KFAC | None = None
+    transposed: set[str] = set()
     factors = list(scales or [1.0] * len(curvatures))
     for t, (k, c) in enumerate(zip(layers, curvatures, strict=True)):
         if k is None or c is None:
             raise StructureError(
                 f"model {t} has no K-FAC factors for {list(keys)[:2]}, the others have"
             )
-        kfac = k
         if k.weight_shapes:
             raise ArgumentError(
                 f"regmean merges linear layers; {sorted(k.weight_shapes)} have weights of another "
@@ -252,14 +266,29 @@ def regmean_grams(
                 raise ArgumentError(
                     f"regmean needs one Kronecker term per layer; {name!r} has {len(terms)}"
                 )
-            rows = _rows(k, name, t, len(curvatures)) * factors[t]
-            a = rows * terms[0][0]  # s·M·A = s·Σ a aᵀ, the raw Gram
+            if name in skipped:
+                continue
+            a = terms[0][0][:-1, :-1] if name in k.bias else terms[0][0]  # the weight's inputs
+            a = _rows(k, name, t, len(curvatures)) * factors[t] * a  # s·M·A = s·Σ x xᵀ
             damped = a + damping * eye_like(a) if damping else a
             # in the precision the factor was estimated in: regmean judges its round-off by it
             gram[name] = damped.to(k.coarsest_dtype or damped.dtype)
+            if name in k.transposed:
+                transposed.add(name)
         grams.append(gram)
-    assert kfac is not None  # at least one layer (checked above)
-    return grams, kfac
+    if not grams[0]:
+        return None
+    return grams, sorted(transposed)
+
+
+def is_embedding(kfac: KFAC, name: str) -> bool:
+    """Whether K-FAC layer ``name`` is an embedding lookup: inputs one-hot, so its input factor A
+    (token counts / M) is diagonal, its weight stored (in, out) and without bias — as
+    ``nn.Embedding``'s factors are estimated (a linear layer's A has off-diagonal entries)."""
+    if name not in kfac.transposed or name in kfac.bias:
+        return False
+    a = kfac.terms[name][0][0]
+    return bool(torch.count_nonzero(a - torch.diag_embed(a.diagonal())) == 0)
 
 
 def _rows(kfac: KFAC, name: str, t: int, tasks: int) -> float:

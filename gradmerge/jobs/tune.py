@@ -71,8 +71,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradmerge import _guard
 from gradmerge import params as P
-from gradmerge.errors import ArgumentError, GradmergeError, OutputExistsError, SelectionWarning
+from gradmerge._guard import Output, publish_folder, write_error
+from gradmerge.errors import ArgumentError, GradmergeError, OutputWriteError, SelectionWarning
 from gradmerge.jobs.config import MergeConfig
 from gradmerge.params import Params
 
@@ -356,15 +358,18 @@ def tune(
 
     Raises:
         OutputExistsError: ``keep`` exists and not ``overwrite`` (checked before any merge).
+        OutputOverlapError: ``keep`` is, lies inside or contains an input of ``config`` (the
+            guard, :mod:`gradmerge._guard`; with ``overwrite`` too).
+        OutputWriteError: ``keep``'s folder cannot be written (before any merge), or a merge
+            could not be written (a full disk: the grid stops there).
         ArgumentError: no points.
     """
     from gradmerge.jobs.engine import run_merge
 
     if not points:
         raise ArgumentError("no settings to try: give at least one grid point")
-    if keep is not None and keep.exists() and not overwrite:
-        raise OutputExistsError(f"{keep} exists; pass overwrite=True (--overwrite) to replace it")
     if keep is not None:
+        _guard.check([Output("--out-dir", keep, "folder")], config.inputs(), overwrite=overwrite)
         keep.parent.mkdir(parents=True, exist_ok=True)
     work = Path(
         tempfile.mkdtemp(prefix=".gradmerge-tune-", dir=None if keep is None else keep.parent)
@@ -384,6 +389,10 @@ def tune(
                     point.criterion = float(criterion)
                 else:
                     point.error = f"the criterion is {criterion} (non-finite)"
+            except OutputWriteError as err:  # a full or read-only disk fails every point: stop
+                if keep is None:
+                    raise
+                raise write_error("--out-dir", keep, err) from err
             except GradmergeError as err:
                 point.error = f"{type(err).__name__}: {err}"
             scored.append(point)
@@ -399,11 +408,8 @@ def tune(
         if edges:
             warnings.warn(edge_message(edges), SelectionWarning, stacklevel=2)
         kept = None
-        if keep is not None and best is not None:
-            old = work / "replaced"
-            if keep.exists():  # moved aside, then removed: keep never holds a partial model
-                keep.rename(old)
-            (work / f"point-{best}").rename(keep)
+        if keep is not None and best is not None:  # keep never holds a partial model
+            publish_folder(work / f"point-{best}", keep, overwrite, "--out-dir")
             kept = keep
         return TuneResult(scored, best, kept, edges)
     finally:

@@ -111,7 +111,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
             "θ_LLM",
         ):
             r = by[T, method]
-            assert set(r["accuracy"]) == {"reviews", *study.ADDED[:T], "mean"}
+            assert set(r["accuracy"]) == {study.BASE, *study.ADDED[:T], "mean"}
             for d, correct in r["correct"].items():
                 assert len(correct) == r["n"][d] == 16
                 assert r["accuracy"][d] == pytest.approx(correct.count("1") / len(correct))
@@ -131,8 +131,51 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         assert lo <= c["pooled"]["difference"] <= hi
     assert set(
         report["interference (fine-tuned − task arithmetic α=1, largest T)"]["mean over seeds"]
-    ) == {"snippets", "sentences"}
+    ) == set(study.ADDED[:2])
     assert (tmp_path / "interference-cpu.png").stat().st_size > 10_000
     assert "environment" in report and report["command"].startswith(
         "python -m benchmarks.interference"
     )
+
+
+def test_recompute_and_markdown_of_a_report(tmp_path):
+    """--recompute rebuilds summary and comparisons from the seeds' rows alone; --markdown
+    renders them (a two-seed report built from rows, not from a run)."""
+
+    def rows(shift: int) -> list[dict]:
+        out = []
+        for method, correct in (
+            ("task arithmetic α=1", "1100"),
+            ("task arithmetic, α by tune --criterion loss+base", "1110"),
+            ("grad. matching (official), kfac", "1111"),
+        ):
+            c = correct[shift:] + correct[:shift]
+            out.append(study.row(1, method, {study.BASE: {"accuracy": c.count("1") / 4, "n": 4,
+                                                          "correct": c}}))  # fmt: skip
+        return out
+
+    seeds = [
+        {"seed": s, "rows": rows(s), "removal": {"removed": "dutch", "rows": []}} for s in (0, 1)
+    ]
+    report = {
+        "command": "python -m benchmarks.interference",
+        "config": {"work": str(tmp_path), "bootstrap": 200, "datasets": 1},
+        "base": {},
+        "seeds": seeds,
+        "environment": {"machine": "test"},
+    }
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "interference.provenance.json").write_text("{}")
+    src, other = tmp_path / "in.json", tmp_path / "other.json"
+    src.write_text(json.dumps(report | {"seeds": seeds[:1]}))
+    other.write_text(json.dumps(report | {"seeds": seeds[1:]}))
+    args = ["--recompute", str(src), str(other), "--out", str(tmp_path), "--stem", "r"]
+    assert study.main(args) == 0
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert [s["seed"] for s in out["seeds"]] == [0, 1]  # seeds of both files
+    by = {(c["method"], c["against"]): c for c in out["comparisons"]}
+    gm = by["grad. matching (official), kfac", "task arithmetic α=1"]
+    assert gm["pooled"]["difference"] == pytest.approx(0.5)  # 4/4 − 2/4 in both seeds
+    assert [s["difference"] for s in gm["per seed"]] == pytest.approx([0.5, 0.5])
+    text = study.markdown(out)
+    assert "| grad. matching (official), kfac | 2 | 1.000 ± 0.000 | +50.0" in text

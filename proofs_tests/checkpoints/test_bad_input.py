@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge.errors import ConfigError, OutputExistsError
+from gradmerge.errors import ConfigError, OutputExistsError, OutputOverlapError
 from gradmerge.io import writer
 from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
 from proofs_tests.checkpoints.workspace import make_workspace
@@ -171,7 +171,7 @@ def test_existing_output_is_refused_and_replaced_only_when_asked(ws, tmp_path):
 
 
 def test_output_inside_an_input_is_refused(ws, tmp_path):
-    with pytest.raises(ConfigError, match="holds an input"):
+    with pytest.raises(OutputOverlapError, match="contains base_model"):
         run_merge(_gm_config(ws), ws.root, overwrite=True, progress=False)
     assert ws.base.is_file()
 

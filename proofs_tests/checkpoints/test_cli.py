@@ -33,7 +33,9 @@ def test_merge_end_to_end(ws, tmp_path, capsys):
     for k, v in expected.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0)
 
-    assert cli.main(["merge", _merge_yaml(ws), str(out)]) == 1  # exists
+    with pytest.raises(SystemExit) as info:  # exists: the output guard, before any work
+        cli.main(["merge", _merge_yaml(ws), str(out)])
+    assert info.value.code == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
     assert cli.main(["merge", _merge_yaml(ws), str(out), "--overwrite", "--no-progress"]) == 0
 

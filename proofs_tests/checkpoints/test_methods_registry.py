@@ -48,9 +48,9 @@ def _regmean_reference(ws: Workspace) -> dict[str, Any]:
     for path in ws.curvatures:
         c = gm.load_curvature(path)
         kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
-        grams.append({m: kfac.counts[m] * t[0][0] for m, t in kfac.terms.items()})
-    r = gm.merge.REGMEAN_OFF_DIAGONAL  # the YAML default of Jin et al.'s off-diagonal factor
-    return gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
+        # the weights' inputs (bias column left out: RegMean averages the biases)
+        grams.append({m: kfac.counts[m] * t[0][0][:-1, :-1] for m, t in kfac.terms.items()})
+    return gm.regmean(fts, grams, alphas=ALPHAS)  # the YAML's default r is gm.regmean's
 
 
 REST = {"delta": 1e-1, "curvature": "base.curvature.safetensors"}
@@ -196,6 +196,7 @@ VALUES = {
     "off_diagonal": 0.5,
     "common_space_fraction": 0.5,
     "average": ["*"],
+    "embeddings": "gram",
 }
 
 REFUSED = [

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge.errors import MissingInputError, OutputExistsError
+from gradmerge.errors import MissingInputError, OutputExistsError, OutputWriteError
 from gradmerge.io import ShardedWriter, open_checkpoint, staged_output
 
 TENSORS = {
@@ -152,7 +152,7 @@ def test_staged_output_is_atomic(tmp_path):
         pass
     (tmp_path / "file").write_text("")
     with (
-        pytest.raises(OutputExistsError, match="not a folder"),
+        pytest.raises(OutputWriteError, match="is a file; give a folder name"),
         staged_output(tmp_path / "file", overwrite=True),
     ):
         pass

@@ -237,15 +237,18 @@ def test_a_model_of_another_architecture_is_refused_and_nothing_written(setting,
 
 def test_outputs_that_would_overwrite_an_input_or_exist_are_refused(setting, tmp_path, capsys):
     config = RefineConfig.from_yaml(_config(setting))
-    for out in (setting.start, setting.root, setting.models[1]):
-        with pytest.raises(gm.ConfigError, match="holds an input"):
+    for out, relation in ((setting.start, "is start"), (setting.root, "contains CONFIG")):
+        with pytest.raises(gm.OutputOverlapError, match=f"OUT_DIR {out} {relation}"):
             run_refine(config, out, overwrite=True)
+    with pytest.raises(gm.OutputOverlapError, match=r"lies inside models\[1\]\.model"):
+        run_refine(config, setting.models[1] / "out", overwrite=True)
     existing = tmp_path / "existing"
     existing.mkdir()
     with pytest.raises(gm.OutputExistsError):
         run_refine(config, existing)
-    assert main(["refine", str(_config(setting)), str(setting.start), "--overwrite"]) == 1
-    assert "holds an input" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["refine", str(_config(setting)), str(setting.start), "--overwrite"])
+    assert info.value.code == 2 and f"OUT_DIR {setting.start} is start" in capsys.readouterr().err
     assert (setting.start / "model.safetensors").is_file()
 
 

@@ -100,9 +100,9 @@ def test_regmean_uses_the_kfac_input_factors(ws, tmp_path, off_diagonal):
         c = gm.load_curvature(path)
         kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
         n = int(c.meta["num_examples"])
-        grams.append({m: n * t[0][0] for m, t in kfac.terms.items()})
+        grams.append({m: n * _weight_inputs(kfac, m) for m in kfac.terms})
     r = gm.merge.REGMEAN_OFF_DIAGONAL if off_diagonal is None else off_diagonal  # YAML default
-    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
+    expected = gm.regmean(fts, grams, alphas=ALPHAS, off_diagonal=r)  # biases averaged
     assert_same(out, expected)
     # the LayerNorm (no K-FAC factor) is the α-weighted average, as in RegMean
     w = sum(a * ft["2.weight"] for a, ft in zip(ALPHAS, fts, strict=True)) / sum(ALPHAS)
@@ -210,6 +210,12 @@ def test_per_model_scale_multiplies_the_curvature(ws, tmp_path, method):
     assert max(float((plain[k] - out[k]).abs().max()) for k in expected) > 1e-4  # it mattered
 
 
+def _weight_inputs(kfac, m):
+    """Layer m's input factor A without its bias column (RegMean averages biases)."""
+    a = kfac.terms[m][0][0]
+    return a[:-1, :-1] if m in kfac.bias else a
+
+
 def test_per_model_scale_multiplies_regmean_grams(ws, tmp_path):
     if ws.structure != "kfac":
         return
@@ -220,9 +226,8 @@ def test_per_model_scale_multiplies_regmean_grams(ws, tmp_path):
         c = gm.load_curvature(path)
         kfac = next(b for b in c.blocks if isinstance(b, gm.KFAC))
         n = int(c.meta["num_examples"])
-        grams.append({m: (s * n) * t[0][0] for m, t in kfac.terms.items()})
-    r = gm.merge.REGMEAN_OFF_DIAGONAL
-    expected = gm.regmean(fts, grams, alphas=ALPHAS, bias=sorted(kfac.bias), off_diagonal=r)
+        grams.append({m: (s * n) * _weight_inputs(kfac, m) for m in kfac.terms})
+    expected = gm.regmean(fts, grams, alphas=ALPHAS)  # Jin et al.'s r, biases averaged
     assert_same(out, expected)
 
 

@@ -67,15 +67,15 @@ def test_out_is_a_file(tmp_path, capsys, no_study):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", "--quick", "--out", str(target)])
     assert exit_info.value.code == 2
-    assert "is a file" in capsys.readouterr().err
-    with pytest.raises(gm.ArgumentError, match="is a file"):
+    assert f"--out {target} is a file; give a folder name" in capsys.readouterr().err
+    with pytest.raises(gm.OutputWriteError, match="is a file; give a folder name"):
         run_demo(target, quick=True, log=None)
-    with pytest.raises(gm.ArgumentError, match="which is a file"):
+    with pytest.raises(gm.OutputWriteError, match=f"{target} is a file, not a folder"):
         run_demo(target / "demo", quick=True, log=None)
     assert target.read_text() == "keep me"
 
 
-def test_non_empty_out_needs_overwrite(tmp_path, capsys, no_study):
+def test_existing_out_needs_overwrite(tmp_path, capsys, no_study):
     out = tmp_path / "demo"
     out.mkdir()
     (out / "old.txt").write_text("old")
@@ -83,7 +83,7 @@ def test_non_empty_out_needs_overwrite(tmp_path, capsys, no_study):
         cli.main(["demo", "--quick", "--out", str(out)])
     assert exit_info.value.code == 2
     assert "--overwrite" in capsys.readouterr().err
-    with pytest.raises(gm.ArgumentError, match="not empty"):
+    with pytest.raises(gm.OutputExistsError, match="exists; pass --overwrite"):
         run_demo(out, quick=True, log=None)
     assert (out / "old.txt").read_text() == "old"
 
@@ -111,10 +111,11 @@ def _unwritable(tmp_path: Path) -> Path:
 
 def test_unwritable_out(tmp_path, capsys, no_study):
     out = _unwritable(tmp_path) / "demo"
-    with pytest.raises(gm.ArgumentError, match="cannot write"):
+    with pytest.raises(gm.OutputWriteError, match="could not be written"):
         run_demo(out, quick=True, log=None)
-    assert cli.main(["demo", "--quick", "--out", str(out)]) == 2
-    assert "cannot write" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--quick", "--out", str(out)])
+    assert info.value.code == 2 and "could not be written" in capsys.readouterr().err
     assert not out.exists()
 
 

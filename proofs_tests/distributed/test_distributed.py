@@ -375,7 +375,9 @@ def test_an_existing_output_is_refused_on_every_rank(main_job):
     _, ranks = main_job
     for rank in ranks:
         exists = rank["merge_exists"]
-        assert exists["error"] == "DistributedError" and set(exists["failures"]) == {0}
+        # every rank applies the output guard before opening the inputs
+        assert exists["error"] == "DistributedError"
+        assert set(exists["failures"]) == set(range(len(ranks)))
         assert "OutputExistsError" in exists["message"]
 
 

@@ -41,9 +41,11 @@ def test_the_tutorial_covers_the_path():
         "gradmerge merge",
         "gradmerge remove",
         "gradmerge evaluate",
+        "--compare",
     ):
         assert step in commands, step
     assert any("accuracy" in code for language, code in blocks() if language == "python")
+    assert any("ModelCard" in code for language, code in blocks() if language == "python")
 
 
 def test_the_tutorial_runs(tmp_path, monkeypatch):

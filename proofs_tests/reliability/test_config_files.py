@@ -146,12 +146,15 @@ def test_case7_output_folder_holding_the_config_is_refused(folder, capsys):
     cfgdir.mkdir()
     (cfgdir / "m.yaml").write_text(yaml.safe_dump(config))
     argv = ["merge", str(cfgdir / "m.yaml"), str(cfgdir), "--overwrite", "--no-progress"]
-    assert cli.main(argv) == 1
-    assert "holds the configuration file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # the output guard: an argument error, before work
+        cli.main(argv)
+    assert info.value.code == 2
+    assert f"OUT_DIR {cfgdir} contains CONFIG" in capsys.readouterr().err
     assert (cfgdir / "m.yaml").is_file()
     # a parent of the config folder too
     argv = ["merge", str(cfgdir / "m.yaml"), str(folder), "--overwrite", "--no-progress"]
-    assert cli.main(argv) == 1
+    with pytest.raises(SystemExit):
+        cli.main(argv)
     assert (cfgdir / "m.yaml").is_file()
     # another folder is fine
     assert cli.main(["merge", str(cfgdir / "m.yaml"), str(folder / "out"), "--no-progress"]) == 0
@@ -182,4 +185,61 @@ def test_case14_distinct_models_do_not_warn(folder, recwarn):
         "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}],
     }
     MergeConfig.from_dict(config, root=folder)
+    assert not [w for w in recwarn if issubclass(w.category, gm.InputWarning)]
+
+
+@pytest.mark.parametrize("command", ["merge", "remove", "refine"])
+@pytest.mark.parametrize("form", ["flow list", "block list", "flow mapping"])
+def test_issue29_deep_nesting_is_a_config_error(folder, capsys, command, form):
+    """A YAML value nested 5,000 deep (the adversarial pass's RecursionError traceback) is a
+    ConfigError on one line, from every reader of configuration files."""
+    depth = 5000
+    nested = {
+        "flow list": "[" * depth + "]" * depth,
+        "block list": "\n".join(" " * i + "-" for i in range(depth)),
+        "flow mapping": "{a: " * depth + "1" + "}" * depth,
+    }[form]
+    path = folder / "deep.yaml"
+    path.write_text(f"method: task_arithmetic\nbase_model: base.safetensors\nmodels:\n  {nested}\n"
+                    if form != "block list" else f"models:\n{nested}\n")  # fmt: skip
+    code = cli.main([command, str(path), str(folder / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"gradmerge {command}: error:" in err and "nests deeper than" in err
+    assert "Traceback" not in err and not (folder / "out").exists()
+    with pytest.raises(ConfigError, match="nests deeper than"):
+        MergeConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("patterns", [["*"], ["w", "*"], ["w*"]])
+def test_issue29_passthrough_covering_every_tensor_warns(folder, capsys, patterns):
+    """Nothing merged: the output is the base unchanged; said on one line (exit 0, as asked)."""
+    config = {
+        "method": "task_arithmetic",
+        "base_model": "base.safetensors",
+        "models": [{"model": "a.safetensors"}],
+        "passthrough": patterns,
+    }
+    (folder / "p.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["merge", str(folder / "p.yaml"), str(folder / "out"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and "covers every floating-point tensor" in lines[0]
+    assert "the output is the base model unchanged" in lines[0]
+    with pytest.warns(gm.InputWarning, match="covers every floating-point tensor"):
+        gm.run_merge(MergeConfig.from_yaml(folder / "p.yaml"), folder / "out2", progress=False)
+
+
+def test_issue29_passthrough_of_some_tensors_does_not_warn(folder, recwarn):
+    import torch
+
+    for name in ("base", "a"):
+        save_file({"w": torch.ones(2), "head": torch.ones(3)}, folder / f"{name}.safetensors")
+    config = {
+        "method": "task_arithmetic",
+        "base_model": "base.safetensors",
+        "models": [{"model": "a.safetensors"}],
+        "passthrough": ["head"],
+    }
+    gm.run_merge(MergeConfig.from_dict(config, root=folder), folder / "out", progress=False)
     assert not [w for w in recwarn if issubclass(w.category, gm.InputWarning)]

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge.errors import ArgumentError, FileFormatError
+from gradmerge.errors import FileFormatError, OutputOverlapError
 from gradmerge.io.official import convert_curvature
 
 FISHER = {"w": torch.tensor([1.0, 0.5, 2.0]), "b": torch.tensor([0.25])}
@@ -34,9 +34,9 @@ def test_out_equal_to_src_is_refused_and_the_fisher_kept(tmp_path, capsys):
     save_file(FISHER, src)
     before = src.read_bytes()
     code, err = _convert(capsys, src, src, "--overwrite")
-    assert code == 2 and "is, or is inside, SRC" in err
+    assert code == 2 and "OUT " + str(src) + " is SRC" in err
     assert src.read_bytes() == before
-    with pytest.raises(ArgumentError, match="is, or is inside, SRC"):
+    with pytest.raises(OutputOverlapError, match="is SRC"):
         convert_curvature(src, src)
     assert src.read_bytes() == before
 
@@ -49,9 +49,9 @@ def test_out_inside_src_is_refused(tmp_path, capsys, layout):
     src = run / "hessian" if layout == "hessian folder" else run
     out = run / "hessian" / "F.safetensors"
     code, err = _convert(capsys, src, out)
-    assert code == 2 and "is, or is inside, SRC" in err
+    assert code == 2 and "lies inside SRC" in err
     assert not out.exists()
-    with pytest.raises(ArgumentError, match="is, or is inside, SRC"):
+    with pytest.raises(OutputOverlapError, match="lies inside SRC"):
         convert_curvature(src, out)
     assert sorted(p.name for p in (run / "hessian").iterdir()) == ["pytorch_model.bin"]
 

@@ -91,7 +91,7 @@ def test_case2_out_inside_model_is_refused(gpt2_folder, tmp_path, capsys, name):
     with pytest.raises(SystemExit) as info:
         _curvature(folder, gpt2_folder / "data.safetensors", folder / name, "--overwrite")
     assert info.value.code == 2
-    assert "is, or is inside, MODEL" in capsys.readouterr().err
+    assert "lies inside MODEL" in capsys.readouterr().err
     assert (folder / "model.safetensors").read_bytes() == before
     assert not (folder / "c.curvature.safetensors").exists()
 
@@ -101,7 +101,7 @@ def test_case2_out_equal_to_data_is_refused(gpt2_folder, tmp_path, capsys):
     shutil.copy(gpt2_folder / "data.safetensors", data)
     with pytest.raises(SystemExit):
         _curvature(gpt2_folder / "model", data, data, "--overwrite")
-    assert "is, or is inside, DATA" in capsys.readouterr().err
+    assert "is DATA" in capsys.readouterr().err
     assert set(load_file(data)) == {"input_ids", "labels"}
 
 
@@ -151,7 +151,7 @@ def test_case13_unwritable_out_is_refused_before_estimating(
             blocker / "sub" / "c.safetensors",
         )
     assert info.value.code == 2 and estimated == []
-    assert f"cannot be written ({blocker} is not a folder)" in capsys.readouterr().err
+    assert f"cannot be written: {blocker} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_case13_read_only_folder_is_refused_before_estimating(gpt2_folder, tmp_path, capsys):
@@ -184,9 +184,6 @@ def test_case13_dry_run_says_values_are_not_checked(tmp_path, capsys):
     }
     path = str(ws.yaml("nan.yaml", config))
     assert cli.main(["merge", path, str(tmp_path / "out"), "--dry-run"]) == 0
-    assert (
-        "values — NaN/Inf, definiteness, overflow — are checked only by the real run"
-        in capsys.readouterr().out
-    )
+    assert "values — NaN/Inf — are checked only by the real run" in capsys.readouterr().out
     assert cli.main(["merge", path, str(tmp_path / "out"), "--no-progress"]) == 1
     assert "NaN" in capsys.readouterr().err

@@ -134,20 +134,24 @@ def test_kfac_counts_are_the_kept_positions_and_are_saved(tasks):
 
 
 def test_streamed_regmean_equals_regmean_on_the_raw_grams(tasks, tmp_path):
+    """Each linear layer's weight from its inputs' Gram Σ x xᵀ (the bias column left out: the
+    biases are averaged, as in Jin et al.'s code) and, with `embeddings: gram`, the embedding
+    from its token counts."""
     root, models, files, grams = tasks
-    run_merge(_config(root, models, files), tmp_path / "out", progress=False)
+    run_merge(_config(root, models, files, embeddings="gram"), tmp_path / "out", progress=False)
     got = load_file(tmp_path / "out" / "model.safetensors")
     fts = [{k: v for k, v in load_file(m).items()} for m in models]
     r = gm.merge.REGMEAN_OFF_DIAGONAL  # the YAML default of Jin et al.'s off-diagonal factor
-    kw = {"bias": ["head", "l1"], "transposed": ["emb"], "off_diagonal": r}
-    expected = gm.regmean(fts, grams, alphas=[0.7, 1.3], **kw)
+    kw = {"transposed": ["emb"], "off_diagonal": r}
+    weights = [{m: g[:-1, :-1] if m != "emb" else g for m, g in gs.items()} for gs in grams]
+    expected = gm.regmean(fts, weights, alphas=[0.7, 1.3], **kw)
     for k, v in expected.items():
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12)
     # the old N·A Grams (N = 6 examples each) give another merge: the test can tell them apart
     old = []
     for path in files:
         kfac = _kfac(gm.load_curvature(path))
-        old.append({m: 6 * kfac.terms[m][0][0] for m in ("l1", "head")})
+        old.append({m: 6 * kfac.terms[m][0][0][:-1, :-1] for m in ("l1", "head")})
     old = [{**o, "emb": g["emb"]} for o, g in zip(old, grams, strict=True)]
     wrong = gm.regmean(fts, old, alphas=[0.7, 1.3], **kw)
     assert float((wrong["l1.weight"] - expected["l1.weight"]).abs().max()) > 1e-3

@@ -98,7 +98,8 @@ def test_classifiers_equal_hugging_faces_loss_and_argmax(folders, capsys):
         "--batch-size",
         3,
     )
-    assert report["format"] == "gradmerge-evaluate/1"
+    assert report["format"] == "gradmerge-evaluate/2"
+    assert report["data"] == [str(folders["reviews"])]
     assert [row["model"] for row in report["models"]] == [
         str(folders["bert0"]),
         str(folders["bert1"]),
@@ -291,9 +292,9 @@ BAD = [
     ("--out exists", lambda f, t: [f["bert0"], f["reviews"], "--out", _old(t)], 2,
      "exists; pass --overwrite"),
     ("--out is DATA", lambda f, t: [f["bert0"], f["reviews"], "--out", f["reviews"],
-                                    "--overwrite"], 2, "is, or is inside, DATA"),
+                                    "--overwrite"], 2, "is DATA"),
     ("--out inside a model", lambda f, t: [f["bert0"], f["reviews"], "--out",
-                                           f["bert0"] / "scores.json"], 2, "is, or is inside"),
+                                           f["bert0"] / "scores.json"], 2, "lies inside MODEL"),
     ("--out is a folder", lambda f, t: [f["bert0"], f["reviews"], "--out", t], 2, "is a folder"),
     ("no such model", lambda f, t: [t / "nothing", f["reviews"]], 2, "neither a folder"),
     ("no such data", lambda f, t: [f["bert0"], t / "none.jsonl"], 2, "does not exist"),
@@ -366,3 +367,22 @@ def test_in_order_undoes_a_permutation_of_the_examples(seed, examples):
     )
     with pytest.raises(ArgumentError, match="permutation"):
         straight.in_order([0] * examples if examples > 1 else [1])
+
+
+def test_issue29_a_causal_lm_says_it_ignores_the_labels(folders, capsys):
+    """Labelled records scored by a causal LM: the labels take no part (next-token prediction
+    of the text), and the command says so instead of ignoring them silently; records without
+    the field get no such line, and a classifier uses it."""
+    capsys.readouterr()
+    assert (
+        cli.main(["evaluate", str(folders["gpt2"]), str(folders["reviews"]), "--no-progress"]) == 0
+    )
+    err = capsys.readouterr().err
+    assert f"{len(REVIEWS)} of {len(REVIEWS)} records have a `label` field" in err
+    assert "a causal LM ignores it (it is scored on next-token prediction of the text)" in err
+    assert cli.main(["evaluate", str(folders["gpt2"]), str(folders["sentences"]),
+                     "--no-progress"]) == 0  # fmt: skip
+    assert "ignores it" not in capsys.readouterr().err
+    assert cli.main(["evaluate", str(folders["bert0"]), str(folders["reviews"]),
+                     "--no-progress"]) == 0  # fmt: skip
+    assert "ignores it" not in capsys.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ BAD = [
     ("one --validation for two models", ("task_arithmetic", {}),
      ["--alphas", "1", "--validation", "@a"], None, 1, "--validation DATA were given"),
     ("--out-dir inside the base", ("task_arithmetic", {}),
-     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 1, "is, or is inside, the merge's input"),
+     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 2, "lies inside base_model"),
     ("a base that is no model folder", ("task_arithmetic", {"base_model": "base/model.safetensors"}),
      ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
     ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "."], None, 2,
@@ -368,3 +369,50 @@ def test_choose_is_the_first_least_value(values):
         return
     assert values[index] == min(present)
     assert all(v is None or v > values[index] for v in values[:index])
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_issue29_every_failed_points_reason_is_printed_in_every_mode(setup, tmp_path, capsys,
+                                                                     progress):  # fmt: skip
+    """``--no-progress`` printed "every setting failed (errors above)" with nothing above."""
+    config = _config(setup, "ta.yaml", "task_arithmetic")
+    argv = ["tune", str(config), str(setup / "a.jsonl"), str(setup / "b.jsonl"), "--alphas",
+            "1e300,2e300"] + ([] if progress else ["--no-progress"])  # fmt: skip
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "every setting failed (each one's error is in the table)" in captured.err
+    table = [line for line in captured.out.splitlines() if re.search(r" failed +\(", line)]
+    assert len(table) == 2 and all("NonFiniteError" in line or "Overflow" in line for line in table)
+
+
+def test_issue29_data_without_labels_are_refused_before_the_first_merge(setup, tmp_path, capsys,
+                                                                        monkeypatch):  # fmt: skip
+    (tmp_path / "unlabelled.jsonl").write_text(json.dumps({"text": "a film"}) + "\n")
+    merges = []
+    import gradmerge.jobs.engine as engine
+
+    monkeypatch.setattr(engine, "run_merge", lambda *a, **k: merges.append(1))
+    config = _config(setup, "ta.yaml", "task_arithmetic")
+    argv = ["tune", str(config), str(setup / "a.jsonl"), str(tmp_path / "unlabelled.jsonl"),
+            "--alphas", "0.5,1", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "unlabelled.jsonl" in err and "label" in err and "every setting failed" not in err
+    assert merges == []
+
+
+def test_autocast_scores_each_point_within_bfloat16_rounding(setup, tmp_path):
+    """--autocast bfloat16: every point's training losses equal the float32 ones to bfloat16's
+    rounding (the same merges, the forward under torch.autocast)."""
+    config = _config(setup, "ta-bf16.yaml", "task_arithmetic")
+    reports = {}
+    for flags in ([], ["--autocast", "bfloat16"]):
+        out = tmp_path / f"tune{len(flags)}.json"
+        assert _tune(setup, config, "--alphas", "0.5,1", "--out", out, *flags) == 0
+        reports[bool(flags)] = _report(out)
+    for low, exact in zip(reports[True]["points"], reports[False]["points"], strict=True):
+        assert low["scale"] == exact["scale"]
+        for a, b in zip(low["tasks"], exact["tasks"], strict=True):
+            assert a["examples"] == b["examples"]
+            assert math.isclose(a["mean_loss"], b["mean_loss"], rel_tol=0.05)
+        assert low["criterion"] != exact["criterion"]  # computed in bfloat16 indeed

@@ -120,6 +120,7 @@ def _part(module: str) -> str:
 LAYERS: dict[str, tuple[str, ...]] = {
     "core": (
         "gradmerge.errors",
+        "gradmerge.bootstrap",
         "gradmerge.params",
         "gradmerge.merge",
         "gradmerge.spectral",
@@ -131,6 +132,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge._text",
         "gradmerge._files",
         "gradmerge._readahead",
+        "gradmerge._guard",
         "gradmerge._progress",
         "gradmerge._devices",
         "gradmerge._weight_sample",

@@ -297,9 +297,13 @@ def test_existing_out_needs_overwrite(workdir, capsys):
     assert out.read_text() == "old"
     assert _run(*args, "--overwrite") == 0
     assert isinstance(gm.load_curvature(out), gm.Diagonal)
+    (workdir / "a-folder").mkdir()
     with pytest.raises(SystemExit):
-        _run(args[0], args[1], str(workdir))  # a folder
-    assert "is a folder" in capsys.readouterr().err
+        _run(args[0], args[1], str(workdir / "a-folder"))
+    assert "is a folder; give a file name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a folder that holds MODEL: the collision is said first
+        _run(args[0], args[1], str(workdir))
+    assert f"OUT {workdir} contains MODEL" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

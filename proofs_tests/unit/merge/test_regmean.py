@@ -28,7 +28,9 @@ def test_regmean_equals_the_closed_form(seed, tasks, with_bias):
         fts.append(ft)
         grams.append({"fc": torch.as_tensor(xa.T @ xa)})
         mats.append((np.hstack([w, b[:, None]]) if with_bias else w, xa.T @ xa))
-    got = gm.regmean(fts, grams, alphas=alphas, bias=["fc"] if with_bias else [])
+    got = gm.regmean(  # r = 1: the plain closed form (the default r is Jin et al.'s 0.1)
+        fts, grams, alphas=alphas, bias=["fc"] if with_bias else [], off_diagonal=1.0
+    )
     num = sum(a * m @ g for a, (m, g) in zip(alphas, mats, strict=True))
     expected = num @ np.linalg.inv(sum(a * g for a, (_, g) in zip(alphas, mats, strict=True)))
     np.testing.assert_allclose(got["fc.weight"].numpy(), expected[:, :n_in], rtol=1e-9)

@@ -78,7 +78,7 @@ def test_every_failing_layer_is_named_and_the_suggested_damping_is_above_every_t
     grams[0]["l1"] = grams[0]["l1"] + 50 * torch.eye(6)  # this one is fine
     fts = [{f"{n}.weight": torch.randn(2, 6) for n in layers} for _ in range(2)]
     with pytest.raises(gm.NotPositiveDefiniteError) as info:
-        gm.regmean(fts, grams)
+        gm.regmean(fts, grams, off_diagonal=1.0)  # the plain closed form
     message, delta = str(info.value), info.value.suggested_delta
     assert "2 of 3 layers" in message and "'l0'" in message and "'l2'" in message
     assert "'l1'" not in message
@@ -87,24 +87,24 @@ def test_every_failing_layer_is_named_and_the_suggested_damping_is_above_every_t
     assert f"{delta:.2e}" in message
     # the suggestion works: damp every Gram by it (as YAML `damping:` does) and it solves
     damped = [{n: g + delta * torch.eye(6) for n, g in t.items()} for t in grams]
-    assert all(s.ok for s in regmean_systems(damped, [1.0, 1.0]))
-    gm.regmean(fts, damped)
+    assert all(s.ok for s in regmean_systems(damped, [1.0, 1.0], off_diagonal=1.0))
+    gm.regmean(fts, damped, off_diagonal=1.0)
 
 
 @pytest.mark.parametrize("alphas", [[1.0, 1.0], [0.3, 2.0], [1.0, -0.5]])
 def test_regmean_systems_verdict_is_the_solve_verdict(alphas):
     """The check the dry run uses and the merge's own decision agree on passing and failing
-    layers (one fine, one singular)."""
+    layers (one fine, one singular; r = 1, the plain closed form)."""
     grams = [{"ok": _rank_deficient(t, rank=8), "bad": _rank_deficient(5 + t)} for t in range(2)]
-    systems = {s.name: s for s in regmean_systems(grams, alphas)}
+    systems = {s.name: s for s in regmean_systems(grams, alphas, off_diagonal=1.0)}
     for name in ("ok", "bad"):
         fts = [{f"{name}.weight": torch.randn(2, 6)} for _ in range(2)]
         sub = [{name: g[name]} for g in grams]
         if systems[name].ok:
-            gm.regmean(fts, sub, alphas=alphas)
+            gm.regmean(fts, sub, alphas=alphas, off_diagonal=1.0)
         else:
             with pytest.raises(gm.NotPositiveDefiniteError):
-                gm.regmean(fts, sub, alphas=alphas)
+                gm.regmean(fts, sub, alphas=alphas, off_diagonal=1.0)
     assert not systems["bad"].ok
     assert systems["ok"].ok == (sum(alphas) > 0 and min(alphas) > 0)
     if sum(alphas) <= 0:
