@@ -680,7 +680,7 @@ def influence_remove(
         \qquad g_t = \nabla \bar\ell_t(\theta_{LLM}).
 
     The appendix prints it without α_t (the case α_t = 1); the α_t follows from Eq. 11 without
-    the Taylor step of Eq. 12 (see ERRATA.md). Exact for linear regression. ``solver`` and
+    the Taylor step of Eq. 12 (see theory/ERRATA.md). Exact for linear regression. ``solver`` and
     ``return_solution`` as in :func:`remove`.
 
     Example:
