@@ -28,7 +28,11 @@ base, fine-tunes and curvatures) and ``task_arithmetic`` (reads base and fine-tu
    idle ``python -c "import gradmerge.cli"`` (the interpreter and torch) measured the same way.
    The output is checked: every tensor present, and a sample of tensors (every norm, the first
    and last layers' projections, the embedding's first and last rows) equal to the ``gm.*``
-   rule applied in memory to the same inputs, bit for bit.
+   rule applied in memory to the same inputs, bit for bit. The merge's CPU time (user +
+   system, ``getrusage`` of the child) is recorded beside its wall time;
+4. the inputs are evicted and read once more, after the merge, the same way: on a shared
+   machine the disk's speed drifts, so the wall is given against both reads. The load average
+   is recorded at each phase (the JSON's ``load_average``).
 
 Targets (issue 31, item 7): peak RssAnon ≤ 1 GiB; merge wall ≤ 1.5× the read-once time.
 
@@ -51,6 +55,7 @@ import json
 import math
 import mmap
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -284,6 +289,7 @@ def measured(cmd: list[str]) -> dict[str, Any]:
     """Run ``cmd``; sample its /proc status every 10 ms: peak RssAnon and RssFile, last VmHWM."""
     from benchmarks.merge import proc_status
 
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0, "VmHWM": 0}
@@ -301,8 +307,12 @@ def measured(cmd: list[str]) -> dict[str, Any]:
     thread.start()
     stdout, stderr = proc.communicate()
     thread.join()
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,  # user + system time of the process (its threads together)
         "returncode": proc.returncode,
         "peak_rss_anon_bytes": peak["RssAnon"],
         "peak_rss_file_bytes": peak["RssFile"],
@@ -462,14 +472,21 @@ def _run_in(work: Path, shapes: Shapes, args: argparse.Namespace, ram: int) -> d
         yaml_path = work / f"{method}.yaml"
         yaml_path.write_text(yaml.safe_dump(config))
         out = work / f"{method}-out"
+        load = {"before_read": os.getloadavg()}
         evict(files)
         cold_read = cached_fraction(files)
         baseline = read_once(files)
         evict(files)
         cold_merge = cached_fraction(files)
+        load["before_merge"] = os.getloadavg()
         merge = measured(gradmerge_cmd("merge", str(yaml_path), str(out), "--no-progress"))
+        load["after_merge"] = os.getloadavg()
         if merge["returncode"] != 0:
             raise RuntimeError(f"gradmerge merge failed: {merge['tail']}")
+        evict(files)  # the same read again, after the merge: the disk's speed may drift
+        cold_after = cached_fraction(files)
+        after = read_once(files)
+        load["after_second_read"] = os.getloadavg()
         record = json.loads((out / "gradmerge_merge.json").read_text())
         check = check_output(out, config, shapes, full=args.size == "tiny")
         out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
@@ -482,9 +499,13 @@ def _run_in(work: Path, shapes: Shapes, args: argparse.Namespace, ram: int) -> d
             "cached_fraction_before_read": cold_read,
             "cached_fraction_before_merge": cold_merge,
             "read_once": baseline,
+            "cached_fraction_before_second_read": cold_after,
+            "read_once_after_merge": after,
+            "load_average": load,  # 1, 5 and 15 min, at each phase's start or end
             "merge": merge,
             "merge_record_seconds": record.get("seconds"),
             "wall_over_read_once": merge["wall_seconds"] / baseline["seconds"],
+            "wall_over_read_once_after_merge": merge["wall_seconds"] / after["seconds"],
             "peak_rss_anon_gib": merge["peak_rss_anon_bytes"] / GiB,
             "peak_rss_anon_above_idle_gib": (
                 merge["peak_rss_anon_bytes"] - result["idle_process"]["peak_rss_anon_bytes"]
@@ -499,8 +520,9 @@ def _run_in(work: Path, shapes: Shapes, args: argparse.Namespace, ram: int) -> d
         result["merges"][method] = row
         print(
             f"  {method}: inputs {nbytes / GiB:.1f} GiB ({nbytes / ram:.2f}× RAM), read once "
-            f"{baseline['seconds']:.1f} s, merge {merge['wall_seconds']:.1f} s "
-            f"({row['wall_over_read_once']:.2f}×), peak RssAnon {row['peak_rss_anon_gib']:.2f} GiB, "
+            f"{baseline['seconds']:.1f} s (after: {after['seconds']:.1f} s), merge "
+            f"{merge['wall_seconds']:.1f} s ({row['wall_over_read_once']:.2f}×, CPU "
+            f"{merge['cpu_seconds']:.0f} s, load {load['before_merge'][0]:.1f}), peak RssAnon {row['peak_rss_anon_gib']:.2f} GiB, "
             f"VmHWM {merge['vm_hwm_bytes'] / GiB:.1f} GiB, output equal: {check['ok']}",
             flush=True,
         )

@@ -51,6 +51,13 @@ def test_the_tiny_run_measures_and_checks_both_merges(tmp_path):
         assert row["inputs_over_ram"] == row["input_bytes"] / report["machine"]["mem_total_bytes"]
         assert once["seconds"] > 0 and merge["wall_seconds"] > 0
         assert row["wall_over_read_once"] == merge["wall_seconds"] / once["seconds"]
+        again = row["read_once_after_merge"]  # the same read, after the merge
+        assert again["bytes"] == once["bytes"] and again["seconds"] > 0
+        assert row["wall_over_read_once_after_merge"] == merge["wall_seconds"] / again["seconds"]
+        assert merge["cpu_seconds"] > 0  # the child's user + system time, from getrusage
+        phases = {"before_read", "before_merge", "after_merge", "after_second_read"}
+        assert set(row["load_average"]) == phases
+        assert all(len(v) == 3 and min(v) >= 0 for v in row["load_average"].values())
         assert 0 <= row["cached_fraction_before_merge"] <= 1
         # bfloat16 output of 2 bytes per parameter, plus the shards' headers
         assert 2 * shapes.parameters() < row["output_bytes"] < 2 * shapes.parameters() + 2**16
