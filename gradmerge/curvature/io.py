@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge._guard import staged_file
+from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.codec import decode, encode
@@ -318,6 +319,8 @@ class CurvatureFile:
         self.info: dict[str, str] = {k[5:]: v for k, v in meta.items() if k.startswith("info.")}
         self.num_examples = recorded_examples(self.info, where=str(self.path))
         self.bytes_read = 0
+        self._starts = data_offsets(self.path)
+        self._readahead = Readahead([self.path])
 
     def __repr__(self) -> str:
         return f"CurvatureFile({str(self.path)!r}, {self.structure}, {len(self.layout)} tensors)"
@@ -331,6 +334,7 @@ class CurvatureFile:
     def close(self) -> None:
         """Release the file (the curvatures already built stay valid: they hold copies)."""
         self._file.__exit__(None, None, None)
+        self._readahead.close()
 
     def couplings(self) -> list[tuple[str, ...]]:
         """The smallest groups of parameters this curvature couples, in file order."""
@@ -347,6 +351,7 @@ class CurvatureFile:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         check_finite: bool = True,
+        rows: slice | None = None,
     ) -> Curvature | None:
         """The curvature over the covered parameters among ``keys``; ``None`` if it covers none.
 
@@ -356,16 +361,25 @@ class CurvatureFile:
         the NaN/Inf check of diagonal values to whoever uses them
         (:func:`gradmerge.curvature.diagonal.unchecked`: the streaming engine names a non-finite
         value when a unit's merge fails), sparing a diagonal merge one read of each value.
+        ``rows``: only these rows (along the first dimension) of every parameter, read alone,
+        for a curvature that is elementwise over ``keys`` (:meth:`elementwise`): the diagonal
+        of those rows, which is how the streaming engine merges a tensor larger than memory.
 
         Raises:
-            ArgumentError: ``keys`` splits a coupling group.
+            ArgumentError: ``keys`` splits a coupling group; ``rows`` of a curvature that is
+                not elementwise over ``keys``.
             FileFormatError: a tensor cannot be read.
         """
         wanted = set(keys)
         spec = _restrict_spec(self.spec, wanted)
         if spec is None:
             return None
-        tensors = _LazyTensors(self)
+        if rows is not None and not _elementwise(spec):
+            raise ArgumentError(
+                f"{self.path}: rows of {sorted(wanted)[:3]} were asked for, but its "
+                f"{spec['type']} curvature couples their entries: read the whole parameters"
+            )
+        tensors = _LazyTensors(self, rows)
         try:
             curvature = _simplify(decode(spec, tensors, defer=not check_finite))
         except Exception as err:
@@ -382,6 +396,29 @@ class CurvatureFile:
             moved.meta.update(self.info)
             curvature = moved
         return curvature
+
+    def prefetch(self, keys: Iterable[str], rows: slice | None = None) -> None:
+        """Start reading the tensors ``restrict(keys, rows=rows)`` would read into the page cache
+        in the background (:mod:`gradmerge._readahead`; a hint only, nothing is checked)."""
+        spec = _restrict_spec(self.spec, set(keys))
+        if spec is None:
+            return
+        sliced = rows is not None and _elementwise(spec)
+        for name in _tensor_names(spec):
+            if name in self._starts:
+                start, end = self._starts[name]
+                shape = self._file.get_slice(name).get_shape() if sliced else ()
+                self._readahead.advise(0, *row_range(start, end, shape, rows if sliced else None))
+
+    def elementwise(self, keys: Iterable[str]) -> bool:
+        """Whether the curvature over ``keys`` is diagonal or δ·I (or blocks and sums of these),
+        so that each entry couples with itself only (``restrict(keys, rows=...)`` applies).
+
+        Raises:
+            ArgumentError: ``keys`` splits a coupling group.
+        """
+        spec = _restrict_spec(self.spec, set(keys))
+        return spec is None or _elementwise(spec)
 
     def load(
         self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -407,13 +444,15 @@ def open_curvature(path: str | os.PathLike[str]) -> CurvatureFile:
 class _LazyTensors(Mapping[str, Tensor]):
     """The file's tensors as a mapping that reads each one when it is looked up."""
 
-    def __init__(self, file: CurvatureFile) -> None:
-        self._file = file
+    def __init__(self, file: CurvatureFile, rows: slice | None = None) -> None:
+        self._file, self._rows = file, rows
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._file._names:
             raise KeyError(name)
-        tensor = self._file._file.get_tensor(name)
+        tensor = self._file._file.get_tensor(name)  # a view of the mapped file: nothing read yet
+        if self._rows is not None:
+            tensor = tensor[self._rows]
         self._file.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -493,7 +532,15 @@ def _tensor_names(spec: dict[str, Any], prefix: str = "") -> Iterator[str]:
                 yield from (f"{prefix}kfac/{n}/{i}/A", f"{prefix}kfac/{n}/{i}/G")
     elif kind in ("blocks", "sum"):
         for i, p in enumerate(spec["parts"]):
-            yield from _tensor_names(p, f"{prefix}{kind}{i}/")
+            yield from _tensor_names(p, f"{prefix}{kind}{p.get('index', i)}/")
+
+
+def _elementwise(spec: dict[str, Any]) -> bool:
+    """Whether a structure couples no two entries (diagonal, δ·I, and blocks and sums of them)."""
+    kind = spec["type"]
+    if kind in ("blocks", "sum"):
+        return all(_elementwise(p) for p in spec["parts"])
+    return kind in ("diag", "identity")
 
 
 def _restrict_spec(spec: dict[str, Any], keys: set[str]) -> dict[str, Any] | None:

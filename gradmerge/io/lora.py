@@ -374,8 +374,10 @@ class LoraCheckpoint(Checkpoint):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        rows: slice | None = None,
     ) -> Tensor:
-        """θ_t's tensor ``key`` (module docstring), moved and cast when asked."""
+        """θ_t's tensor ``key`` (module docstring; ``rows`` of it, formed whole first), moved
+        and cast when asked."""
         if key in self.saved:
             tensor = self.saved[key].to(self.base.dtype(key))
         elif key in self.updates:
@@ -383,10 +385,16 @@ class LoraCheckpoint(Checkpoint):
             tensor = weight + self.updates[key].delta(weight.dtype)
         else:
             tensor = self.base.get(key)
+        if rows is not None:
+            tensor = tensor[rows]
         self.bytes_read += tensor.numel() * tensor.element_size()
         if device is not None or dtype is not None:
             tensor = tensor.to(device=device, dtype=dtype)
         return tensor
+
+    def prefetch(self, key: str, rows: slice | None = None) -> None:
+        """Read ahead the base's tensor ``key`` (θ_t's is formed from it)."""
+        self.base.prefetch(key, rows)
 
     def rows(self, key: str, indices: list[int]) -> Tensor:
         """Rows ``indices`` of θ_t's tensor ``key`` (the whole value when ``indices`` is empty)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gradmerge._readahead import Readahead, row_range
 from gradmerge.errors import FileFormatError, MissingInputError, StructureError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -80,6 +81,7 @@ class Checkpoint:
         self.bytes_read = 0
         self._entries: dict[str, tuple[int, str, tuple[int, ...], int]] = {}
         self._order: list[tuple[int, int, str]] = []
+        self._starts: dict[str, int] = {}  # where each tensor's bytes begin in its file
         digest = hashlib.sha256()
         self._metadata: dict[str, str] = {}
         self._handles = []
@@ -95,6 +97,7 @@ class Checkpoint:
                     )
                 dtype, shape, (begin, end) = _entry(file, name, entry)
                 self._entries[name] = (index, dtype, shape, end - begin)
+                self._starts[name] = 8 + len(raw) + begin
                 self._order.append((index, begin, name))
             try:
                 self._handles.append(safe_open(str(file), framework="pt", device="cpu"))
@@ -105,6 +108,7 @@ class Checkpoint:
                     "corrupt: copy or download it again"
                 ) from err
         self._order.sort()
+        self._readahead = Readahead(self.files)
         self.fingerprint = digest.hexdigest()
         """SHA-256 of the files' safetensors headers (names, dtypes, shapes, offsets, metadata):
         it identifies the checkpoint's structure and layout, not its values."""
@@ -123,6 +127,8 @@ class Checkpoint:
         for handle in self._handles:
             handle.__exit__(None, None, None)
         self._handles = []
+        if hasattr(self, "_readahead"):
+            self._readahead.close()
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -175,16 +181,28 @@ class Checkpoint:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        rows: slice | None = None,
     ) -> Tensor:
-        """Read tensor ``key``, moved to ``device`` and cast to ``dtype`` when given."""
+        """Read tensor ``key`` (``rows`` of it only, along its first dimension, when given),
+        moved to ``device`` and cast to ``dtype`` when given: only what is returned is read
+        and converted."""
         index = self._entry(key)[0]
         if not self._handles:
             raise ValueError(f"{self.path} is closed")
-        tensor = self._handles[index].get_tensor(key)
+        tensor = self._handles[index].get_tensor(key)  # a view of the mapped file
+        if rows is not None:
+            tensor = tensor[rows]
         self.bytes_read += tensor.numel() * tensor.element_size()
         if device is not None or dtype is not None:
             tensor = tensor.to(device=device, dtype=dtype)
         return tensor
+
+    def prefetch(self, key: str, rows: slice | None = None) -> None:
+        """Start reading tensor ``key`` (``rows`` of it) into the page cache in the background,
+        so that a later :meth:`get` finds it there (:mod:`gradmerge._readahead`; a hint only)."""
+        index, _, shape, nbytes = self._entry(key)
+        start = self._starts[key]
+        self._readahead.advise(index, *row_range(start, start + nbytes, shape, rows))
 
     def rows(self, key: str, indices: list[int]) -> Tensor:
         """Rows ``indices`` of tensor ``key`` (along its first dimension), reading only those

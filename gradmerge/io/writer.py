@@ -86,19 +86,53 @@ class ShardedWriter:
         ]
         self._queue = [(i, e) for i, shard in enumerate(self._shards) for e in shard]
         self._next = 0
+        self._row = 0  # rows of the next tensor written so far (write_rows)
         self._open: BinaryIO | None = None
         self.bytes_written = 0
 
     def write(self, name: str, tensor: Tensor) -> None:
         """Append tensor ``name`` (the next one in the plan) to its shard."""
+        self._check_next(name, tensor, 0, tuple(tensor.shape) == self._planned_shape())
+        self._append(tensor, whole=True)
+
+    def write_rows(self, name: str, rows: Tensor, start: int) -> None:
+        """Append rows ``start : start + len(rows)`` of tensor ``name`` (the next one in the
+        plan), so that a tensor larger than memory can be written a block of rows at a time;
+        the blocks come in order, and the tensor is complete when its last row is written.
+
+        Example:
+            >>> import tempfile, torch
+            >>> from safetensors.torch import load_file
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     w = ShardedWriter(d, [("a", (3, 2), torch.float32)], 100)
+            ...     w.write_rows("a", torch.zeros(2, 2), 0); w.write_rows("a", torch.ones(1, 2), 2)
+            ...     print(load_file(w.finish()[0])["a"].tolist())
+            [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+        """
+        shape = self._planned_shape()
+        fits = rows.dim() > 0 and tuple(rows.shape[1:]) == shape[1:] and len(shape) > 0
+        self._check_next(name, rows, start, fits and start + len(rows) <= shape[0])
+        self._row = start + len(rows)
+        self._append(rows, whole=self._row == shape[0])
+
+    def _planned_shape(self) -> tuple[int, ...]:
+        return self._queue[self._next][1][1] if self._next < len(self._queue) else ()
+
+    def _check_next(self, name: str, tensor: Tensor, start: int, fits: bool) -> None:
+        """Refuse anything but the planned tensor (or its next rows) in its planned dtype."""
         if self._next >= len(self._queue):
             raise ArgumentError(f"{name!r} was not planned: every planned tensor is written")
-        shard, (expected, shape, dtype, nbytes) = self._queue[self._next]
-        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        expected, shape, dtype, _ = self._queue[self._next][1]
+        if name != expected or tensor.dtype != dtype or start != self._row or not fits:
+            due = f" from row {self._row}" if self._row else ""
+            given = f" from row {start}" if start else ""
             raise ArgumentError(
-                f"expected {expected!r} {shape} {dtype} next, got {name!r} "
-                f"{tuple(tensor.shape)} {tensor.dtype}"
+                f"expected {expected!r} {shape} {dtype}{due} next, got {name!r} "
+                f"{tuple(tensor.shape)} {tensor.dtype}{given}"
             )
+
+    def _append(self, tensor: Tensor, *, whole: bool) -> None:
+        shard = self._queue[self._next][0]
         if self._open is None:
             self._open = open(self.files[shard], "wb")  # noqa: SIM115 - closed at the shard's end
             header = _header(self._shards[shard], self.metadata)
@@ -107,8 +141,10 @@ class ShardedWriter:
             self.bytes_written += len(header)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._open.write(data.numpy().data)
-        self.bytes_written += nbytes
-        self._next += 1
+        self.bytes_written += data.numel()
+        if not whole:
+            return
+        self._next, self._row = self._next + 1, 0
         if self._next == len(self._queue) or self._queue[self._next][0] != shard:
             self._open.close()
             self._open = None

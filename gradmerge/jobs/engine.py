@@ -6,7 +6,12 @@ models, the unit's part of each curvature file, the gradient — on the chosen d
 compute dtype, calls the pure rule of :mod:`gradmerge.merge` on these sub-dicts
 (:mod:`gradmerge.jobs.rules`), casts the result to the output dtype and appends it to the
 output shards. Peak memory is a few units' tensors: the inputs are memory-mapped and read one
-unit at a time, the output is written as it comes. A dense curvature couples every parameter it
+unit at a time, the output is written as it comes. A tensor larger than :data:`ROW_BLOCK_BYTES`
+(in the compute dtype) that its method merges elementwise — task arithmetic, and Fisher
+averaging and gradient matching where its curvatures are diagonal or δ·I — is read, merged and
+written a block of rows at a time (:meth:`Job.row_blocks`), so that peak memory stays bounded
+whatever the tensor's size and dtype: a 128k-token bfloat16 embedding would otherwise be read as
+several float32 copies of the whole matrix. The result is the same bit for bit. A dense curvature couples every parameter it
 covers, so with one the whole model is a single unit (and must fit in memory).
 
 The output folder appears only when everything succeeded (:func:`staged_output`); it holds the
@@ -34,12 +39,12 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -76,8 +81,19 @@ from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.spectral import iso_cts_split
 
-UnitFn = Callable[[Unit], tuple[dict[str, Tensor], Solution | None]]
-"""A unit's computation: its tensors, and the report of its solve (``None``: none ran)."""
+ROW_BLOCK_BYTES = 32 << 20
+"""A merged tensor larger than this in the compute dtype is merged a block of rows of about this
+size at a time where its method is elementwise on it (:meth:`Job.row_blocks`): every input's
+block is read and converted alone, so memory holds a few such blocks, never the whole tensor."""
+
+
+class UnitFn(Protocol):
+    """A unit's computation (of ``rows`` of its one tensor only, when given): its tensors, and
+    the report of its solve (``None``: none ran)."""
+
+    def __call__(
+        self, unit: Unit, rows: slice | None = None
+    ) -> tuple[dict[str, Tensor], Solution | None]: ...
 
 
 @dataclass(frozen=True)
@@ -361,6 +377,9 @@ class Job:
             prior's δ where the configuration has one: a smaller example would not help).
         math_dtype: the compute dtype.
         source: the configuration file, if any (an output folder must not hold it either).
+        rowwise: whether the method merges elementwise where its curvatures are elementwise, and
+            every input is a stored checkpoint (a LoRA adapter's tensor is formed whole), so
+            that :meth:`row_blocks` may split a large tensor.
 
     Example:
         >>> import tempfile, torch
@@ -396,6 +415,7 @@ class Job:
     solves: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
     example: str = "e.g. 1.0e-6"
+    rowwise: bool = False
 
     @property
     def max_residual(self) -> float:
@@ -408,8 +428,40 @@ class Job:
         """Whether the arithmetic already runs in float64 (no wider dtype to suggest)."""
         return self.math_dtype == torch.float64
 
-    def compute_unit(self, unit: Unit) -> dict[str, Tensor]:
-        """The output tensors of ``unit`` (key → tensor in its output dtype, on ``device``).
+    def row_blocks(self, unit: Unit) -> list[slice | None]:
+        """How to compute ``unit``: ``[None]`` (whole), or the blocks of rows of its one tensor,
+        each about :data:`ROW_BLOCK_BYTES` in the compute dtype, when the tensor is larger than
+        that and its merge is elementwise (:attr:`rowwise`, and every curvature file diagonal
+        or δ·I on it): rows of the result then depend only on the same rows of every input.
+        """
+        shape, itemsize = self.plan.shapes[unit.keys[0]], self.math_dtype.itemsize
+        if (
+            len(unit.keys) > 1
+            or not unit.merged
+            or not self.rowwise
+            or len(shape) == 0
+            or math.prod(shape) * itemsize <= ROW_BLOCK_BYTES
+            or not all(f.elementwise(unit.keys) for f in self.curvatures.values())
+        ):
+            return [None]
+        step = max(1, ROW_BLOCK_BYTES // (math.prod(shape[1:]) * itemsize))
+        return [slice(i, min(i + step, shape[0])) for i in range(0, shape[0], step)]
+
+    def prefetch(self, unit: Unit, rows: slice | None = None) -> None:
+        """Start reading ``unit``'s tensors (``rows`` of them) from every input into the page
+        cache in the background, to be called before computing the unit ahead of it, so that
+        reading and arithmetic overlap (:mod:`gradmerge._readahead`; a hint only)."""
+        sources = self.checkpoints.values() if unit.merged else [self.base]
+        for ckpt in sources:
+            for k in unit.keys:
+                ckpt.prefetch(k, rows)
+        if unit.merged:
+            for f in self.curvatures.values():
+                f.prefetch(unit.keys, rows)
+
+    def compute_unit(self, unit: Unit, rows: slice | None = None) -> dict[str, Tensor]:
+        """The output tensors of ``unit`` (key → tensor in its output dtype, on ``device``);
+        ``rows``: of those rows of its one tensor only (one of :meth:`row_blocks`).
 
         A merged unit goes through the pure rule of :mod:`gradmerge.merge`; a copied one is the
         base's tensors (on the CPU). The result is the same whoever calls it, in any order.
@@ -421,7 +473,7 @@ class Job:
         """
         if not unit.merged:
             return _copy_unit(self, unit)
-        out, report = _run_unit(self, unit)
+        out, report = _run_unit(self, unit, rows)
         if report is not None:
             for name, part in (report.parts or {key_list(unit.keys, 3): report}).items():
                 if part.residual == part.residual:  # measured solves only
@@ -513,12 +565,12 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
         _check_common_space(config, plan, average)
 
-    def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
+    def compute(unit: Unit, rows: slice | None = None) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
-        theta = _read(base, keys, device, dtype)
-        fts = [_read(m, keys, device, dtype) for m in models]
-        hs = [_restrict(c, keys, device, dtype) for c in curvs]
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype)
+        theta = _read(base, keys, device, dtype, rows)
+        fts = [_read(m, keys, device, dtype, rows) for m in models]
+        hs = [_restrict(c, keys, device, dtype, rows) for c in curvs]
+        prior = _term_precision(config.prior, prior_files, keys, device, dtype, rows)
         unit_inputs = rules.MergeUnit(
             theta,
             fts,
@@ -564,6 +616,7 @@ def _open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         example=f"more than the {delta:g} given, e.g. {10 * delta:.1e}"
         if delta > 0
         else Job.example,
+        rowwise=spec.rowwise and all(type(m) is type(base) for m in models),
     )
 
 
@@ -613,7 +666,7 @@ def _open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
     rule = cast(rules.RemoveRule, spec.rule)
     solver = config.solver
 
-    def compute(unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
+    def compute(unit: Unit, rows: slice | None = None) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
 
         remaining = _term_precision(config.remaining, rest_files, keys, device, dtype)
@@ -716,11 +769,15 @@ def _term_precision(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
+    rows: slice | None = None,
 ) -> rules.Precision | None:
-    """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts)."""
+    """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts; ``rows``: as
+    :func:`_restrict`)."""
     if term is None:
         return None
-    parts = [c for f in files.values() if (c := _restrict(f, keys, device, dtype)) is not None]
+    parts = [
+        c for f in files.values() if (c := _restrict(f, keys, device, dtype, rows)) is not None
+    ]
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
@@ -760,20 +817,27 @@ def _restrict(
     keys: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
+    rows: slice | None = None,
 ) -> Curvature | None:
-    """The unit's part of a curvature file, as loaded (the ``solver:`` settings go to each
-    solve: ``config.solver``); diagonal values are read without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
+    """The unit's part of a curvature file (of ``rows`` of its one tensor only, when given), as
+    loaded (the ``solver:`` settings go to each solve: ``config.solver``); diagonal values are read
+    without their NaN/Inf check (:meth:`CurvatureFile.restrict` with
     ``check_finite=False``: one read less), which the unit's rule and :func:`_raise_non_finite`
     make up for."""
     if file is None:
         return None
-    return file.restrict(keys, device=device, dtype=dtype, check_finite=False)
+    return file.restrict(keys, device=device, dtype=dtype, check_finite=False, rows=rows)
 
 
 def _read(
-    ckpt: Checkpoint, keys: Sequence[str], device: torch.device, dtype: torch.dtype
+    ckpt: Checkpoint,
+    keys: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: slice | None = None,
 ) -> dict[str, Tensor]:
-    return {k: ckpt.get(k, device=device, dtype=dtype) for k in keys}
+    """The unit's tensors in the compute dtype (``rows`` of them only, read and converted alone)."""
+    return {k: ckpt.get(k, device=device, dtype=dtype, rows=rows) for k in keys}
 
 
 # ----- execution: units → shards, in a staged folder ----------------------------------------------
@@ -798,21 +862,25 @@ def _execute(
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
             singular: list[tuple[Unit, NotPositiveDefiniteError]] = []
-            for unit in plan.units:
+            steps = [(unit, rows) for unit in plan.units for rows in job.row_blocks(unit)]
+            found: list[NotPositiveDefiniteError] = []  # the current unit's singular blocks
+            for i, (unit, rows) in enumerate(steps):
+                if i + 1 < len(steps):  # the disk reads the next step while this one computes
+                    job.prefetch(*steps[i + 1])
                 try:
-                    out = job.compute_unit(unit)
+                    out = job.compute_unit(unit, rows)
                 except NotPositiveDefiniteError as err:
-                    # go on checking the other units, so that one run names every unit that
-                    # needs damping; nothing more is written, and nothing is published
-                    singular.append((unit, err))
-                    continue
-                if singular:
-                    continue
-                for k in unit.keys:
-                    writer.write(k, out[k])
-                    if bar is not None:
-                        bar.update(_nbytes(out[k]), items=1)
-                del out
+                    # go on checking the other units (and blocks), so that one run names every
+                    # unit that needs damping; nothing more is written, and nothing is published
+                    found.append(err)
+                else:
+                    if not singular and not found:
+                        _write(writer, bar, out, rows, plan)
+                    del out
+                if found and (i + 1 == len(steps) or steps[i + 1][0] is not unit):
+                    # the unit's block that needs the most damping speaks for it
+                    singular.append((unit, max(found, key=lambda e: e.suggested_delta or 0.0)))
+                    found = []
             if singular:
                 raise _all_singular(job, singular)
             shards = writer.finish()
@@ -856,23 +924,44 @@ def _execute(
     )
 
 
-def _run_unit(job: Job, unit: Unit) -> tuple[dict[str, Tensor], Solution | None]:
+def _write(
+    writer: ShardedWriter,
+    bar: Progress | None,
+    out: dict[str, Tensor],
+    rows: slice | None,
+    plan: Plan,
+) -> None:
+    """Append a step's output: whole tensors, or the block ``rows`` of the unit's one tensor."""
+    for k, value in out.items():
+        if rows is None:
+            writer.write(k, value)
+        else:
+            writer.write_rows(k, value, rows.start)
+        if bar is not None:
+            done = rows is None or rows.stop == plan.shapes[k][0]
+            bar.update(_nbytes(value), items=int(done))
+
+
+def _run_unit(
+    job: Job, unit: Unit, rows: slice | None = None
+) -> tuple[dict[str, Tensor], Solution | None]:
+    where = key_list(unit.keys, 3) + ("" if rows is None else f" (rows {rows.start}:{rows.stop})")
     try:
-        merged, report = job.compute(unit)
+        merged, report = job.compute(unit, rows)
     except NotPositiveDefiniteError as err:
         delta = err.suggested_delta
         example = job.example if delta is None else f"at least {delta:.1e}"
         hint = job.hint.format(example=example)
         what = str(err).split(f" {PD_FIX}")[0]  # the Python keywords' fix gives way to the YAML's
         new = NotPositiveDefiniteError(
-            f"{what} While computing {key_list(unit.keys, 3)}: {hint} (`gradmerge {job.command} "
+            f"{what} While computing {where}: {hint} (`gradmerge {job.command} "
             "--dry-run` checks every unit's system without writing)."
         )
         new.suggested_delta = delta
         raise new from err
     except ResultOverflowError as err:
         raise ResultOverflowError(
-            f"{err} (while computing {key_list(unit.keys, 3)}; in the config: smaller `alpha`/`scale`, "
+            f"{err} (while computing {where}; in the config: smaller `alpha`/`scale`, "
             f"a larger `delta`{'' if job.wide else ', or `compute_dtype: float64`'})"
         ) from err
     except NotConvergedError as err:
@@ -886,11 +975,11 @@ def _run_unit(job: Job, unit: Unit) -> tuple[dict[str, Tensor], Solution | None]
                 text = text.replace(advice, "")
             text += " (the arithmetic already runs in float64 here)"
         raise NotConvergedError(
-            f"{text} (while computing {key_list(unit.keys, 3)}; in the config: a larger "
+            f"{text} (while computing {where}; in the config: a larger "
             "`prior: {delta: ...}`/`damping`, or `solver: {maxiter: ...}`)"
         ) from err
     except GradmergeError as err:
-        raise type(err)(f"{err} (while computing {key_list(unit.keys, 3)})") from err
+        raise type(err)(f"{err} (while computing {where})") from err
     out = {}
     for k in unit.keys:
         dtype = job.plan.out_dtypes[k]

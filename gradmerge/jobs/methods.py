@@ -19,7 +19,11 @@ record here and its rule in :mod:`gradmerge.jobs.rules`:
   is not checked;
 - ``hint``: what to change when the run meets a singular system (the engine adds it to the
   error);
-- ``summary``: its lines in ``gradmerge merge --help``.
+- ``summary``: its lines in ``gradmerge merge --help``;
+- ``rowwise``: the rule is elementwise where every curvature of a tensor is (diagonal or δ·I),
+  so that the engine may merge a large tensor a block of rows at a time
+  (:data:`gradmerge.jobs.engine.ROW_BLOCK_BYTES`): rows of the result depend only on the same
+  rows of every input.
 
 Example:
     >>> [m.name for m in methods("merge")]
@@ -87,6 +91,7 @@ class MergeMethod:
     hint: str = ""
     max_relative_step: float | None = None
     runs: Job | None = None
+    rowwise: bool = False
     uses: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +162,7 @@ REGISTRY: tuple[MergeMethod, ...] = (
         {"base_model": "required"},
         rules.task_arithmetic,
         coverage="none",
+        rowwise=True,
     ),
     MergeMethod(
         "fisher_average",
@@ -168,6 +174,7 @@ REGISTRY: tuple[MergeMethod, ...] = (
         system=_fisher_average_system,
         damping_key="damping",
         hint="set `damping:` ({example}) so that Σ α_t H_t is positive definite",
+        rowwise=True,
     ),
     MergeMethod(
         "gradient_matching",
@@ -178,6 +185,7 @@ REGISTRY: tuple[MergeMethod, ...] = (
         system=_gradient_matching_system,
         damping_key="prior: {delta: ...}",
         hint="raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive definite",
+        rowwise=True,
     ),
     MergeMethod(
         "regmean",

@@ -34,6 +34,8 @@ NOT_YET_RECORDS = {
     "device-check.json": "written on a lent GPU before device_check wrote records; rerun there",
     "interference-cpu.json": "interference.py is being changed (issue 32)",
     "paper-recipe-cpu.json": "paper_recipe.py is being changed (issue 32)",
+    "out-of-core-3b-16layers.json": "out_of_core.py (issue 31) still writes its own layout",
+    "out-of-core-3b-0layers.json": "out_of_core.py (issue 31) still writes its own layout",
     "paper-recipe-rerun-cpu.json": "the rerun's interim report (paper_recipe.py's own layout)",
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
     "curvature-cpu-gpt2-124m.json": "GPT-2-124M estimation, about an hour at load",

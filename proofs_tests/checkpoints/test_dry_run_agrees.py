@@ -158,7 +158,7 @@ def test_a_solve_that_does_not_converge_advises_float64_only_when_not_in_float64
     from gradmerge.jobs.plan import Unit
     from gradmerge.solvers.cg import solve_or_raise
 
-    def compute(unit):
+    def compute(unit, rows=None):  # a UnitFn (gradmerge.jobs.engine)
         dtype = torch.float64 if wide else torch.float32
         b = {"w": torch.ones(3, dtype=dtype)}
         solve_or_raise(

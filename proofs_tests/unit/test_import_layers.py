@@ -132,6 +132,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "gradmerge._removal",
         "gradmerge._text",
         "gradmerge._files",
+        "gradmerge._readahead",
         "gradmerge._guard",
         "gradmerge._progress",
         "gradmerge._devices",
