@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge.kernels import fused_kernels
 
 
-_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",

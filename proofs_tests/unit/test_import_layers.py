@@ -148,7 +148,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "commands": ("gradmerge.commands", "gradmerge.cli", "gradmerge.__main__"),
     "testbed": ("gradmerge.demo", "gradmerge.theory"),
     "facade": ("gradmerge",),
-    "deprecated": ("gradmerge.checkpoints",),
 }
 """The layers of docs/architecture.md, as parts of the package (``gradmerge.<part>``)."""
 
@@ -161,8 +160,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "distributed": {"core", "kernels", "estimate", "io", "jobs"},
     "commands": {"core", "kernels", "estimate", "io", "jobs", "distributed", "testbed", "facade"},
     "testbed": {"core", "estimate", "facade"},
-    "facade": {"core", "kernels", "estimate", "io", "jobs", "distributed", "deprecated"},
-    "deprecated": {"core", "io", "jobs"},
+    "facade": {"core", "kernels", "estimate", "io", "jobs", "distributed"},
 }
 """Which layers each layer may import (itself always); the facade counts as what ``import
 gradmerge`` loads (core and estimate)."""
