@@ -41,11 +41,12 @@ from typing import Literal, cast, overload
 import torch
 from torch import Tensor
 
-from gradmerge import _elementwise, _removal
 from gradmerge import params as P
-from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
+from gradmerge.elementwise import matching as _elementwise
+from gradmerge.elementwise import removal as _removal
+from gradmerge.elementwise.matching import Kernel
 from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution

@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from gradmerge import _weight_sample
-from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, provenance
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
@@ -182,7 +181,7 @@ def estimate_with(model: nn.Module, data: Iterable[Any], options: EstimateOption
     )
     if options.structure == Structure.KFAC:
         curvature.meta["kfac_approx"] = str(options.kfac_approx)
-    _weight_sample.record(curvature, dict(model.named_parameters()))
+    provenance.record(curvature, dict(model.named_parameters()))
     return curvature
 
 

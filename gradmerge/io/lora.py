@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from gradmerge._text import key_list
-from gradmerge._weight_sample import sample_hash_from
+from gradmerge.curvature.provenance import sample_hash_from
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 
@@ -417,7 +417,7 @@ def check_adapter_base(
     """Refuse an adapter whose own base is another model than the merge's ``base``.
 
     Its own base (:func:`gradmerge.io.sources.adapter_base`) is the same path as ``base``, or a
-    checkpoint of the same weights (the same :func:`gradmerge._weight_sample.sample_hash`). A
+    checkpoint of the same weights (the same :func:`gradmerge.curvature.provenance.sample_hash`). A
     base named by a hub name only (not a local path) cannot be checked and is taken to be
     ``base``; an ambiguous relative name is refused as in ``gradmerge curvature``.
 

@@ -236,10 +236,10 @@ def spec_inputs(
 
 
 def base_fingerprint(path: Path) -> str:
-    """:func:`gradmerge._weight_sample.sample_hash` of the floating-point weights of a model
+    """:func:`gradmerge.curvature.provenance.sample_hash` of the floating-point weights of a model
     folder or checkpoint file (a few rows per tensor are read): which base an adapter was
     applied to, recorded in a curvature's metadata."""
-    from gradmerge._weight_sample import sample_hash_from
+    from gradmerge.curvature.provenance import sample_hash_from
     from gradmerge.io.reader import open_checkpoint
 
     with open_checkpoint(path) as checkpoint:

@@ -44,16 +44,16 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _guard, _removal, _weight_sample
+from gradmerge import _guard
 from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._guard import Output
-from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge._version import __version__
 from gradmerge.curvature import Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
+from gradmerge.elementwise import removal as _removal
 from gradmerge.errors import (
     PD_FIX,
     ArgumentError,
@@ -66,12 +66,14 @@ from gradmerge.errors import (
     ResultOverflowError,
     StepTooLargeError,
 )
+from gradmerge.io import fingerprint as _weight_sample
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.jobs import card, methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
+from gradmerge.jobs.progress import Progress
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
@@ -270,7 +272,7 @@ class Rounding:
 
     Example:
         >>> import torch
-        >>> from gradmerge._removal import RemovalStats
+        >>> from gradmerge.elementwise.removal import RemovalStats
         >>> r = Rounding(torch.float32)
         >>> r.add(RemovalStats(reference_sq=1.0, amplified_sq=4e12, max_ratio=1e6), [torch.float32])
         >>> round(r.bound, 3), r.ratio > 1e-2

@@ -1,7 +1,7 @@
 """Fast kernels behind the diagonal merge: compiled single loops, and output memory.
 
 The pure rules (:mod:`gradmerge.merge`) evaluate Eq. 6 for elementwise curvatures in a chunked
-torch pass (:mod:`gradmerge._elementwise`); they never compile code or map memory themselves. A
+torch pass (:mod:`gradmerge.elementwise.matching`); they never compile code or map memory themselves. A
 caller that wants a faster loop hands one in, ``kernel=`` (a :class:`Fused`); the streaming engine
 does so for every job (:func:`select`):
 
