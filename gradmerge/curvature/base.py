@@ -142,8 +142,7 @@ class Curvature(ABC):
 
     # ----- algebra ---------------------------------------------------------------------------
     def __add__(self, other: object) -> Curvature:
-        from gradmerge.curvature.identity import ScaledIdentity
-
+        ScaledIdentity = PROVIDED.identity
         if isinstance(other, (int, float)):
             other = ScaledIdentity(float(other))
         if not isinstance(other, Curvature):
@@ -168,9 +167,7 @@ class Curvature(ABC):
         except (
             IncompatibleStructures
         ):  # no structure holds both exactly: keep them as a lazy exact sum
-            from gradmerge.curvature.lazy import Sum
-
-            total = Sum([high, low])
+            total = PROVIDED.lazy_sum([high, low])
         if total is not self and total is not other:  # never re-label an operand
             total._remember_precision(self.coarsest_dtype, other.coarsest_dtype)
         return total
@@ -194,9 +191,7 @@ class Curvature(ABC):
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write this curvature to a safetensors file (see :mod:`gradmerge.curvature.io`)."""
-        from gradmerge.curvature.io import save_curvature
-
-        return save_curvature(self, path)
+        return PROVIDED.save(self, path)
 
     def dense(self, layout: Layout | None = None) -> Tensor:
         """The operator as a dense matrix over the flattened parameters (small models only)."""
@@ -271,6 +266,31 @@ class Curvature(ABC):
 
     def _dtype_device(self) -> tuple[torch.dtype | None, torch.device | None]:
         return None, None
+
+
+class _Provided:
+    """What the algebra and ``save`` need from modules that import this one (so this one cannot
+    import them): δ·I (:class:`~gradmerge.curvature.identity.ScaledIdentity`), the lazy exact
+    sum (:class:`~gradmerge.curvature.lazy.Sum`) and the file writer
+    (:func:`~gradmerge.curvature.io.save_curvature`). The package's ``__init__``, which Python
+    runs before any of its modules, provides them (:func:`provide`) once it has imported them."""
+
+    identity: Any
+    lazy_sum: Callable[[list[Curvature]], Curvature]
+    save: Callable[[Curvature, str | os.PathLike[str]], Path]
+
+
+PROVIDED = _Provided()
+
+
+def provide(
+    *,
+    identity: Any,
+    lazy_sum: Callable[[list[Curvature]], Curvature],
+    save: Callable[[Curvature, str | os.PathLike[str]], Path],
+) -> None:
+    """Give the algebra its δ·I and lazy-sum structures and ``save`` its writer (:class:`_Provided`)."""
+    PROVIDED.identity, PROVIDED.lazy_sum, PROVIDED.save = identity, lazy_sum, save
 
 
 def coarsest_dtype(*dtypes: torch.dtype | None) -> torch.dtype | None:

@@ -6,6 +6,8 @@ needs no imports and sees deferred imports inside functions too. The rules:
 
 - at import time (statements at module level, ``if TYPE_CHECKING:`` blocks left out) the modules
   import one another without a cycle;
+- counting deferred imports as well (those inside functions), the modules import one another
+  without a cycle either: a function-level import does not hide one;
 - counting deferred imports as well, the parts of the package (``gradmerge.<part>``: a subpackage
   or a top-level module) depend on one another without a cycle; importing the root ``gradmerge``
   (the public facade) is not counted here;
@@ -262,6 +264,39 @@ def test_cycle_finder(graph, cycle):
 def test_no_cycle_at_import_time():
     graph = {m: _imports(m, deferred=False)["gradmerge"] for m in MODULES}
     assert _cycle(graph) is None, "modules import one another at import time"
+
+
+def _deferred_graph() -> dict[str, set[str]]:
+    """Module → the gradmerge modules it imports anywhere (in functions too; ``TYPE_CHECKING``
+    blocks and the root facade left out: the former never run, the latter is the public API)."""
+    return {
+        m: {t for t in _imports(m, deferred=True)["gradmerge"] if t != "gradmerge"}
+        for m in MODULES
+        if m != "gradmerge"
+    }
+
+
+def test_no_cycle_hidden_in_a_function():
+    """An import inside a function runs later, so Python tolerates a cycle it closes; but the two
+    modules still need each other and neither can be understood, tested or moved alone. Counting
+    the imports inside functions, no module imports itself through others."""
+    assert _cycle(_deferred_graph()) is None, "modules import one another through functions"
+
+
+def test_a_cycle_hidden_in_a_function_is_found(monkeypatch, tmp_path):
+    """Two modules that import each other, one of them only inside a function, are reported: the
+    check is not vacuous."""
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text("from gradmerge.io import second_extra\n")
+    second.write_text("def f():\n    from gradmerge.io.first_extra import g\n")
+    monkeypatch.setitem(MODULES, "gradmerge.io.first_extra", first)
+    monkeypatch.setitem(MODULES, "gradmerge.io.second_extra", second)
+    assert _cycle({m: _imports(m, deferred=False)["gradmerge"] for m in MODULES}) is None
+    found = _cycle(_deferred_graph())
+    assert found is not None and set(found) == {
+        "gradmerge.io.first_extra",
+        "gradmerge.io.second_extra",
+    }
 
 
 def test_parts_depend_on_one_another_without_a_cycle():
