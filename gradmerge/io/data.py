@@ -26,15 +26,14 @@ from torch import Tensor, nn
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 from gradmerge.io.entry_points import call_entry_point, split_entry_point
 from gradmerge.io.text_data import (
-    TEXT_SUFFIXES,
     TextBatches,
     TextOptions,
     load_tokenizer,
     positions_of,
-    read_records,
     token_labels,
     vocabulary_of,
 )
+from gradmerge.io.text_records import TEXT_SUFFIXES, read_records
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 
