@@ -260,7 +260,7 @@ def _diagonal_block(
     params: list[str],
     collected: dict[str, Tensor],
 ) -> Curvature:
-    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's rider) where it has
+    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's shared-pass diagonal) where it has
     them, estimated in a pass of its own for the others (``fisher="ggn"``, or a non-embedding
     layer left out while the pass ran: never called, a batch dimension that does not match)."""
     missing = [name for name in params if name not in collected]

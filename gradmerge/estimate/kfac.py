@@ -134,7 +134,7 @@ from gradmerge.estimate._data import (
     sample_targets,
 )
 from gradmerge.estimate._output_hessian import OutputHessian
-from gradmerge.estimate.diagonal import DiagonalRider
+from gradmerge.estimate.diagonal import SharedPassDiagonal as DiagonalRider
 from gradmerge.estimate.options import (
     MAX_FACTOR_SIDE,
     Fisher,
