@@ -41,7 +41,8 @@ from gradmerge._guard import Input
 from gradmerge.errors import ConfigError, InputWarning, MissingInputError
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
-from gradmerge.solvers.spec import PRECISIONS, Precision
+from gradmerge.solvers.spec import ARITHMETIC_MODES as PRECISIONS
+from gradmerge.solvers.spec import ArithmeticMode as Precision
 from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 DTYPES: dict[str, torch.dtype] = {

@@ -13,8 +13,12 @@ from typing import Literal
 
 from gradmerge.errors import ArgumentError
 
-Precision = Literal["auto", "working", "bfloat16"]
-PRECISIONS: tuple[Precision, ...] = ("auto", "working", "bfloat16")
+ArithmeticMode = Literal["auto", "working", "bfloat16"]
+"""The floating-point arithmetic of the K-FAC solves (the ``precision`` setting): ``"working"``, the
+operator's dtype throughout; ``"bfloat16"``, bfloat16 Kronecker products inside a working-dtype
+refinement; ``"auto"``, bfloat16 where the device's bfloat16 products are measurably faster.
+"Precision" as a type name is kept for precision MATRICES (the prior H_0, the merged H̄)."""
+ARITHMETIC_MODES: tuple[ArithmeticMode, ...] = ("auto", "working", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class SolverSpec:
     tol: float | None = None
     maxiter: int = 1000
     approximate: bool = False
-    precision: Precision = "auto"
+    precision: ArithmeticMode = "auto"
     warm_start: bool = False
 
     def __post_init__(self) -> None:
@@ -84,8 +88,8 @@ class SolverSpec:
                 raise ArgumentError(
                     f"SolverSpec.{name} must be true or false, got {getattr(self, name)!r}"
                 )
-        if self.precision not in PRECISIONS:
+        if self.precision not in ARITHMETIC_MODES:
             raise ArgumentError(
-                f"SolverSpec.precision must be one of {', '.join(PRECISIONS)}, "
+                f"SolverSpec.precision must be one of {', '.join(ARITHMETIC_MODES)}, "
                 f"got {self.precision!r}"
             )
