@@ -25,7 +25,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -36,6 +36,10 @@ from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureE
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
+
+if TYPE_CHECKING:  # the types of PROVIDED only: at run time the package provides them
+    from gradmerge.curvature.identity import ScaledIdentity
+    from gradmerge.curvature.lazy import Sum
 
 
 class IncompatibleStructures(TypeError):
@@ -142,14 +146,14 @@ class Curvature(ABC):
 
     # ----- algebra ---------------------------------------------------------------------------
     def __add__(self, other: object) -> Curvature:
-        ScaledIdentity = PROVIDED.identity
+        identity = PROVIDED.identity  # ScaledIdentity
         if isinstance(other, (int, float)):
-            other = ScaledIdentity(float(other))
+            other = identity(float(other))
         if not isinstance(other, Curvature):
             return NotImplemented
-        if isinstance(other, ScaledIdentity) and other.delta == 0.0:
+        if isinstance(other, identity) and other.delta == 0.0:
             return self  # adding the zero operator must not add a term (e.g. to K-FAC)
-        if isinstance(self, ScaledIdentity) and self.delta == 0.0:
+        if isinstance(self, identity) and self.delta == 0.0:
             return other
         high, low = (self, other) if self.rank >= other.rank else (other, self)
         if (
@@ -275,8 +279,8 @@ class _Provided:
     (:func:`~gradmerge.curvature.io.save_curvature`). The package's ``__init__``, which Python
     runs before any of its modules, provides them (:func:`provide`) once it has imported them."""
 
-    identity: Any
-    lazy_sum: Callable[[list[Curvature]], Curvature]
+    identity: type[ScaledIdentity]
+    lazy_sum: type[Sum]
     save: Callable[[Curvature, str | os.PathLike[str]], Path]
 
 
@@ -285,8 +289,8 @@ PROVIDED = _Provided()
 
 def provide(
     *,
-    identity: Any,
-    lazy_sum: Callable[[list[Curvature]], Curvature],
+    identity: type[ScaledIdentity],
+    lazy_sum: type[Sum],
     save: Callable[[Curvature, str | os.PathLike[str]], Path],
 ) -> None:
     """Give the algebra its δ·I and lazy-sum structures and ``save`` its writer (:class:`_Provided`)."""
