@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "device-check.json"
 CUDA_TESTS = [  # every test that takes another branch where CUDA is available
     "proofs_tests/unit/merge/test_merge_rules.py::test_cuda_matches_cpu",
-    "proofs_tests/checkpoints/test_bad_input.py::test_devices",
+    "proofs_tests/jobs/test_bad_input.py::test_devices",
     "proofs_tests/demo/test_cli.py::test_bad_arguments",
 ]
 LLAMA_7B = {"hidden": 4096, "mlp": 11008}

@@ -16,7 +16,7 @@ Every s is scored on the training data by the terms of `gradmerge tune`
 it (``--base-data``); the validation-best α minimises the mean held-out loss over the data sets,
 base included (each weighted alike). On exact quadratic tasks the mismatch is least at the
 fine-tunes' average s = 1/T for every r and the loss with the base at (1 + r)/(T + 1)
-(proofs_tests/numeric/test_tune_criteria.py); this measures the same beyond quadratics.
+(proofs_tests/theory/numeric/test_tune_criteria.py); this measures the same beyond quadratics.
 
     python -m benchmarks.tune_criteria --out benchmarks/results/tune-criteria-cpu.json
     python -m benchmarks.tune_criteria --quick --out /tmp/q.json   # seconds

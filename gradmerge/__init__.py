@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradmerge import _elementwise, params
+from gradmerge import params
+from gradmerge.elementwise import matching as _elementwise
 from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
@@ -73,7 +74,7 @@ if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge.kernels import fused_kernels
 
 
-_MODULES = ("distributed", "io", "jobs", "kernels", "checkpoints")
+_MODULES = ("distributed", "io", "jobs", "kernels")
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
     "open_checkpoint": "gradmerge.io",

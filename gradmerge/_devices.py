@@ -1,5 +1,8 @@
 """Device names → devices, checked once for every part (library, commands, demo, ranks).
 
+At the package's top because jobs, distributed, the demo and the commands all resolve devices
+through it (no one package is its main user).
+
 Example:
     >>> from gradmerge._devices import resolve_device
     >>> resolve_device("cpu")

@@ -1,5 +1,8 @@
 """Optional dependencies, grouped as the package's extras, checked where a feature needs them.
 
+At the package's top because io, the demo and the theory testbed each check their extra through
+it (no one package is its main user).
+
 ``pip install gradmerge`` brings what the merge core, curvature estimation on tensors or entry
 points and the checkpoint commands need (torch, numpy, safetensors, pyyaml, tqdm). Three features
 need more, each declared as an extra of ``pyproject.toml``:

@@ -1,5 +1,8 @@
 """The output guard: the one place that says where a run may write, and how it writes.
 
+At the package's top because every part that writes goes through it: curvature files, io, jobs,
+the distributed merge, the demo and the commands.
+
 Every command that writes declares its outputs (:class:`Output`) and everything it reads
 (:class:`Input`: the models, an adapter's base, tokenizer folders, curvature and data files,
 the configuration file and every path in it); :func:`check` applies the rules before any work,

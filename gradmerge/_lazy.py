@@ -1,5 +1,7 @@
 """Public names of a package imported on first access (PEP 562), so that importing it stays light.
 
+At the package's top because two facades use it: ``gradmerge`` itself and ``gradmerge.jobs``.
+
 Example:
     >>> import sys, types
     >>> pkg = types.ModuleType("pkg"); sys.modules["pkg"] = pkg

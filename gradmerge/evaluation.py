@@ -32,7 +32,7 @@ Example:
 References:
     Hugging Face transformers' losses (``ForSequenceClassification`` / ``ForCausalLM`` with
     ``labels``), which these figures equal per example (tested in
-    ``proofs_tests/sources/test_evaluate_command.py``).
+    ``proofs_tests/commands/test_evaluate_command.py``).
 """
 
 from __future__ import annotations

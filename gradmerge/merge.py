@@ -43,11 +43,12 @@ from typing import NoReturn, ParamSpec, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _elementwise, _removal
 from gradmerge import params as P
-from gradmerge._elementwise import SELECTED, Kernel
 from gradmerge.curvature import KFAC, Curvature, ScaledIdentity
 from gradmerge.curvature.base import coarsest_dtype
+from gradmerge.elementwise import matching as _elementwise
+from gradmerge.elementwise import removal as _removal
+from gradmerge.elementwise.matching import SELECTED, Kernel
 from gradmerge.errors import PD_FIX, ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
@@ -429,11 +430,11 @@ def gradient_matching(
         alphas: one α for all tasks, or one per task.
         kernel: where every curvature is diagonal or δ·I, the evaluator of the elementwise
             merge. Default: the fastest certified one, as the streaming engine chooses it
-            (:class:`gradmerge._elementwise.Selected`: on a CPU the C loop of
+            (:class:`gradmerge.elementwise.matching.Selected`: on a CPU the C loop of
             :mod:`gradmerge.kernels` for float32/float64 tensors of 4096 elements or more,
             bit-identical to the chunked pass and falling back to it wherever it cannot be built;
             ``gm.fused_kernels("off")`` or ``$GRADMERGE_FUSED=off`` turns it off, as for the
-            engine). ``None``: the chunked torch pass of :mod:`gradmerge._elementwise` alone,
+            engine). ``None``: the chunked torch pass of :mod:`gradmerge.elementwise.matching` alone,
             which compiles nothing. Or a :class:`gradmerge.kernels.Fused` (``Fused("on")``).
         solver: how H̄⁻¹ is applied where it is iterative (K-FAC, sums, matrix-free):
             :class:`gradmerge.SolverSpec`; ``None``: each operator's defaults. With

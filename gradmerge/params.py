@@ -50,7 +50,7 @@ def check_params(params: object, *, name: str, finite: bool = True) -> None:
     """Check that ``params`` is a non-empty dict of finite floating-point tensors on one device.
 
     ``finite=False`` checks the structure only (no pass over the values), for callers that check
-    finiteness while computing (see :mod:`gradmerge._elementwise`).
+    finiteness while computing (see :mod:`gradmerge.elementwise.matching`).
 
     Raises:
         TypeError: not a mapping of tensors.

@@ -313,7 +313,7 @@ def provenance(
 
 
 def progress(data: Iterable[Any], label: str, passes: Sequence[str] = ()) -> Iterable[Any]:
-    """``data`` reporting each pass over it (:class:`gradmerge._progress.Progress`: a bar on a
+    """``data`` reporting each pass over it (:class:`gradmerge.jobs.progress.Progress`: a bar on a
     terminal, timed log lines with examples/s and ETA elsewhere). ``passes`` names the passes
     an estimator is known to make, shown in each pass's label.
 
@@ -347,8 +347,8 @@ def _examples(data: Iterable[Any]) -> int | None:
 
 
 def _counted(data: Iterable[Any], label: str, total: int | None) -> Iterator[Any]:
-    from gradmerge._progress import Progress
     from gradmerge.estimate._data import split_batch
+    from gradmerge.jobs.progress import Progress
 
     bar = Progress(label, total, unit="examples")
     try:

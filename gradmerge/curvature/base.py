@@ -25,7 +25,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -36,6 +36,10 @@ from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureE
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
+
+if TYPE_CHECKING:  # the types of PROVIDED only: at run time the package provides them
+    from gradmerge.curvature.identity import ScaledIdentity
+    from gradmerge.curvature.lazy import Sum
 
 
 class IncompatibleStructures(TypeError):
@@ -142,15 +146,14 @@ class Curvature(ABC):
 
     # ----- algebra ---------------------------------------------------------------------------
     def __add__(self, other: object) -> Curvature:
-        from gradmerge.curvature.identity import ScaledIdentity
-
+        identity = PROVIDED.identity  # ScaledIdentity
         if isinstance(other, (int, float)):
-            other = ScaledIdentity(float(other))
+            other = identity(float(other))
         if not isinstance(other, Curvature):
             return NotImplemented
-        if isinstance(other, ScaledIdentity) and other.delta == 0.0:
+        if isinstance(other, identity) and other.delta == 0.0:
             return self  # adding the zero operator must not add a term (e.g. to K-FAC)
-        if isinstance(self, ScaledIdentity) and self.delta == 0.0:
+        if isinstance(self, identity) and self.delta == 0.0:
             return other
         high, low = (self, other) if self.rank >= other.rank else (other, self)
         if (
@@ -168,9 +171,7 @@ class Curvature(ABC):
         except (
             IncompatibleStructures
         ):  # no structure holds both exactly: keep them as a lazy exact sum
-            from gradmerge.curvature.lazy import Sum
-
-            total = Sum([high, low])
+            total = PROVIDED.lazy_sum([high, low])
         if total is not self and total is not other:  # never re-label an operand
             total._remember_precision(self.coarsest_dtype, other.coarsest_dtype)
         return total
@@ -194,9 +195,7 @@ class Curvature(ABC):
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write this curvature to a safetensors file (see :mod:`gradmerge.curvature.io`)."""
-        from gradmerge.curvature.io import save_curvature
-
-        return save_curvature(self, path)
+        return PROVIDED.save(self, path)
 
     def dense(self, layout: Layout | None = None) -> Tensor:
         """The operator as a dense matrix over the flattened parameters (small models only)."""
@@ -271,6 +270,31 @@ class Curvature(ABC):
 
     def _dtype_device(self) -> tuple[torch.dtype | None, torch.device | None]:
         return None, None
+
+
+class _Provided:
+    """What the algebra and ``save`` need from modules that import this one (so this one cannot
+    import them): δ·I (:class:`~gradmerge.curvature.identity.ScaledIdentity`), the lazy exact
+    sum (:class:`~gradmerge.curvature.lazy.Sum`) and the file writer
+    (:func:`~gradmerge.curvature.io.save_curvature`). The package's ``__init__``, which Python
+    runs before any of its modules, provides them (:func:`provide`) once it has imported them."""
+
+    identity: type[ScaledIdentity]
+    lazy_sum: type[Sum]
+    save: Callable[[Curvature, str | os.PathLike[str]], Path]
+
+
+PROVIDED = _Provided()
+
+
+def provide(
+    *,
+    identity: type[ScaledIdentity],
+    lazy_sum: type[Sum],
+    save: Callable[[Curvature, str | os.PathLike[str]], Path],
+) -> None:
+    """Give the algebra its δ·I and lazy-sum structures and ``save`` its writer (:class:`_Provided`)."""
+    PROVIDED.identity, PROVIDED.lazy_sum, PROVIDED.save = identity, lazy_sum, save
 
 
 def coarsest_dtype(*dtypes: torch.dtype | None) -> torch.dtype | None:

@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from gradmerge import _weight_sample
-from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal
+from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, provenance
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import num_examples, split_batch
 from gradmerge.estimate.dense import estimate_dense
@@ -182,7 +181,7 @@ def estimate_with(model: nn.Module, data: Iterable[Any], options: EstimateOption
     )
     if options.structure == Structure.KFAC:
         curvature.meta["kfac_approx"] = str(options.kfac_approx)
-    _weight_sample.record(curvature, dict(model.named_parameters()))
+    provenance.record(curvature, dict(model.named_parameters()))
     return curvature
 
 
@@ -261,7 +260,7 @@ def _diagonal_block(
     params: list[str],
     collected: dict[str, Tensor],
 ) -> Curvature:
-    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's rider) where it has
+    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's shared-pass diagonal) where it has
     them, estimated in a pass of its own for the others (``fisher="ggn"``, or a non-embedding
     layer left out while the pass ran: never called, a batch dimension that does not match)."""
     missing = [name for name in params if name not in collected]

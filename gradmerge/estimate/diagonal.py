@@ -277,12 +277,12 @@ def _warn_fallback(plan: _Plan, state: _State) -> None:
         )
 
 
-class DiagonalRider:
+class SharedPassDiagonal:
     """The diagonal Fisher of some parameters, collected during another estimator's pass.
 
     K-FAC gives factors to the layers it supports; the rest of a model (LayerNorms, position
     embeddings, a vocabulary too large for a factor) gets the diagonal of the same Fisher. The
-    rider collects it in the K-FAC pass instead of a second pass over the data: its forward hooks
+    shared-pass diagonal collects it in the K-FAC pass instead of a second pass over the data: its forward hooks
     record the calls while the host runs the forward pass (:meth:`recording`), :meth:`start`
     plans the batch, the host asks autograd for the gradients of :attr:`outputs` together with
     its own, from the SAME output vectors ``v_ir``, and hands them to :meth:`add`. With the
@@ -302,19 +302,19 @@ class DiagonalRider:
         >>> import torch
         >>> from torch import nn
         >>> from gradmerge.estimate._data import Loss
-        >>> from gradmerge.estimate.diagonal import DiagonalRider, estimate_diagonal
+        >>> from gradmerge.estimate.diagonal import SharedPassDiagonal, estimate_diagonal
         >>> model = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
         >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
-        >>> rider = DiagonalRider(model, ["1.weight"], "empirical", Loss("cross_entropy"), 1)
-        >>> with rider.recording(4):
+        >>> shared = SharedPassDiagonal(model, ["1.weight"], "empirical", Loss("cross_entropy"), 1)
+        >>> with shared.recording(4):
         ...     f = model(x)
-        >>> rider.start(f, 4)
+        >>> shared.start(f, 4)
         >>> v = torch.autograd.grad(nn.functional.cross_entropy(f, y, reduction="sum"), f)[0]
-        >>> grads = torch.autograd.grad(f, rider.outputs, v)  # for R = 1 vector: (1, *shape)
-        >>> rider.add([v], [g.unsqueeze(0) for g in grads])
-        >>> rider.finish()
+        >>> grads = torch.autograd.grad(f, shared.outputs, v)  # for R = 1 vector: (1, *shape)
+        >>> shared.add([v], [g.unsqueeze(0) for g in grads])
+        >>> shared.finish()
         >>> ref = estimate_diagonal(model, [(x, y)], params=["1.weight"]).values["1.weight"]
-        >>> torch.allclose(rider.values()["1.weight"], ref)
+        >>> torch.allclose(shared.values()["1.weight"], ref)
         True
     """
 
@@ -329,7 +329,7 @@ class DiagonalRider:
         fisher = check_fisher(fisher)
         if fisher not in ("empirical", "mc"):
             raise ArgumentError(
-                f"a diagonal rider takes fisher 'empirical' or 'mc', not {fisher!r}"
+                f"a shared-pass diagonal takes fisher 'empirical' or 'mc', not {fisher!r}"
             )
         selected = _select(model, params)
         self.state = _State(selected, fisher, mc_samples, loss, torch.Generator())

@@ -134,7 +134,7 @@ from gradmerge.estimate._data import (
     sample_targets,
 )
 from gradmerge.estimate._output_hessian import OutputHessian
-from gradmerge.estimate.diagonal import DiagonalRider
+from gradmerge.estimate.diagonal import SharedPassDiagonal
 from gradmerge.estimate.options import (
     MAX_FACTOR_SIDE,
     Fisher,
@@ -652,7 +652,7 @@ class _Recorder:
         wrt: list[Tensor],
         weight: float,
         backward: Backward,
-        rider: DiagonalRider | None = None,
+        rider: SharedPassDiagonal | None = None,
     ) -> None:
         """Backward passes of ``Σ_i v_irᵀ f_i`` for the output vectors ``v_r``, several per pass
         (``_batched``): add ``weight`` · Σ_r Σ g_r g_rᵀ of the noted outputs to G, and hand the
@@ -694,7 +694,7 @@ def _backward(
     """The backward passes of one batch; the recorder collects the output gradients."""
     loss: Loss = options["loss"]
     backward: Backward = options["backward"]
-    rider: DiagonalRider | None = options["rider"]
+    rider: SharedPassDiagonal | None = options["rider"]
     if options["fisher"] == "empirical" and rider is None:
         recorder.collect(losses.sum(), wrt)
     elif options["fisher"] == "empirical":  # the same pass, as the vector ∂(Σ_i ℓ_i)/∂f
@@ -906,7 +906,7 @@ def estimate_kfac_factors(
 
 def _rider(
     model: nn.Module, layers: dict[str, _Layer], fisher: Fisher, loss: Loss, mc_samples: int
-) -> DiagonalRider | None:
+) -> SharedPassDiagonal | None:
     """The diagonal rider of ``estimate_kfac_factors(diagonal=True)``: every parameter of no
     covered layer and every embedding weight (None for ``"ggn"`` or when there is none)."""
     if fisher == "ggn":
@@ -914,7 +914,7 @@ def _rider(
     names = {id(p): n for n, p in model.named_parameters()}
     params = _uncovered(model, layers)
     params += [names[id(x.weight)] for x in layers.values() if x.kind == "embedding"]
-    return DiagonalRider(model, params, fisher, loss, mc_samples) if params else None
+    return SharedPassDiagonal(model, params, fisher, loss, mc_samples) if params else None
 
 
 __all__ = ["MAX_FACTOR_SIDE", "KFACFactors", "estimate_kfac_factors"]

@@ -7,8 +7,11 @@
 - :mod:`~gradmerge.io.lora` — PEFT LoRA adapters, applied to a state dict or read as lazily
   merged checkpoints θ_0 + (α/r)·B·A;
 - :mod:`~gradmerge.io.official` — the paper's official Fisher files converted to curvature files;
-- :mod:`~gradmerge.io.sources`, :mod:`~gradmerge.io.text_data` — the MODEL and DATA arguments of
-  the commands (Hugging Face folders, tensor files, entry points; JSONL/CSV/TXT text, tokenised).
+- :mod:`~gradmerge.io.sources` — the MODEL and DATA arguments of the commands, from its parts:
+  :mod:`~gradmerge.io.models` (Hugging Face folders, adapters), :mod:`~gradmerge.io.data` (tensor
+  files, bounded entry points), :mod:`~gradmerge.io.entry_points` (``module:function``) and
+  :mod:`~gradmerge.io.text_data` (JSONL/CSV/TXT text, tokenised);
+- :mod:`~gradmerge.io.fingerprint` — fingerprints of a checkpoint's weight values.
 
 This layer imports no job (:mod:`gradmerge.jobs`) and no estimator (:mod:`gradmerge.estimate`).
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,8 +59,8 @@ import torch
 from torch import Tensor
 
 from gradmerge._text import key_list
-from gradmerge._weight_sample import sample_hash_from
-from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.curvature.provenance import sample_hash_from
+from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 
 CONFIG = "adapter_config.json"
@@ -408,7 +409,7 @@ def open_model(
     """A fine-tuned model: an adapter folder over ``base``, or a checkpoint (file or folder).
 
     An adapter's own base (``adapter_base`` when given, else its ``base_model_name_or_path``
-    resolved as :func:`gradmerge.io.sources.adapter_base` does) must hold ``base``'s weights
+    resolved as :func:`adapter_base` does) must hold ``base``'s weights
     (:func:`check_adapter_base`).
     """
     if is_adapter(path):
@@ -424,8 +425,8 @@ def check_adapter_base(
 ) -> None:
     """Refuse an adapter whose own base is another model than the merge's ``base``.
 
-    Its own base (:func:`gradmerge.io.sources.adapter_base`) is the same path as ``base``, or a
-    checkpoint of the same weights (the same :func:`gradmerge._weight_sample.sample_hash`). A
+    Its own base (:func:`adapter_base`) is the same path as ``base``, or a
+    checkpoint of the same weights (the same :func:`gradmerge.curvature.provenance.sample_hash`). A
     base named by a hub name only (not a local path) cannot be checked and is taken to be
     ``base``; an ambiguous relative name is refused as in ``gradmerge curvature``.
 
@@ -433,12 +434,8 @@ def check_adapter_base(
         AdapterBaseError: an ambiguous relative ``base_model_name_or_path``.
         StructureError: an own base whose weights differ from ``base``'s.
     """
-    from gradmerge.errors import AdapterBaseError
-    from gradmerge.io.sources import adapter_base as resolve
-    from gradmerge.io.sources import base_fingerprint
-
     try:
-        own = resolve(folder, adapter_base)
+        own = _adapter_base(folder, adapter_base)
     except ArgumentError as err:
         if adapter_base is not None or isinstance(err, AdapterBaseError):
             raise
@@ -453,3 +450,77 @@ def check_adapter_base(
             "trained. Use the adapter's own base as base_model, or name the right base with "
             "`adapter_base:` if its recorded base_model_name_or_path is wrong"
         )
+
+
+def adapter_base(folder: Path, base: str | os.PathLike[str] | None = None) -> Path:
+    """The base model of a PEFT adapter folder: ``base`` when given (``--adapter-base``, a YAML
+    ``adapter_base:``), else its config's ``base_model_name_or_path``.
+
+    An absolute ``base_model_name_or_path`` is taken as it is. A relative one (peft records the
+    name the base was loaded by, e.g. ``base``) is read relative to the folder that holds the
+    adapter folder; it is refused when it also names another existing path relative to the
+    current directory, or names one only there: which model the adapter was trained on cannot
+    be told then, and a wrong base gives a silently wrong model.
+
+    Example:
+        >>> import json, tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     (Path(d) / "base").mkdir(); (Path(d) / "ad").mkdir()
+        ...     _ = (Path(d) / "ad/adapter_config.json").write_text(
+        ...         json.dumps({"base_model_name_or_path": "base"}))
+        ...     adapter_base(Path(d) / "ad") == Path(d) / "base"
+        True
+
+    Raises:
+        AdapterBaseError: a relative base that exists relative to the current directory and is
+            not the one beside the adapter (or is not there at all).
+        ArgumentError: no such local path (a hub name: gradmerge loads offline); a given
+            ``base`` that does not exist.
+        FileFormatError: an unreadable ``adapter_config.json``.
+    """
+    if base is not None:
+        if not Path(base).exists():
+            raise ArgumentError(f"the adapter base {base} of {folder} does not exist")
+        return Path(base)
+    try:
+        named = json.loads((folder / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise FileFormatError(f"{folder}/adapter_config.json is not readable JSON ({err})") from err
+    fix = (
+        "name the base model with --adapter-base FOLDER (gradmerge curvature/gradient) or "
+        "`adapter_base:` beside the adapter's `model:` in a merge or remove YAML"
+    )
+    if named and Path(str(named)).is_absolute() and Path(str(named)).exists():
+        return Path(str(named))
+    if named and not Path(str(named)).is_absolute():
+        beside, here = folder.parent / str(named), Path.cwd() / str(named)
+        same = beside.exists() and here.exists() and beside.resolve() == here.resolve()
+        if here.exists() and not same:
+            where = f"{beside} beside the adapter" if beside.exists() else "nothing beside it"
+            raise AdapterBaseError(
+                f"MODEL {folder} is a LoRA adapter over the relative base_model_name_or_path "
+                f"{named!r}, which names {here.resolve()} relative to the current directory and "
+                f"{where}: which model it was trained on cannot be told; {fix}"
+            )
+        if beside.exists():
+            return beside
+    raise ArgumentError(
+        f"MODEL {folder} is a LoRA adapter over {named!r}, which is not a local model folder "
+        f"(a relative name is read relative to {folder.parent}); {fix}, or set "
+        "base_model_name_or_path in its adapter_config.json"
+    )
+
+
+_adapter_base = adapter_base
+""":func:`adapter_base` under a name that ``check_adapter_base``'s argument does not shadow."""
+
+
+def base_fingerprint(path: Path) -> str:
+    """:func:`gradmerge.curvature.provenance.sample_hash` of the floating-point weights of a model
+    folder or checkpoint file (a few rows per tensor are read): which base an adapter was
+    applied to, recorded in a curvature's metadata."""
+    with open_checkpoint(path) as checkpoint:
+        keys = [k for k in checkpoint if checkpoint.dtype(k).is_floating_point]
+        return sample_hash_from(keys, checkpoint.shape, checkpoint.rows)

@@ -1,14 +1,10 @@
 """Text examples as batches: JSONL, CSV/TSV, plain text and ``datasets`` folders, tokenised.
 
 The text path of ``gradmerge curvature MODEL DATA OUT`` (:mod:`gradmerge.io.sources`): records are
-read from DATA, tokenised with the MODEL folder's own tokenizer (``AutoTokenizer``, offline) and
-cut into padded batches that :func:`gradmerge.estimate_curvature` accepts. Formats:
-
-- ``.jsonl``: one JSON object per line (blank lines skipped);
-- ``.csv`` / ``.tsv``: a header row naming the columns;
-- ``.txt``: one example per line (blank lines skipped), under the field ``text``;
-- a folder written by ``datasets``' ``Dataset.save_to_disk`` (when ``datasets`` is installed;
-  for a ``DatasetDict``, the folder of one split).
+read from DATA (JSONL, CSV/TSV, plain text, ``datasets`` folders: :mod:`gradmerge.io.text_records`,
+whose names are re-exported here), tokenised with the MODEL folder's own tokenizer
+(``AutoTokenizer``, offline) and cut into padded batches that :func:`gradmerge.estimate_curvature`
+accepts.
 
 Two tasks, chosen by the model's class (``config.architectures``):
 
@@ -34,12 +30,9 @@ Example:
 
 from __future__ import annotations
 
-import csv
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +42,11 @@ from torch import Tensor, nn
 from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.io.text_records import TEXT_SUFFIXES as TEXT_SUFFIXES  # re-exported: public path
+from gradmerge.io.text_records import Records as Records
+from gradmerge.io.text_records import is_text_data as is_text_data
+from gradmerge.io.text_records import read_records as read_records
 
-TEXT_SUFFIXES = (".jsonl", ".csv", ".tsv", ".txt")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -80,161 +76,6 @@ class TextOptions:
     label_field: str = "label"
     max_length: int | None = None
     max_examples: int | None = None
-
-
-def is_text_data(spec: str) -> bool:
-    """Whether DATA names text: a file with a suffix of :data:`TEXT_SUFFIXES` or a folder."""
-    return spec.endswith(TEXT_SUFFIXES) or Path(spec).is_dir()
-
-
-# ----- records --------------------------------------------------------------------------------
-def read_records(spec: str, max_examples: int | None = None) -> Records:
-    """The records of a text DATA file or ``datasets`` folder, at most ``max_examples``, read
-    lazily (:class:`Records`).
-
-    Raises:
-        ArgumentError: no such file; a folder that is not a saved ``datasets`` dataset, or
-            ``datasets`` is not installed.
-    """
-    path = Path(spec)
-    if path.is_dir():
-        _dataset(path)  # checked now: a folder that is no dataset fails before any work
-    elif not path.is_file():
-        raise ArgumentError(f"DATA file {spec} does not exist")
-    return Records(path, max_examples)
-
-
-class Records:
-    """The records of a text file or ``datasets`` folder, re-read from the start on every pass,
-    so that a file of any size takes the memory of one record (module docstring).
-
-    Iterating raises :class:`FileFormatError` for a line that is not a JSON object (or repeats
-    a key), a CSV row with too many or too few fields, a file that is not UTF-8; a byte-order
-    mark at the start of a file is skipped in every format.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = (Path(d) / "a.txt").write_text("\\ufeffone\\n\\ntwo\\n", encoding="utf-8")
-        ...     list(Records(Path(d) / "a.txt"))
-        [{'text': 'one'}, {'text': 'two'}]
-    """
-
-    def __init__(self, path: Path, limit: int | None = None) -> None:
-        self.path, self.limit = path, limit
-
-    def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        path = self.path
-        if path.is_dir():
-            records = _dataset_records(path)
-        elif path.suffix == ".jsonl":
-            records = _jsonl_records(path)
-        elif path.suffix in (".csv", ".tsv"):
-            records = _csv_records(path, "\t" if path.suffix == ".tsv" else ",")
-        else:
-            records = _txt_records(path)
-        return records if self.limit is None else islice(records, self.limit)
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    try:
-        with path.open(encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark is skipped
-            yield from enumerate(f, start=1)
-    except UnicodeDecodeError as err:
-        raise FileFormatError(f"DATA {path} is not UTF-8 text ({err})") from err
-
-
-def _jsonl_records(path: Path) -> Iterator[Mapping[str, Any]]:
-    for number, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as err:
-            raise FileFormatError(
-                f"DATA {path}, line {number}: not JSON ({err.msg}); a .jsonl file holds one "
-                'JSON object per line, e.g. {"text": "...", "label": "positive"}'
-            ) from err
-        except ValueError as err:  # a repeated key, an integer of more digits than int() takes
-            raise FileFormatError(f"DATA {path}, line {number}: {err}") from err
-        if not isinstance(record, dict):
-            raise FileFormatError(
-                f"DATA {path}, line {number}: a JSON {type(record).__name__}; expected an "
-                'object, e.g. {"text": "...", "label": "positive"}'
-            )
-        yield record
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict; a key given twice is refused (json keeps the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"the key {key!r} is given twice in one object; give every field once")
-        out[key] = value
-    return out
-
-
-def _csv_records(path: Path, delimiter: str) -> Iterator[Mapping[str, Any]]:
-    try:
-        with path.open(encoding="utf-8-sig", newline="") as f:
-            reader = csv.DictReader(f, delimiter=delimiter)
-            columns = reader.fieldnames
-            if not columns:
-                raise FileFormatError(
-                    f"DATA {path} is empty; expected a header row naming the columns, e.g. "
-                    f"text{delimiter}label"
-                )
-            for row in reader:
-                if None in row or None in row.values():
-                    raise FileFormatError(
-                        f"DATA {path}, line {reader.line_num}: {len(columns)} columns in the "
-                        f"header {columns}, but this row has "
-                        f"{'more' if None in row else 'fewer'}; quote fields that hold the "
-                        f"delimiter {delimiter!r}"
-                    )
-                yield row
-    except UnicodeDecodeError as err:
-        raise FileFormatError(f"DATA {path} is not UTF-8 text ({err})") from err
-    except csv.Error as err:
-        raise FileFormatError(f"DATA {path} cannot be read as CSV ({err})") from err
-
-
-def _txt_records(path: Path) -> Iterator[Mapping[str, Any]]:
-    for _, line in _lines(path):
-        if line.strip():
-            yield {"text": line.rstrip("\r\n")}
-
-
-def _dataset(path: Path) -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ArgumentError(
-            f"DATA {path} is a folder: reading a saved Hugging Face dataset needs the "
-            "'datasets' package (pip install datasets), or give a .jsonl/.csv/.tsv/.txt file"
-        ) from err
-    if not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
-        raise ArgumentError(
-            f"DATA {path} is a folder but not a dataset saved with save_to_disk (no "
-            "dataset_info.json); give a .jsonl/.csv/.tsv/.txt file or such a folder"
-        )
-    try:
-        loaded = datasets.load_from_disk(str(path))  # memory-mapped: rows are read when used
-    except Exception as err:  # datasets raises its own errors on damaged folders
-        raise FileFormatError(f"DATA {path} cannot be read by datasets ({err})") from err
-    if isinstance(loaded, datasets.DatasetDict):
-        splits = sorted(loaded)
-        raise ArgumentError(
-            f"DATA {path} holds the splits {splits}; give the folder of one, e.g. "
-            f"{path / splits[0]}"
-        )
-    return loaded
-
-
-def _dataset_records(path: Path) -> Iterator[Mapping[str, Any]]:
-    for row in _dataset(path):
-        yield dict(row)
 
 
 def token_labels(

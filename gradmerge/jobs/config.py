@@ -415,7 +415,7 @@ class RemoveConfig(Options):
 
     Every key is declared once below (docs/config.md's table is generated from them). ``remove``
     with diagonal curvatures also bounds what the removal does to the inputs' rounding
-    (:mod:`gradmerge._removal`).
+    (:mod:`gradmerge.elementwise.removal`).
     """
 
     method: str = setting(REQUIRED, _METHOD, kind="choice")

@@ -20,7 +20,7 @@ shards, the base's config and tokenizer files (``dtype`` in config.json updated)
 ``gradmerge_merge.json`` / ``gradmerge_remove.json``: method, α, prior, dtypes, device, gradmerge
 and torch versions, each input's fingerprint (a SHA-256 content hash of its values, exact on
 every small tensor and on 16 evenly spaced rows of every large one:
-:func:`gradmerge._weight_sample.content_hash`; and of its safetensors headers) and each curvature
+:func:`gradmerge.io.fingerprint.content_hash`; and of its safetensors headers) and each curvature
 file's metadata.
 
 The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
@@ -49,16 +49,16 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
-from gradmerge import _guard, _removal, _weight_sample
+from gradmerge import _guard
 from gradmerge import params as P
 from gradmerge._devices import resolve_device
 from gradmerge._guard import Output
-from gradmerge._progress import Progress
 from gradmerge._text import key_list
 from gradmerge._version import __version__
 from gradmerge.curvature import Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
+from gradmerge.elementwise import removal as _removal
 from gradmerge.errors import (
     PD_FIX,
     ArgumentError,
@@ -71,12 +71,14 @@ from gradmerge.errors import (
     ResultOverflowError,
     StepTooLargeError,
 )
+from gradmerge.io import fingerprint as _weight_sample
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.jobs import card, methods, rules
 from gradmerge.jobs.config import CurvatureTerm, MergeConfig, Options, RemoveConfig
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
+from gradmerge.jobs.progress import Progress
 from gradmerge.kernels import memory, select
 from gradmerge.solvers.solution import Solution
 from gradmerge.spectral import iso_cts_split
@@ -285,7 +287,7 @@ class Rounding:
 
     Example:
         >>> import torch
-        >>> from gradmerge._removal import RemovalStats
+        >>> from gradmerge.elementwise.removal import RemovalStats
         >>> r = Rounding(torch.float32)
         >>> r.add(RemovalStats(reference_sq=1.0, amplified_sq=4e12, max_ratio=1e6), [torch.float32])
         >>> round(r.bound, 3), r.ratio > 1e-2
@@ -726,7 +728,7 @@ def _check_curvature_weights(
     policy: str, pairs: Sequence[tuple[str, CurvatureFile, Sequence[tuple[str, Checkpoint]]]]
 ) -> None:
     """Warn (``policy`` "warn") or refuse ("refuse") a curvature file whose recorded sample hash
-    of the weights it was estimated at (:mod:`gradmerge._weight_sample`) matches none of the
+    of the weights it was estimated at (:mod:`gradmerge.curvature.provenance`) matches none of the
     checkpoints it may describe: its own model's, or the base's. Files without a hash (written
     by hand, or before it was recorded) are not judged."""
     if policy == "ignore":

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from gradmerge import merge, spectral
-from gradmerge._elementwise import Kernel
 from gradmerge.curvature import KFAC, Blocks, Curvature, Diagonal, ScaledIdentity
+from gradmerge.elementwise.matching import Kernel
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.params import Params
 from gradmerge.solvers.kronecker import eye_like

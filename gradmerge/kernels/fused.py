@@ -1,6 +1,6 @@
 """Eq. 6 for elementwise curvatures as ONE compiled loop over memory.
 
-The chunked pass of :mod:`gradmerge._elementwise` calls ~20 torch operations per chunk; each
+The chunked pass of :mod:`gradmerge.elementwise.matching` calls ~20 torch operations per chunk; each
 is a separate sweep over the chunk, so on a CPU it reaches ~0.1–0.2 of the memory bandwidth.
 A compiled loop reads θ_LLM, every θ_t and h_t once and writes θ once, and in the same loop
 certifies the result: no NaN/Inf, H̄ positive, every h ≥ 0 (otherwise the caller re-runs the
@@ -50,7 +50,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from gradmerge._elementwise import Affine, H, tensors
+from gradmerge.elementwise.matching import Affine, H, tensors
 from gradmerge.errors import ArgumentError
 from gradmerge.kernels import memory, native
 
@@ -115,7 +115,7 @@ def takes(base: Tensor, others: Sequence[Tensor], large_call: bool) -> bool:
 
 
 class Fused:
-    """The compiled kernels as a :class:`gradmerge._elementwise.Kernel`: give it to a merge
+    """The compiled kernels as a :class:`gradmerge.elementwise.matching.Kernel`: give it to a merge
     (``kernel=``) to take them there.
 
     ``mode``: ``"on"`` (every tensor large enough, module docstring) or ``"auto"`` (the C loop
@@ -172,7 +172,7 @@ def merge_tensor(
 ) -> Tensor | None:
     """Eq. 6 for one tensor by a compiled kernel, or ``None``: no kernel for this device, or the
     result is not certified (then the caller's chunked path decides what is wrong). An
-    :class:`~gradmerge._elementwise.Affine` h is formed in the C loop; ``torch.compile``'s kernel
+    :class:`~gradmerge.elementwise.matching.Affine` h is formed in the C loop; ``torch.compile``'s kernel
     takes it formed (``form()``)."""
     if native.supports(base, [*finetuned, *tensors(h)]):
         if "native" in _failed:

@@ -13,7 +13,7 @@ or an :class:`Affine` tensor c_i·s_i + δ_i formed in the loop), a C function w
 
 with every operation rounded once to the tensors' type in the chunked path's order
 (``-ffp-contract=off``: no fused multiply-adds; ``FLT_EVAL_METHOD == 0`` is required), so the
-result is bit-identical to :mod:`gradmerge._elementwise` and the operator algebra. An affine
+result is bit-identical to :mod:`gradmerge.elementwise.matching` and the operator algebra. An affine
 h_i = (c_i·s_i) + δ_i (a prior δ·I + s·C, :meth:`gradmerge.Diagonal.shifted`) is rounded as the
 operator algebra rounds it, so it is never written to memory. The same loop counts the elements
 where θ is not finite, H̄ ≤ 0 or some h < 0; a count above zero sends the tensor back to the
@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradmerge._elementwise import Affine, H, tensors
+from gradmerge.elementwise.matching import Affine, H, tensors
 from gradmerge.kernels import memory
 
 MIN_NUMEL = 1 << 12

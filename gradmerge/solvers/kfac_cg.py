@@ -49,7 +49,7 @@ from torch import Tensor
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eigh, identity_multiple
-from gradmerge.solvers.spec import Precision, SolverSpec
+from gradmerge.solvers.spec import ArithmeticMode, SolverSpec
 
 REFINEMENTS = 5
 """Rounds of iterative refinement after the first solve (each one a solve of K e = r)."""
@@ -211,7 +211,7 @@ def solve(
 
 
 def inverse(
-    name: str, delta: float, terms: list[Term], precision: Precision, reduce: bool = True
+    name: str, delta: float, terms: list[Term], precision: ArithmeticMode, reduce: bool = True
 ) -> Inverse:
     """The approximate inverse of one layer's K that :func:`solve` refines: the exact solve of
     K restricted to the joint range of its factors where that range is small
@@ -259,7 +259,7 @@ class Basis:
     """
 
     def __init__(
-        self, name: str, delta: float, terms: list[Term], precision: Precision = "auto"
+        self, name: str, delta: float, terms: list[Term], precision: ArithmeticMode = "auto"
     ) -> None:
         self.name, self.delta = name, delta
         self.low: list[Term] = []
@@ -405,7 +405,7 @@ class LowRank:
         return x.to(b.dtype), its
 
 
-def auto_precision(terms: list[Term]) -> Precision:
+def auto_precision(terms: list[Term]) -> ArithmeticMode:
     """``"bfloat16"`` for a float32 layer with both sides ≥ :data:`LOW_MIN_SIDE` on a device
     with fast bfloat16 GEMMs (:func:`fast_bfloat16`), else ``"working"``."""
     a, g = terms[0]

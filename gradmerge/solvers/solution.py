@@ -22,7 +22,7 @@ class Solution:
         success: whether every part reached its tolerance (direct solves: True).
         parts: per block (e.g. per K-FAC layer), the same report for that block alone.
         measured: figures a fused pass measured on the way, by name (the elementwise removal's
-            step, task-vector and rounding sums: ``gradmerge._removal.RemovalStats``).
+            step, task-vector and rounding sums: ``gradmerge.elementwise.removal.RemovalStats``).
 
     Example:
         >>> import torch, gradmerge as gm

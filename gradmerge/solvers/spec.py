@@ -14,8 +14,12 @@ from typing import Any, Literal
 from gradmerge.errors import ArgumentError
 from gradmerge.settings import check, declared, setting
 
-Precision = Literal["auto", "working", "bfloat16"]
-PRECISIONS: tuple[Precision, ...] = ("auto", "working", "bfloat16")
+ArithmeticMode = Literal["auto", "working", "bfloat16"]
+"""The floating-point arithmetic of the K-FAC solves (the ``precision`` setting): ``"working"``, the
+operator's dtype throughout; ``"bfloat16"``, bfloat16 Kronecker products inside a working-dtype
+refinement; ``"auto"``, bfloat16 where the device's bfloat16 products are measurably faster.
+"Precision" as a type name is kept for precision MATRICES (the prior H_0, the merged H̄)."""
+ARITHMETIC_MODES: tuple[ArithmeticMode, ...] = ("auto", "working", "bfloat16")
 MAXITER = 1000
 """The default budget of CG iterations per round (``maxiter``), without ``approximate``."""
 
@@ -82,7 +86,7 @@ class SolverSpec:
         "says how many stopped above `tol`.",
         kind="flag",
     )
-    precision: Precision = setting(
+    precision: ArithmeticMode = setting(
         "auto",
         "`bfloat16` runs the CG's Kronecker products in bfloat16 (AMX, `avx512_bf16`, tensor "
         "cores) inside a refinement whose residual is formed in the working dtype; the float64 "
@@ -92,7 +96,7 @@ class SolverSpec:
         "else `working` — on GPT-2-124M, 2 tasks, 2 CPU cores with `avx512_bf16`: 361 s "
         "against 523 s, same certificate (benchmarks/README.md).",
         kind="choice",
-        choices=PRECISIONS,
+        choices=ARITHMETIC_MODES,
     )
     warm_start: bool = setting(
         False,

@@ -131,7 +131,7 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-# Distributed merges and removals over a workspace of proofs_tests.checkpoints.workspace (a base
+# Distributed merges and removals over a workspace of proofs_tests.workspace (a base
 # MLP, two fine-tunes, their K-FAC curvatures, a curvature at the base): name → (command,
 # configuration relative to the workspace). Shards of at most 48 bytes: several per rank.
 MERGES: dict[str, tuple[str, dict]] = {

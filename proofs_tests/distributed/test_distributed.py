@@ -24,8 +24,8 @@ from torch import nn
 import gradmerge as gm
 from gradmerge.distributed import rank_seed, shard
 from gradmerge.estimate import estimate_diagonal, estimate_kfac_factors
-from proofs_tests.checkpoints.workspace import make_workspace
 from proofs_tests.distributed import cases
+from proofs_tests.workspace import make_workspace
 
 WORKER = Path(__file__).with_name("_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _load(outdir: Path, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """Checkpoints and K-FAC curvature files for the merges (proofs_tests.checkpoints.workspace)."""
+    """Checkpoints and K-FAC curvature files for the merges (proofs_tests.workspace)."""
     ws = make_workspace(tmp_path_factory.mktemp("distributed-workspace"), "kfac")
     cases.write_nan_model(str(ws.root))
     ws.yaml("merge_ta.yaml", cases.MERGES["merge_ta"][1])

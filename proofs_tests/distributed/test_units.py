@@ -267,7 +267,7 @@ def test_one_rank_merge_writes_the_single_process_files(one_rank_group, tmp_path
 
     from gradmerge.distributed.merge import run_merge as run_merge_distributed
     from gradmerge.jobs import run_merge
-    from proofs_tests.checkpoints.workspace import make_workspace
+    from proofs_tests.workspace import make_workspace
 
     ws = make_workspace(tmp_path / "ws", "diag")
     _, config = cases.merge_config(str(ws.root), "merge_ta")

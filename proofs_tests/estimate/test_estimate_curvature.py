@@ -7,7 +7,7 @@ from torch import nn
 
 import gradmerge as gm
 from gradmerge import params as P
-from gradmerge._weight_sample import sample_hash
+from gradmerge.curvature.provenance import sample_hash
 from gradmerge.estimate import estimate_dense, estimate_diagonal, estimate_kfac_factors
 
 DT = torch.float64
@@ -69,7 +69,7 @@ def test_kfac_covers_the_whole_model_and_matches_the_factors(fisher):
         "kfac_approx": "expand",
         "kfac_max_factor_side": "16384",  # the default limit: nothing routed to the diagonal
         "kfac_diagonal_layers": "{}",
-        # the weights it was estimated at (gradmerge._weight_sample), checked by merges
+        # the weights it was estimated at (gradmerge.curvature.provenance), checked by merges
         "weights_sample_sha256": sample_hash(dict(model.named_parameters()), _trainable(model)),
     }
 

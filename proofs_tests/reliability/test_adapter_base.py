@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge._weight_sample import sample_hash
+from gradmerge.curvature.provenance import sample_hash
 from gradmerge.errors import AdapterBaseError
 from gradmerge.io.sources import adapter_base
 from proofs_tests.text_models import bert_classifier

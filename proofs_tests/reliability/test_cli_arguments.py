@@ -8,7 +8,7 @@ import yaml
 from safetensors.torch import save_file
 
 from gradmerge import cli
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 
 @pytest.fixture(scope="module")

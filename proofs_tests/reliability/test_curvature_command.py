@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 
 @pytest.fixture(scope="module")

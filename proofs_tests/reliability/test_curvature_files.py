@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge._weight_sample import META_KEY, sample_hash
 from gradmerge.curvature.io import open_curvature
+from gradmerge.curvature.provenance import META_KEY, sample_hash
 from gradmerge.errors import ConfigError
 from gradmerge.jobs import MergeConfig, plan_merge, run_merge
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 MAX_SPEC_DEPTH = 32  # gradmerge.curvature.io.MAX_SPEC_DEPTH
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import gradmerge as gm
 from gradmerge import cli
 from gradmerge.errors import ArgumentError, ConfigError, EntryPointsNotAllowedError
+from gradmerge.io import data as data_module
 from gradmerge.io import sources
 from gradmerge.jobs.refine import MAX_STEPS, RefineConfig
 
@@ -132,7 +133,7 @@ def test_max_examples_takes_the_first_examples_of_an_entry_point(entry, tmp_path
 
 
 def test_an_endless_entry_point_stops_with_an_error(entry, monkeypatch):
-    monkeypatch.setattr(sources, "MAX_ENTRY_POINT_EXAMPLES", 30)
+    monkeypatch.setattr(data_module, "MAX_ENTRY_POINT_EXAMPLES", 30)  # where bounded() reads it
     data = sources.load_data(f"{entry}:endless")
     with pytest.raises(ArgumentError, match="more than 30 examples and has not ended"):
         for _ in data:

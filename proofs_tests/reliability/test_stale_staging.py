@@ -11,7 +11,7 @@ import sys
 from gradmerge import cli
 from gradmerge._files import temp_dir_beside
 from gradmerge.jobs import MergeConfig, run_merge
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 KILLED_MID_MERGE = """
 import os, signal, sys

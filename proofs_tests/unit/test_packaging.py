@@ -27,7 +27,6 @@ HEAVY = (
     "gradmerge.io",
     "gradmerge.jobs",
     "gradmerge.kernels",
-    "gradmerge.checkpoints",
     "gradmerge.commands",
     "gradmerge.theory",
 )
@@ -82,20 +81,12 @@ def test_lazy_names_are_the_real_ones():
         _ = gm.nope
 
 
-def test_the_old_checkpoints_package_warns_and_keeps_its_names():
-    """``gradmerge.checkpoints`` (split into ``io`` and ``jobs``) still gives its public names."""
-    code = (
-        "import warnings\nwarnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    import gradmerge.checkpoints as c\n"
-        "import gradmerge.io, gradmerge.jobs, gradmerge.errors\n"
-        "print([str(x.category.__name__) for x in w])\n"
-        "print(c.run_merge is gradmerge.jobs.run_merge, c.open_checkpoint is gradmerge.io.open_checkpoint,"
-        " c.ConfigError is gradmerge.errors.ConfigError, sorted(c.__all__) == sorted(set(c.__all__)),"
-        " all(hasattr(c, n) for n in c.__all__))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    ).stdout.splitlines()
-    assert "DeprecationWarning" in eval(out[-2])
-    assert out[-1] == "True True True True True"
+def test_the_removed_checkpoints_alias_is_gone():
+    """``gradmerge.checkpoints`` (the alias of ``io`` and ``jobs`` kept after the split) was
+    removed in 0.x: the package holds no such module and the facade does not offer the name."""
+    import gradmerge as gm
+
+    package = Path(gm.__file__).parent
+    assert not (package / "checkpoints").exists() and not (package / "checkpoints.py").exists()
+    with pytest.raises(AttributeError, match="no attribute 'checkpoints'"):
+        _ = gm.checkpoints

@@ -15,7 +15,7 @@ import torch
 
 import gradmerge as gm
 from gradmerge import cli
-from gradmerge._progress import Progress
+from gradmerge.jobs.progress import Progress
 
 ENTRY = textwrap.dedent(
     """

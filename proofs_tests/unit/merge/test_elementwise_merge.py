@@ -1,6 +1,6 @@
 """The fused elementwise path of Eq. 6 (diagonal / δ·I curvatures) against the operator algebra.
 
-`gm.gradient_matching` evaluates diagonal merges in one chunked pass (gradmerge._elementwise);
+`gm.gradient_matching` evaluates diagonal merges in one chunked pass (gradmerge.elementwise.matching);
 wrapping the same diagonals in `gm.Blocks` forces the generic operator path. The two must agree
 bit for bit (same floating-point operations in the same order), give the same errors, and cover
 tensors that span several chunks.
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradmerge as gm
-from gradmerge import _elementwise
+from gradmerge.elementwise import matching
 
-SHAPES = {"big": (_elementwise.CHUNK + 1234,), "mat": (7, 5), "one": (1,)}
+SHAPES = {"big": (matching.CHUNK + 1234,), "mat": (7, 5), "one": (1,)}
 
 
 def _params(gen, scale=1.0):
@@ -73,7 +73,7 @@ def test_non_finite_inputs_are_named(where, bad):
     gen = torch.Generator().manual_seed(1)
     base, fts, hs = _params(gen), [_params(gen), _params(gen)], [_diag(gen), _diag(gen)]
     target = {"base": base, "finetuned[1]": fts[1], "curvatures[0]": hs[0].values}[where]
-    target["big"][_elementwise.CHUNK + 5] = bad  # in the second chunk
+    target["big"][matching.CHUNK + 5] = bad  # in the second chunk
     with pytest.raises(gm.NonFiniteError, match=re.escape(f"{where}['big']")):
         gm.gradient_matching(base, fts, hs, prior=0.1)
 

@@ -1,4 +1,4 @@
-"""Eq. 13's fused elementwise pass (gradmerge._removal) against the operator algebra.
+"""Eq. 13's fused elementwise pass (gradmerge.elementwise.removal) against the operator algebra.
 
 The reference is the generic rule written out with the operator algebra's operations
 (h_0.mv(τ) + h_t.mv(τ), remaining.solve, axpy): the fused pass must equal it bit for bit, fall
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradmerge as gm
-from gradmerge import _removal
 from gradmerge import params as P
+from gradmerge.elementwise import removal
 
 
 def _generic(base, ft, h0, ht, rest, alpha):
@@ -64,7 +64,7 @@ def test_fused_removal_equals_the_operator_algebra_bit_for_bit(seed, p0, pt, pr,
     for k in shapes:
         assert torch.equal(got[k], want[k]), k
     # what the pass measured, computed directly (float64)
-    s = _removal.RemovalStats(**report.measured)
+    s = removal.RemovalStats(**report.measured)
     wide = {k: v.double() for k, v in got.items()}
     b64, f64 = ({k: v.double() for k, v in x.items()} for x in (base, ft))
     step = sum(float(((wide[k] - b64[k]) ** 2).sum()) for k in shapes)

@@ -290,7 +290,7 @@ def study(seeds: range) -> None:
         print(" | ".join(row), flush=True)
 
 
-if __name__ == "__main__":  # python -m proofs_tests.numeric.test_refine_mlp [SEEDS]
+if __name__ == "__main__":  # python -m proofs_tests.theory.numeric.test_refine_mlp [SEEDS]
     import sys
 
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from gradmerge.errors import SelectionWarning
 from gradmerge.jobs.tune import Setting, grid_edges
-from proofs_tests.sources.test_tune_command import (
+from proofs_tests.commands.test_tune_command import (
     HELD_OUT,
     TASKS,
     _accuracy,

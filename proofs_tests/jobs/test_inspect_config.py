@@ -21,8 +21,7 @@ import gradmerge as gm
 from gradmerge import cli
 from gradmerge.jobs import MergeConfig
 from gradmerge.jobs.inspection import inspect_config
-
-from .workspace import _estimate, data, finetune, make_workspace, mlp
+from proofs_tests.workspace import _estimate, data, finetune, make_workspace, mlp
 
 RHO = 1e-3
 DELTA, PRIOR_SCALE, ALPHAS, SCALES, GLOBAL = 0.05, 2.0, (0.7, 1.3), (4.0, 0.5), 0.8

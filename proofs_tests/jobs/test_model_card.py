@@ -19,7 +19,7 @@ import yaml
 from gradmerge import cli
 from gradmerge.jobs import MergeConfig, run_merge
 from gradmerge.jobs.card import hub_name, model_card
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 THEIRS = "---\nlicense: mit\nbase_model: someone/else\n---\n# The base model\n\nTheir own card.\n"
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from proofs_tests.sources.test_tune_command import (
+from proofs_tests.commands.test_tune_command import (
     TASKS,
     _config,
     _load,
@@ -63,7 +63,7 @@ def test_a_glob_that_matches_nothing_is_an_error(setup, tmp_path, capsys):  # no
 
 
 def test_the_base_task_is_scored_with_the_base_models_head(setup, tmp_path):  # noqa: F811
-    from proofs_tests.sources.test_tune_base_and_edges import BASE, _write
+    from proofs_tests.commands.test_tune_base_and_edges import BASE, _write
 
     config = _config(setup, "merged-heads.yaml", "task_arithmetic")  # heads merged too
     out = tmp_path / "tune.json"

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 import gradmerge as gm
 from gradmerge.io import open_checkpoint
 from gradmerge.jobs import MergeConfig, run_merge
-from proofs_tests.checkpoints.workspace import assert_same, make_workspace
+from proofs_tests.workspace import assert_same, make_workspace
 
 BUFFERS = {
     "embed.position_ids": torch.arange(8)[None, :],  # int64, like transformers' buffers

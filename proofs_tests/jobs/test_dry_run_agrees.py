@@ -134,10 +134,10 @@ def test_dry_run_and_real_run_agree(root, capsys, name, command, config, verdict
 
 
 def test_each_input_warning_is_printed_once_and_names_the_command(root, capsys):
-    from gradmerge import _weight_sample
+    from gradmerge.curvature import provenance
 
     c = gm.load_curvature(root / "d1.safetensors")
-    c.meta[_weight_sample.META_KEY] = "0" * 64  # estimated at other weights than any input
+    c.meta[provenance.META_KEY] = "0" * 64  # estimated at other weights than any input
     c.save(root / "stale.safetensors")
     config = _remove({"delta": 1e-2, "curvature": "stale.safetensors"}, step_check="ignore")
     (root / "stale.yaml").write_text(yaml.safe_dump(config))

@@ -15,8 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gradmerge import _weight_sample
-from gradmerge.io import open_checkpoint
+from gradmerge.io import fingerprint, open_checkpoint
 from gradmerge.jobs import MergeConfig, run_merge
 
 
@@ -39,8 +38,8 @@ def _direct(params: dict[str, torch.Tensor]) -> str:
         digest.update(
             f"{key}:{str(t.dtype).removeprefix('torch.')}:{','.join(map(str, dims))};".encode()
         )
-        if t.numel() > _weight_sample.WHOLE:
-            n, k = dims[0], _weight_sample.CONTENT_ROWS
+        if t.numel() > fingerprint.WHOLE:
+            n, k = dims[0], fingerprint.CONTENT_ROWS
             t = t[sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})]
         digest.update(t.contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -48,7 +47,7 @@ def _direct(params: dict[str, torch.Tensor]) -> str:
 
 def _fingerprint(path) -> str:
     with open_checkpoint(path) as c:
-        return _weight_sample.content_hash(c.keys(), c.shape, c.dtype, c.rows)
+        return fingerprint.content_hash(c.keys(), c.shape, c.dtype, c.rows)
 
 
 def test_content_hash_equals_the_documented_hash(tmp_path):
@@ -105,4 +104,4 @@ def test_merge_record_fingerprints_tell_base_and_finetunes_apart(tmp_path):
     assert len(set(values)) == 3
     assert values == [_direct(base), _direct(finetunes[0]), _direct(finetunes[1])]
     assert _fingerprint(tmp_path / "ft0_copy.safetensors") == values[1]
-    assert inputs["base_model"]["fingerprint_of"] == _weight_sample.CONTENT_HASH_OF
+    assert inputs["base_model"]["fingerprint_of"] == fingerprint.CONTENT_HASH_OF

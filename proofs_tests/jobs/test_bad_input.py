@@ -8,7 +8,7 @@ import gradmerge as gm
 from gradmerge.errors import ConfigError, OutputExistsError, OutputOverlapError
 from gradmerge.io import writer
 from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 import gradmerge as gm
 from gradmerge.io import open_checkpoint
 from gradmerge.jobs import MergeConfig, run_merge
-from proofs_tests.checkpoints.workspace import assert_same
+from proofs_tests.workspace import assert_same
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ import pytest
 
 from gradmerge import cli
 from gradmerge.bootstrap import paired_bootstrap
-from proofs_tests.sources.test_evaluate_command import REVIEWS
+from proofs_tests.commands.test_evaluate_command import REVIEWS
 from proofs_tests.text_models import bert_classifier
 
 ANIMALS = [

@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 import gradmerge as gm
 from gradmerge import cli
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import gradmerge as gm
 from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
-from proofs_tests.checkpoints.workspace import assert_same, make_workspace
+from proofs_tests.workspace import assert_same, make_workspace
 
 ALPHAS = [0.7, 0.4]
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import gradmerge as gm
 from gradmerge import cli
-from proofs_tests.checkpoints.workspace import assert_same, make_workspace
+from proofs_tests.workspace import assert_same, make_workspace
 
 ALPHAS = [1.0, 0.5, 0.8]
 

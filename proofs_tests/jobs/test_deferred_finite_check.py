@@ -15,8 +15,7 @@ from safetensors.torch import load_file, save_file
 import gradmerge as gm
 from gradmerge.curvature.io import open_curvature
 from gradmerge.jobs import MergeConfig, RemoveConfig, run_merge, run_remove
-
-from .workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from gradmerge.jobs import MergeConfig, RemoveConfig, plan_merge, plan_remove, r
 from gradmerge.jobs import methods as registry
 from gradmerge.jobs.conditioning import check_systems
 from gradmerge.jobs.config import KEYS, load
-from proofs_tests.checkpoints.workspace import Workspace, assert_same, make_workspace
+from proofs_tests.workspace import Workspace, assert_same, make_workspace
 
 ALPHAS = [0.7, 0.4]
 

@@ -22,7 +22,7 @@ from gradmerge import cli
 from gradmerge.errors import FileFormatError, StructureError
 from gradmerge.io import open_checkpoint
 from gradmerge.io.lora import LoraCheckpoint
-from proofs_tests.checkpoints.test_official_curvature import _Payload
+from proofs_tests.io.test_official_curvature import _Payload
 from proofs_tests.text_models import bert_classifier, gpt2_lm
 
 peft = pytest.importorskip("peft")

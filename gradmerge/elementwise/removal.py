@@ -29,7 +29,7 @@ the stored inputs already carry.
 
 Example:
     >>> import torch
-    >>> from gradmerge._removal import remove
+    >>> from gradmerge.elementwise.removal import remove
     >>> out, stats = remove({"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}, 1.0,
     ...                     {"w": torch.tensor([1.0])}, 4.0, alpha=1.0)
     >>> out, stats.max_ratio

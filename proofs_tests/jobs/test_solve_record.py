@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import gradmerge as gm
-from proofs_tests.checkpoints.workspace import make_workspace
+from proofs_tests.workspace import make_workspace
 
 DT = torch.float64
 
