@@ -1357,7 +1357,9 @@ def main(argv: list[str] | None = None) -> int:
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]
-    torch.set_num_threads(os.cpu_count() or 1)
+    # OMP_NUM_THREADS=1 where another job shares the cores: two 2-thread trainings on 2 cores
+    # spend most of their time waiting for each other's descheduled threads
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     begin = time.perf_counter()
     load_avg = [os.getloadavg()]
     study = Study(args)
