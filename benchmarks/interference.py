@@ -427,7 +427,7 @@ class Study:
             names.append((name, folder))
         for (name, folder), (result, seconds) in zip(names, self.cli.run(cmds), strict=True):
             if isinstance(result, Exception):
-                out[name] = {"failed": str(result).strip().splitlines()[-1][-600:]}
+                out[name] = {"failed": failure(str(result))}
                 print(f"    {name}: FAILED {out[name]['failed']}", flush=True)
             else:
                 out[name] = folder
@@ -862,6 +862,14 @@ class Study:
             "note": f"{gm_rest.name} is the merge without {t}; 'from merge | Eq. 13, s' starts "
             "from the T-task gradient-matching merge with curvature s",
         }
+
+
+def failure(stderr: str) -> str:
+    """The line of a failed command's stderr that says why (its ``error:`` line; warnings that
+    came after it are not the reason), else its last line; at most 600 characters."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if " error: " in line]
+    return (errors[-1] if errors else lines[-1])[-600:]
 
 
 def done_any(folder: Path) -> bool:

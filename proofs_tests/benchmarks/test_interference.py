@@ -199,3 +199,15 @@ def test_a_checkpoint_trained_otherwise_is_refused_not_reused(tmp_path):
         study.done(folder, settings)
     (folder / study.STAMP).write_text(json.dumps(settings))
     assert study.done(folder, settings)
+
+
+def test_a_failed_commands_reason_is_its_error_line_not_a_later_warning():
+    stderr = (
+        "gradmerge remove failed (2):\n"
+        "gradmerge remove: error: the rounding bound of the removal exceeds `max_rounding`\n"
+        "gradmerge remove: warning: `prior.curvature` was estimated at other weights\n"
+    )
+    assert study.failure(stderr) == (
+        "gradmerge remove: error: the rounding bound of the removal exceeds `max_rounding`"
+    )
+    assert study.failure("Traceback\nValueError: x\n") == "ValueError: x"
