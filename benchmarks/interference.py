@@ -34,11 +34,13 @@ multi-task model θ_1:T and every fine-tune on its own dataset (interference = f
 arithmetic α = 1).
 
 Study 2 (removal against retraining): remove ``dutch`` (``--remove``) (i) from the multi-task model
-M (trained on all five datasets) — Eq. 13 with diagonal and K-FAC curvature (θ_t: M fine-tuned on
-the dataset), Koh & Liang (``gradmerge gradient`` at M), task negation M − α(θ_t − M) with α chosen
-without labels (the largest α whose predictions on the remaining datasets' training texts agree
-with M's on ≥ :data:`NEGATION_AGREEMENT`), the gold standard being M retrained without the dataset;
-(ii) from the T = 4 K-FAC gradient-matching merge — ``method: remerge``, Eq. 13 (K-FAC), negation.
+M (trained on all five datasets, ``--multitask-epochs``) — Eq. 13 with diagonal and K-FAC
+curvature (θ_t: M fine-tuned on the dataset), Koh & Liang (``gradmerge gradient`` at M), task
+negation M − α(θ_t − M) with α chosen without labels (the largest α whose predictions on the
+remaining datasets' training texts agree with M's on ≥ :data:`NEGATION_AGREEMENT`), the gold
+standard being the model trained like M (same epochs) without the dataset; (ii) from the T = 4
+gradient-matching merges — Eq. 13 from the diagonal and from the K-FAC merge, each with its own
+curvature and the merge's prior; ``method: remerge`` and negation from the K-FAC merge.
 Reported: accuracy on the removed dataset and on the remaining ones, against the gold model, and
 the mean KL divergence KL(gold ‖ model) of the predictions on every test text.
 
@@ -48,6 +50,10 @@ test texts resampled within each dataset) of the difference in mean accuracy bet
     python -m benchmarks.interference                  # full run: results/interference-cpu.json, .png
     python -m benchmarks.interference --quick          # ≤ 3 min smoke run (the test suite runs it)
     python -m benchmarks.interference --work DIR       # resumes: fine-tunes, curvatures, scores cached
+
+Every fine-tuned checkpoint records its training settings (``training.json``); a checkpoint in
+``--work`` trained otherwise is refused, never reused. The multi-task and gold models, and all that
+Study 2 computes from them, live under names carrying ``--multitask-epochs``.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ from benchmarks.paper_recipe import (
     write_jsonl,
     yaml_dump,
 )
+from gradmerge.errors import ArgumentError
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -139,19 +146,37 @@ def fine_tune(
             opt.step()
 
 
-def save(model: Any, tokenizer: Any, folder: Path) -> Path:
+STAMP = "training.json"
+"""The file beside each fine-tuned checkpoint that records how it was trained (its ``settings``)."""
+
+
+def save(model: Any, tokenizer: Any, folder: Path, settings: dict[str, Any]) -> Path:
+    """Write the checkpoint and its :data:`STAMP` into ``folder`` whole (via a renamed folder)."""
     model.config.id2label = dict(enumerate(LABELS))
     model.config.label2id = {k: i for i, k in enumerate(LABELS)}
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    (tmp / STAMP).write_text(json.dumps(settings, indent=1, ensure_ascii=False) + "\n")
     tmp.rename(folder)
     return folder
 
 
-def done(folder: Path) -> bool:
-    return (folder / "model.safetensors").exists()
+def done(folder: Path, settings: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a checkpoint trained with exactly ``settings`` (reuse it); False
+    where none is there (train it). A checkpoint trained otherwise, or without a record of how,
+    is never reused silently: :class:`~gradmerge.errors.ArgumentError` names both settings."""
+    if not (folder / "model.safetensors").exists():
+        return False
+    stamp = folder / STAMP
+    had = json.loads(stamp.read_text()) if stamp.exists() else None
+    if had != settings:
+        raise ArgumentError(
+            f"{folder} holds a checkpoint trained with {had or 'unrecorded settings'}, but this "
+            f"run asks for {settings}: run with another --work, or move that folder away"
+        )
+    return True
 
 
 def safe(name: str) -> str:
@@ -203,30 +228,68 @@ class Study:
         """``gradmerge curvature``'s MC-Fisher sum over every text of ``data``."""
         return mc_fisher_call(model, data, out, structure, seed, self.args.max_length)
 
+    def checkpoint(
+        self,
+        folder: Path,
+        start: str | Path,
+        data: dict[str, Any],
+        *,
+        epochs: int,
+        lr: float,
+        seed: int,
+        delta: float = 0.0,
+        linear_probe: bool = False,
+    ) -> Path:
+        """``start`` fine-tuned (:func:`fine_tune`) on the encoded ``data`` (dataset → texts) into
+        ``folder``, or the checkpoint already there when :func:`done` finds it trained with these
+        settings (every setting of the run that changes it is in its stamp)."""
+        settings = {
+            "start": str(start),
+            "texts": {d: len(e) for d, e in data.items()},
+            "epochs": epochs,
+            "lr": lr,
+            "batch size": self.args.batch_size,
+            "max length": self.args.max_length,
+            "seed": seed,
+            "delta": delta,
+            "linear probe head": linear_probe,
+        }
+        if done(folder, settings):
+            return folder
+        _, model = load_classifier(str(start))
+        if linear_probe:
+            model.classifier = probe(model, next(iter(data.values())))
+        fine_tune(
+            model,
+            list(data.values()),
+            epochs=epochs,
+            lr=lr,
+            batch_size=self.args.batch_size,
+            seed=seed,
+            delta=delta,
+        )
+        return save(model, self.tokenizer, folder, settings)
+
     # -- θ_LLM and F_0 --
     def base(self) -> dict[str, Any]:
         args = self.args
         start = time.perf_counter()
         self.base_dir = self.work / "base"
-        tokenizer, model = load_classifier(pretrained_folder())
-        self.tokenizer = tokenizer
+        self.tokenizer, _ = load_classifier(pretrained_folder())
         self.n = args.train  # N: training texts per added dataset (every set has at least 580)
         n_f = min(self.n, args.curvature_examples)
         self.scale = self.n / n_f
         train = subset(self.data[BASE]["train"], args.base_train, 0)  # θ_LLM's N_0 texts
         self.n0 = len(train)
-        if not done(self.base_dir):
-            enc = encode(tokenizer, train, args.max_length)
-            model.classifier = probe(model, enc)
-            fine_tune(
-                model,
-                [enc],
-                epochs=args.base_epochs,
-                lr=args.base_lr,
-                batch_size=args.batch_size,
-                seed=12345,
-            )
-            save(model, tokenizer, self.base_dir)
+        self.checkpoint(
+            self.base_dir,
+            pretrained_folder(),
+            {BASE: encode(self.tokenizer, train, args.max_length)},
+            epochs=args.base_epochs,
+            lr=args.base_lr,
+            seed=12345,
+            linear_probe=True,
+        )
         self.stage(f"θ_LLM: fine-tune on {BASE}", start)
         start = time.perf_counter()
         # F_0 on N_0 / scale texts: the SAME scale N/n as every H_t, so that one `scale:` serves
@@ -269,36 +332,32 @@ class Study:
         self.criteria = [c for c in args.criteria if self.extras or c != "mismatch"]
         for recipe, delta in (("a", 0.0), ("b", args.delta))[: len(self.recipes)]:
             for i, d in enumerate(self.added):
-                folder = root / recipe / d
-                if not done(folder):
-                    _, model = load_classifier(str(self.base_dir))
-                    fine_tune(
-                        model,
-                        [enc[d]],
-                        epochs=args.epochs,
-                        lr=args.lr,
-                        batch_size=args.batch_size,
-                        seed=seed * 100 + i,
-                        delta=delta,
-                    )
-                    save(model, self.tokenizer, folder)
-                models[recipe][d] = folder
+                models[recipe][d] = self.checkpoint(
+                    root / recipe / d,
+                    self.base_dir,
+                    {d: enc[d]},
+                    epochs=args.epochs,
+                    lr=args.lr,
+                    seed=seed * 100 + i,
+                    delta=delta,
+                )
         self.stage("fine-tunes θ_t, recipes (a) and (b)", start)
         start = time.perf_counter()
-        multi = {"all": root / "multitask", f"without {args.remove}": root / "gold"}
+        # M and the gold model train alike (--multitask-epochs); their folders, and everything
+        # computed from them (Study 2, M's scores), are named by the epochs: the namespace m_ns
+        epochs = args.multitask_epochs
+        self.m_ns = f"{seed} | multi-task {epochs} epochs"
+        multi = {"all": root / f"multitask-e{epochs}", "gold": root / f"gold-e{epochs}"}
         for (key, folder), offset in zip(multi.items(), (7, 8), strict=True):
-            if not done(folder):
-                keep = [d for d in self.sets if key == "all" or d != args.remove]
-                _, model = load_classifier(str(self.base_dir))
-                fine_tune(
-                    model,
-                    [enc[d] for d in keep],
-                    epochs=args.multitask_epochs,
-                    lr=args.lr,
-                    batch_size=args.batch_size,
-                    seed=seed * 100 + offset,
-                )
-                save(model, self.tokenizer, folder)
+            keep = [d for d in self.sets if key == "all" or d != args.remove]
+            self.checkpoint(
+                folder,
+                self.base_dir,
+                {d: enc[d] for d in keep},
+                epochs=epochs,
+                lr=args.lr,
+                seed=seed * 100 + offset,
+            )
         self.stage("multi-task θ_1:T and the gold model without the removed set", start)
         start = time.perf_counter()
         curv: dict[str, dict[str, dict[str, Path]]] = {"a": {}, "b": {}}
@@ -319,7 +378,7 @@ class Study:
         self.stage("curvatures H_t (MC Fisher sums)", start)
         self.models, self.curv, self.root, self.seed_id = models, curv, root, seed
         self.multi = multi["all"]
-        self.gold = multi[f"without {args.remove}"]
+        self.gold = multi["gold"]
         rows = self.study1()
         removal = self.study2()
         return {"seed": seed, "rows": rows, "removal": removal}
@@ -341,10 +400,13 @@ class Study:
         delta = OFFICIAL_KFAC_DELTA if structure == "kfac" else OFFICIAL_DELTA
         return {"delta": delta, "curvature": str(self.base_curv[structure]), "scale": self.scale}
 
-    def run_merges(self, todo: dict[str, dict[str, Any]], kind: str = "merge") -> dict[str, Any]:
+    def run_merges(
+        self, todo: dict[str, dict[str, Any]], kind: str = "merge", where: Path | None = None
+    ) -> dict[str, Any]:
         """``gradmerge merge|remove NAME.yaml NAME/`` (or ``mergekit-yaml``: ``_tool``) per name,
-        two at a time; a merge whose folder exists is not redone. name → folder, or the error."""
-        merges = self.root / "merges"
+        two at a time, into ``where`` (default: the seed's ``merges/``); a merge whose folder
+        exists is not redone. name → folder, or the error."""
+        merges = where or self.root / "merges"
         merges.mkdir(parents=True, exist_ok=True)
         cmds, names, out = [], [], {}
         for name, config in todo.items():
@@ -366,22 +428,26 @@ class Study:
             names.append((name, folder))
         for (name, folder), (result, seconds) in zip(names, self.cli.run(cmds), strict=True):
             if isinstance(result, Exception):
-                out[name] = {"failed": str(result).strip().splitlines()[-1][-600:]}
+                out[name] = {"failed": failure(str(result))}
                 print(f"    {name}: FAILED {out[name]['failed']}", flush=True)
             else:
                 out[name] = folder
                 self.cache[f"{self.seed_id} | {name} | seconds"] = seconds
         return out
 
-    def score(self, items: dict[str, tuple[Path, list[str]]], split: str) -> dict[str, dict]:
+    def score(
+        self, items: dict[str, tuple[Path, list[str]]], split: str, ns: str | None = None
+    ) -> dict[str, dict]:
         """name → dataset → {accuracy, n, correct, loss}: each (folder, datasets) scored by
         ``gradmerge evaluate --per-example`` (one call per dataset for every model needing it,
-        two calls at a time), cached in ``scores.json``."""
+        two calls at a time), cached in ``scores.json`` under ``ns | name`` (``ns`` default: the
+        seed; the multi-task models' ``m_ns`` for them and what is computed from them)."""
+        ns = ns or str(self.seed_id)
         out: dict[str, dict[str, Any]] = {n: {} for n in items}
         jobs: dict[str, dict[str, Path]] = {}
         for name, (folder, datasets) in items.items():
             for d in datasets:
-                key = f"{self.seed_id} | {name} | {d} | {split}"
+                key = f"{ns} | {name} | {d} | {split}"
                 if key in self.cache:
                     out[name][d] = self.cache[key]
                 else:
@@ -420,7 +486,7 @@ class Study:
                     "loss": [round(x, 6) for x in r["per_example"]["loss"]],
                     "prediction": [int(x) for x in r["per_example"]["prediction"]],
                 }
-                out[name][d] = self.cache[f"{self.seed_id} | {name} | {d} | {split}"] = entry
+                out[name][d] = self.cache[f"{ns} | {name} | {d} | {split}"] = entry
         self.save_cache()
         return out
 
@@ -521,7 +587,7 @@ class Study:
             if isinstance(f, Path)
             and ("task arithmetic α=" not in n or n in needed or n.endswith("α=1"))
         }
-        test_items[f"T={Ts[-1]} | multi-task θ_1:T"] = (self.multi, [BASE, *self.added])
+        multi = self.score({"multi-task θ_1:T": (self.multi, self.sets)}, "test", self.m_ns)
         refs = {"θ_LLM": (self.base_dir, self.sets)}
         refs |= {f"fine-tuned θ_{d}": (self.models["a"][d], [BASE, d]) for d in self.added}
         test = self.score(test_items | {f"ref | {n}": v for n, v in refs.items()}, "test")
@@ -533,11 +599,8 @@ class Study:
             elif name in test_items:
                 facts = {"merge seconds": self.cache.get(f"{self.seed_id} | {name} | seconds")}
                 rows.append(row(int(T[2:]), method, test[name], **facts))
-        rows.append(
-            row(
-                Ts[-1], "multi-task θ_1:T", test[f"T={Ts[-1]} | multi-task θ_1:T"], kind="reference"
-            )
-        )
+        epochs = {"epochs": self.args.multitask_epochs}
+        rows.append(row(Ts[-1], "multi-task θ_1:T", multi["multi-task θ_1:T"], **epochs))
         for T in Ts:
             sets = [BASE, *self.added[:T]]
             for how, alpha in chosen[T].items():
@@ -612,22 +675,17 @@ class Study:
         args, root, t = self.args, self.root, self.args.remove
         start = time.perf_counter()
         rest = [d for d in self.sets if d != t]
-        rem_dir = root / "removal"
+        rem_dir = root / f"removal-e{args.multitask_epochs}"
         rem_dir.mkdir(parents=True, exist_ok=True)
         # θ_t: the multi-task model M fine-tuned on the data to remove (Eq. 13's θ_t)
-        ft = rem_dir / f"ft-{t}"
-        if not done(ft):
-            _, model = load_classifier(str(self.multi))
-            enc = encode(self.tokenizer, self.train_set(t, self.seed_id), args.max_length)
-            fine_tune(
-                model,
-                [enc],
-                epochs=args.epochs,
-                lr=args.lr,
-                batch_size=args.batch_size,
-                seed=self.seed_id * 100 + 9,
-            )
-            save(model, self.tokenizer, ft)
+        ft = self.checkpoint(
+            rem_dir / f"ft-{t}",
+            self.multi,
+            {t: encode(self.tokenizer, self.train_set(t, self.seed_id), args.max_length)},
+            epochs=args.epochs,
+            lr=args.lr,
+            seed=self.seed_id * 100 + 9,
+        )
         # H_t at θ_t; H_rest at M on a proportional sample of the remaining training texts
         n_f = min(self.n, args.curvature_examples)
         rng = random.Random(self.seed_id)
@@ -672,7 +730,8 @@ class Study:
                     if name not in todo:
                         trial[name] = body | {"base_model": M, "remaining": rest,
                                               "_command": "remove"}  # fmt: skip
-            got = self.run_merges({f"{n} δ={delta:g}": c for n, c in trial.items()}, "remove")
+            trials = {f"{n} δ={delta:g}": c for n, c in trial.items()}
+            got = self.run_merges(trials, "remove", rem_dir)
             for n in trial:
                 result = got[f"{n} δ={delta:g}"]
                 attempts.setdefault(n, []).append(
@@ -690,7 +749,7 @@ class Study:
             }
             for a in args.negation_alphas
         }
-        neg = self.run_merges(negations)
+        neg = self.run_merges(negations, where=rem_dir)
         agree_file = write_jsonl(rem_dir / "rest-agreement.jsonl", rng.sample(pool, n_f))
         self.files["rest", "agreement"] = agree_file
         pred = self.score(
@@ -701,6 +760,7 @@ class Study:
                 ).items()
             },
             "agreement",
+            self.m_ns,
         )
         agreement = {}
         for n in neg:
@@ -712,39 +772,42 @@ class Study:
             if ok
             else min(agreement, key=lambda n: float(n.split("α=")[1]))
         )
-        # from the T = 4 K-FAC merge
+        # from the T = 4 gradient-matching merges: Eq. 13 from each with its own curvature, the
+        # official prior and H̄_\t = H_0 + the remaining tasks' H_d; remerge and negation from K-FAC's
         T = len(self.added)
-        merge_yaml = root / "merges" / f"{safe(f'T={T} | grad. matching (official), kfac')}.yaml"
         others = [d for d in self.added if d != t]
         from_merge: dict[str, dict[str, Any]] = {}
-        G = root / "merges" / safe(f"T={T} | grad. matching (official), kfac")
-        if "kfac" in args.structures and done_any(G):
-            from_merge["from merge | remerge"] = {
-                "method": "remerge",
-                "merge": str(merge_yaml),
-                "without": [self.added.index(t)],
-                "_command": "remove",
-            }
-            prior = self.official_prior("kfac")
-            from_merge["from merge | Eq. 13, kfac"] = {
+        for s in args.structures:
+            G = root / "merges" / safe(f"T={T} | grad. matching (official), {s}")
+            if not done_any(G):
+                continue
+            prior = self.official_prior(s)
+            from_merge[f"from merge | Eq. 13, {s}"] = {
                 "method": "remove",
                 "base_model": str(G),
                 "model": str(self.models["a"][t]),
-                "curvature": str(self.curv["a"][t]["kfac"]),
+                "curvature": str(self.curv["a"][t][s]),
                 "prior": prior,
                 "remaining": {
                     "delta": prior["delta"],
                     "scale": self.scale,
-                    "curvature": [str(self.base_curv["kfac"])]
-                    + [str(self.curv["a"][d]["kfac"]) for d in others],
+                    "curvature": [str(self.base_curv[s])]
+                    + [str(self.curv["a"][d][s]) for d in others],
                 },
                 "_command": "remove",
             }
-            from_merge["from merge | negation α=1"] = {
-                "method": "task_arithmetic",
-                "base_model": str(G),
-                "models": [{"model": str(self.models["a"][t]), "alpha": -1.0}],
-            }
+            if s == "kfac":
+                from_merge["from merge | remerge"] = {
+                    "method": "remerge",
+                    "merge": str(G.with_name(G.name + ".yaml")),
+                    "without": [self.added.index(t)],
+                    "_command": "remove",
+                }
+                from_merge["from merge | negation α=1"] = {
+                    "method": "task_arithmetic",
+                    "base_model": str(G),
+                    "models": [{"model": str(self.models["a"][t]), "alpha": -1.0}],
+                }
         got = self.run_merges(from_merge)
         gm_rest = root / "merges" / safe(f"T={T - 1} | grad. matching (official), kfac")
         items: dict[str, tuple[Path, list[str]]] = {
@@ -755,7 +818,7 @@ class Study:
         items |= {n: (v["folder"], self.sets) for n, v in todo.items()}
         items |= {n: (f, self.sets) for n, f in neg.items() if isinstance(f, Path)}
         items |= {n: (f, self.sets) for n, f in got.items() if isinstance(f, Path)}
-        test = self.score(items, "test")
+        test = self.score(items, "test", self.m_ns)
         gold = test["gold: retrained without"]
         out_rows = []
         for name in items:
@@ -778,8 +841,17 @@ class Study:
             "rows": out_rows,
             "negation chosen": neg_choice,
             "rest scale N/n": rest_scale,
-            "note": f"{gm_rest.name} is the merge without {t}",
+            "note": f"{gm_rest.name} is the merge without {t}; 'from merge | Eq. 13, s' starts "
+            "from the T-task gradient-matching merge with curvature s",
         }
+
+
+def failure(stderr: str) -> str:
+    """The line of a failed command's stderr that says why (its ``error:`` line; warnings that
+    came after it are not the reason), else its last line; at most 600 characters."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if " error: " in line]
+    return (errors[-1] if errors else lines[-1])[-600:]
 
 
 def done_any(folder: Path) -> bool:
@@ -1198,7 +1270,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-epochs", type=int, default=2)
     p.add_argument("--base-lr", type=float, default=5e-5)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--multitask-epochs", type=int, default=2)
+    p.add_argument(
+        "--multitask-epochs",
+        type=int,
+        default=4,
+        help="epochs of the multi-task model M and of the gold model (M without --remove)",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=64)
@@ -1270,7 +1347,9 @@ def main(argv: list[str] | None = None) -> int:
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]
-    torch.set_num_threads(os.cpu_count() or 1)
+    # OMP_NUM_THREADS=1 where another job shares the cores: two 2-thread trainings on 2 cores
+    # spend most of their time waiting for each other's descheduled threads
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     begin = time.perf_counter()
     load_avg = [os.getloadavg()]
     study = Study(args)

@@ -121,6 +121,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     rows = {r["method"]: r for r in removal["rows"]}
     assert removal["removed"] == "sentences"
     assert rows["gold: retrained without"]["mean KL(gold ‖ model)"] == 0.0
+    assert "from merge | Eq. 13, diag" in rows  # from the T = 2 diagonal merge
     for name in ("from M | Eq. 13, diag", "from M | Koh & Liang, diag", "from M | negation α=1"):
         assert rows[name]["mean KL(gold ‖ model)"] > 0
         assert rows[name]["removed-set accuracy"] == rows[name]["accuracy"]["sentences"]
@@ -179,3 +180,34 @@ def test_recompute_and_markdown_of_a_report(tmp_path):
     assert [s["difference"] for s in gm["per seed"]] == pytest.approx([0.5, 0.5])
     text = study.markdown(out)
     assert "| grad. matching (official), kfac | 2 | 1.000 ± 0.000 | +50.0" in text
+
+
+def test_a_checkpoint_trained_otherwise_is_refused_not_reused(tmp_path):
+    """done(): no checkpoint → train it; the same settings → reuse it; other settings, or none
+    recorded (an older run's folder), → ArgumentError naming both, never a silent reuse."""
+    from gradmerge.errors import ArgumentError
+
+    folder = tmp_path / "multitask-e4"
+    settings = {"start": "base", "texts": {"dutch": 580}, "epochs": 4, "lr": 1e-4}
+    assert not study.done(folder, settings)
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ArgumentError, match="unrecorded settings"):
+        study.done(folder, settings)
+    (folder / study.STAMP).write_text(json.dumps(settings | {"epochs": 2}))
+    with pytest.raises(ArgumentError, match=r"'epochs': 2.*'epochs': 4"):
+        study.done(folder, settings)
+    (folder / study.STAMP).write_text(json.dumps(settings))
+    assert study.done(folder, settings)
+
+
+def test_a_failed_commands_reason_is_its_error_line_not_a_later_warning():
+    stderr = (
+        "gradmerge remove failed (2):\n"
+        "gradmerge remove: error: the rounding bound of the removal exceeds `max_rounding`\n"
+        "gradmerge remove: warning: `prior.curvature` was estimated at other weights\n"
+    )
+    assert study.failure(stderr) == (
+        "gradmerge remove: error: the rounding bound of the removal exceeds `max_rounding`"
+    )
+    assert study.failure("Traceback\nValueError: x\n") == "ValueError: x"
