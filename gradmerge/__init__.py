@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gradmerge import params
-from gradmerge.elementwise import matching as _elementwise
 from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.curvature import (
@@ -28,6 +27,7 @@ from gradmerge.curvature import (
     load_curvature,
 )
 from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
+from gradmerge.elementwise import matching as _elementwise
 from gradmerge.errors import (
     ArgumentError,
     ConfigError,
