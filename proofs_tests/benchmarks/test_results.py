@@ -31,7 +31,6 @@ NOT_YET_RECORDS = {
     "gpt2-kfac-cpu-64tokens.json": "gpt2_kfac.py is being changed (issue 31)",
     "gpt2-kfac-layers-cpu.json": "gpt2_kfac.py is being changed (issue 31)",
     "kernels-cpu.json": "kernels.py is being changed (issue 30 item 3)",
-    "device-check.json": "written on a lent GPU before device_check wrote records; rerun there",
     "interference-cpu.json": "interference.py is being changed (issue 32)",
     "paper-recipe-cpu.json": "paper_recipe.py is being changed (issue 32)",
     "out-of-core-3b-16layers.json": "out_of_core.py (issue 31) still writes its own layout",
