@@ -531,14 +531,14 @@ class Remerge:
     )
 
 
-READS: dict[methods.Job, tuple[type, ...]] = {
+READS: dict[methods.JobKind, tuple[type, ...]] = {
     "merge": (MergeConfig, ModelInput),
     "remove": (RemoveConfig, Remerge),
 }
 """The declarations each job's YAML files are read with (a merge's models are ModelInputs; a
 removal's ``method: remerge`` reads :class:`Remerge`)."""
 
-KEYS: dict[methods.Job, tuple[str, ...]] = {
+KEYS: dict[methods.JobKind, tuple[str, ...]] = {
     job: tuple(dict.fromkeys(k for c in classes for k, s in declared(c).items() if s.per_method))
     for job, classes in READS.items()
 }
@@ -550,7 +550,7 @@ _WHAT_KEYS = {
 }
 
 
-def help_keys(job: methods.Job) -> str:
+def help_keys(job: methods.JobKind) -> str:
     """The keys of a job's YAML for ``--help``, from the declarations: each mapping's own keys
     in parentheses, ``models[]`` last.
 
@@ -588,7 +588,7 @@ def _check_registry() -> None:
 _check_registry()
 
 
-def load(path: str | os.PathLike[str], job: methods.Job) -> MergeConfig | RemoveConfig:
+def load(path: str | os.PathLike[str], job: methods.JobKind) -> MergeConfig | RemoveConfig:
     """The configuration of ``gradmerge JOB`` at ``path``: a :class:`MergeConfig` or
     :class:`RemoveConfig`, or, for a method that runs as another job (``remerge``: its record's
     ``runs``), the configuration it runs (:func:`remerge_config`).
@@ -615,7 +615,7 @@ def load(path: str | os.PathLike[str], job: methods.Job) -> MergeConfig | Remove
     return config.from_dict(data, root=root, source=Path(path))
 
 
-def _method(r: _Reader, job: methods.Job) -> methods.MergeMethod:
+def _method(r: _Reader, job: methods.JobKind) -> methods.MergeMethod:
     """The record of the ``method`` named in ``r``, one of ``job``'s that runs as ``job``."""
     spec = methods.get(r.choice("method", methods.names(job)))
     if spec.runs != job:
@@ -663,7 +663,7 @@ def _read_declared(
     return values
 
 
-def _top_level(cls: Any, key: str, job: methods.Job) -> bool:
+def _top_level(cls: Any, key: str, job: methods.JobKind) -> bool:
     """Whether ``key`` (a method-specific key of ``job``) is read at ``cls``'s level: a key of
     a sibling top-level declaration (a removal's ``merge`` beside ``model``), not a nested one
     (a merge's ``models[i].curvature``)."""

@@ -53,7 +53,9 @@ from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 Need = Literal["required", "optional", "forbidden"]
-Job = Literal["merge", "remove"]
+JobKind = Literal["merge", "remove"]
+"""Which command a method serves: ``gradmerge merge`` or ``gradmerge remove`` (the running job
+itself is :class:`gradmerge.jobs.engine.Job`)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class MergeMethod:
     """One merge or removal method of the YAML jobs (module docstring)."""
 
     name: str
-    job: Job
+    job: JobKind
     summary: str
     keys: Mapping[str, Need]
     rule: rules.MergeRule | rules.RemoveRule | None
@@ -90,7 +92,7 @@ class MergeMethod:
     damping_key: str | None = None
     hint: str = ""
     max_relative_step: float | None = None
-    runs: Job | None = None
+    runs: JobKind | None = None
     rowwise: bool = False
     uses: frozenset[str] = field(init=False)
 
@@ -266,12 +268,12 @@ REGISTRY: tuple[MergeMethod, ...] = (
 _BY_NAME = {m.name: m for m in REGISTRY}
 
 
-def methods(job: Job) -> tuple[MergeMethod, ...]:
+def methods(job: JobKind) -> tuple[MergeMethod, ...]:
     """The methods of one job, in registry order."""
     return tuple(m for m in REGISTRY if m.job == job)
 
 
-def names(job: Job) -> tuple[str, ...]:
+def names(job: JobKind) -> tuple[str, ...]:
     """The ``method:`` values one job accepts."""
     return tuple(m.name for m in methods(job))
 
@@ -291,7 +293,7 @@ def get(name: str) -> MergeMethod:
     return method
 
 
-def help_table(job: Job, indent: int = 2, width: int = 19) -> str:
+def help_table(job: JobKind, indent: int = 2, width: int = 19) -> str:
     """The ``methods:`` lines of a command's help: each name and its summary."""
     lines = []
     for m in methods(job):

@@ -56,7 +56,7 @@ def tables() -> dict[str, str]:
     }
 
 
-def _table(cls: Any, keys: list[str], job: methods.Job | None) -> str:
+def _table(cls: Any, keys: list[str], job: methods.JobKind | None) -> str:
     settings = declared(cls)
     head = ["key", *(["methods"] if job else []), "default", "meaning"]
     rows = [_row(head), _row(["---"] * len(head))]
@@ -74,7 +74,7 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _methods(key: str, s: Setting, job: methods.Job) -> str:
+def _methods(key: str, s: Setting, job: methods.JobKind) -> str:
     """Which methods of ``job`` require or allow the key ("all": every method reads it)."""
     if key == "method":
         return "—"
@@ -96,7 +96,7 @@ def _methods(key: str, s: Setting, job: methods.Job) -> str:
     return "; ".join(parts) + "; refused by the others"
 
 
-def _per_method(job: methods.Job) -> set[str]:
+def _per_method(job: methods.JobKind) -> set[str]:
     from gradmerge.jobs.config import KEYS
 
     return set(KEYS[job])
