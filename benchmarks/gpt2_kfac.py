@@ -25,7 +25,7 @@ Measured, each command in a fresh process (wall time and peak anonymous memory s
 3. the same merge with diagonal curvatures, and ``gradmerge merge`` / ``mergekit-yaml`` task
    arithmetic of the same models.
 
-    python benchmarks/gpt2_kfac.py            # writes benchmarks/results/gpt2-kfac-cpu.json
+    python -m benchmarks.gpt2_kfac            # writes benchmarks/results/gpt2-kfac-cpu.json
 
 ``--per-layer LAYER [...] --keep FOLDER`` instead solves single layers of block 0 (e.g.
 ``attn.c_proj``) from a kept folder's K-FAC files at several δ (``--relative-delta``, relative to
@@ -50,8 +50,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import machine, run_measured
+from benchmarks.merge import machine, run_measured
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "gpt2-kfac-cpu.json"

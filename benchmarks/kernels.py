@@ -42,8 +42,8 @@ are over the thread's CPU time (one torch thread), not wall time: on a machine w
 jobs hold, a call's wall time is mostly waiting for a core (wall seconds are recorded beside).
 The three outputs are compared bit for bit.
 
-    python benchmarks/kernels.py --repeats 5 --blocks 1
-    python benchmarks/kernels.py --workloads in_memory --repeats 9 --update
+    python -m benchmarks.kernels --repeats 5 --blocks 1
+    python -m benchmarks.kernels --workloads in_memory --repeats 9 --update
 """
 
 from __future__ import annotations
@@ -66,10 +66,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build_gpt2, machine, make_flat, run_measured
-
 import gradmerge as gm
+from benchmarks.merge import build_gpt2, machine, make_flat, run_measured
 from gradmerge.kernels import Fused, select
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -293,7 +291,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     run = {
-        "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.kernels " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_commit": subprocess.run(

@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.layers is not None:
         shapes = replace(shapes, layers=args.layers)
     info = machine()
-    ram = info["mem_total_bytes"]
+    ram = info["memory_bytes"]
     work_root = Path(args.work).absolute()
     work_root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work_root).free

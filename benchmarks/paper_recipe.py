@@ -44,8 +44,8 @@ arithmetic at its validation-chosen α), in the mean accuracy over tasks, per se
 seeds (resampling the test texts of each task); a plot. Each seed has its own fine-tunes (θ_LLM
 and F_0 are shared).
 
-    python benchmarks/paper_recipe.py                 # full study: results/paper-recipe-cpu.json
-    python benchmarks/paper_recipe.py --quick         # ≤ 2 min smoke run (the test suite runs it)
+    python -m benchmarks.paper_recipe                 # full study: results/paper-recipe-cpu.json
+    python -m benchmarks.paper_recipe --quick         # ≤ 2 min smoke run (the test suite runs it)
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks.paper_recipe_data import BASE_TASK, PROVENANCE, TASKS, TEXTS
+from benchmarks.record import module_argv
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from paper_recipe_data import BASE_TASK, PROVENANCE, TASKS, TEXTS  # noqa: E402
 
 RESULTS = HERE / "results"
 Encoded = list[tuple[list[int], int]]
@@ -1351,7 +1352,7 @@ def parallel(args: argparse.Namespace, argv: list[str]) -> int:
     report."""
     begin = time.perf_counter()
     parts = args.work / "parts"
-    me = [sys.executable, str(Path(__file__).resolve()), *argv, "--jobs", "1"]
+    me = module_argv("paper_recipe", *argv, "--jobs", "1")
     threads = str(min(args.jobs, os.cpu_count() or 1))
     base = subprocess.run([*me, "--seeds", "--threads", threads, "--out", str(parts),
                            "--stem", "base"])  # fmt: skip

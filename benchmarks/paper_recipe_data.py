@@ -35,7 +35,7 @@ gets ``SHORT_TEST`` = 250 test texts per label (500 in all, the floor), ``SHORT_
 and the rest for training. Texts that occur under both labels of a task, or in two tasks, are
 dropped first.
 
-    python benchmarks/paper_recipe_data.py [--wheel PATH]   # rebuilds the committed files
+    python -m benchmarks.paper_recipe_data [--wheel PATH]   # rebuilds the committed files
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         per = counts.setdefault(r["task"], {}).setdefault(r["split"], {})
         per[r["label"]] = per.get(r["label"], 0) + 1
     provenance = {
-        "built by": "python benchmarks/paper_recipe_data.py",
+        "built by": "python -m benchmarks.paper_recipe_data",
         "tasks": {t: list(labels) for t, labels in TASKS.items()},
         "base task": BASE_TASK,
         "counts": counts,

@@ -32,7 +32,7 @@ def test_the_tiny_run_measures_and_checks_both_merges(tmp_path):
     report = json.loads(out.read_text())
     shapes = SIZES["tiny"]
     assert report["parameters"] == shapes.parameters() and report["tasks"] == 3
-    assert report["machine"]["mem_total_bytes"] > 0 and report["machine"]["cpu_count"] >= 1
+    assert report["machine"]["memory_bytes"] > 0 and report["machine"]["cpus"] >= 1
     assert report["disk"]["removed"] and list(work.iterdir()) == []  # everything cleaned up
     idle = report["idle_process"]
     assert idle["returncode"] == 0 and idle["peak_rss_anon_bytes"] > 0
@@ -48,7 +48,7 @@ def test_the_tiny_run_measures_and_checks_both_merges(tmp_path):
         assert row["peak_rss_anon_gib"] == merge["peak_rss_anon_bytes"] / 2**30 < 1
         assert row["input_files"] == files[method] and once["bytes"] == row["input_bytes"]
         assert row["input_bytes"] <= build["bytes"]
-        assert row["inputs_over_ram"] == row["input_bytes"] / report["machine"]["mem_total_bytes"]
+        assert row["inputs_over_ram"] == row["input_bytes"] / report["machine"]["memory_bytes"]
         assert once["seconds"] > 0 and merge["wall_seconds"] > 0
         assert row["wall_over_read_once"] == merge["wall_seconds"] / once["seconds"]
         again = row["read_once_after_merge"]  # the same read, after the merge

