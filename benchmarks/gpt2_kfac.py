@@ -119,12 +119,13 @@ def interleaved_ratio(
     out = folder / "ratio.kfac.safetensors"
     rows = []
     for r in range(rounds):
+        out.unlink(missing_ok=True)  # each round writes anew (the CLI refuses an existing OUT)
         fb = yardstick.seconds()
         cli = curvature(paths["models"][0], paths["data"][0], out, "kfac", batch)
+        if cli.get("returncode"):  # a failed estimate has no cost to compare: stop, say why
+            raise RuntimeError(f"round {r}: gradmerge curvature failed: {cli.get('error')}")
         row = {"forward_backward_seconds": fb, "cli_seconds": cli["wall_seconds"]}
         row["ratio"] = cli["wall_seconds"] / fb
-        if cli.get("returncode"):
-            row["error"] = cli.get("error")
         rows.append(row)
         print(
             f"round {r}: forward+backward {fb:.1f} s, CLI K-FAC {row['cli_seconds']:.1f} s, "
