@@ -89,6 +89,9 @@ from benchmarks.paper_recipe import (
     write_jsonl,
     yaml_dump,
 )
+from benchmarks.paper_recipe import (
+    write as recipe_write,
+)
 from gradmerge.errors import ArgumentError
 
 HERE = Path(__file__).resolve().parent
@@ -1179,14 +1182,8 @@ def report_of(
 
 
 def write(report: dict[str, Any], out: Path, stem: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{stem}.json"
-    tmp = out / f"{stem}.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False) + "\n")
-    tmp.replace(path)
-    if report["seeds"]:
-        plot(report, out / f"{stem}.png")
-    return path
+    """The report and its plot, written as the paper-recipe study writes its own."""
+    return recipe_write(report, out, stem, draw=plot)
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -62,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1302,14 +1302,21 @@ def report_of(
     return report
 
 
-def write(report: dict[str, Any], out: Path, stem: str) -> Path:
+def write(
+    report: dict[str, Any],
+    out: Path,
+    stem: str,
+    draw: Callable[[dict[str, Any], Path], None] | None = None,
+) -> Path:
+    """``out/stem.json`` written whole (a temporary file renamed over it) and, where the report
+    has seeds, its plot ``out/stem.png`` by ``draw`` (default: this study's :func:`plot`)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem}.json"
     tmp = out / f"{stem}.json.tmp"
     tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False) + "\n")
     tmp.replace(path)
     if report["seeds"]:
-        plot(report, out / f"{stem}.png")
+        (draw or plot)(report, out / f"{stem}.png")
     return path
 
 
