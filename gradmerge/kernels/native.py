@@ -18,8 +18,13 @@ h_i = (c_i·s_i) + δ_i (a prior δ·I + s·C, :meth:`gradmerge.Diagonal.shifted
 operator algebra rounds it, so it is never written to memory. The same loop counts the elements
 where θ is not finite, H̄ ≤ 0 or some h < 0; a count above zero sends the tensor back to the
 chunked path for the exact diagnosis. A tensor of at least :data:`PARALLEL_MIN_NUMEL` elements
-per thread is split over ``torch.get_num_threads()`` threads (the ctypes call releases the GIL;
-each element is computed alone, so the split changes nothing).
+per thread is cut into :data:`PIECES_PER_THREAD` pieces per thread of ``torch.get_num_threads()``,
+which the calling thread and its helpers take in turn (the ctypes call releases the GIL; each
+element is computed alone, so the split changes nothing): on a machine whose cores other jobs
+share, a helper that wakes late or is preempted holds back one piece, not half the tensor. From
+:data:`STREAM_MIN_NUMEL` elements θ is written with non-temporal stores on x86 (computed into an
+aligned block of 64 elements, then streamed out), which spares reading each output line before
+writing it.
 
 Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
 ``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
@@ -40,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -61,6 +67,44 @@ MIN_NUMEL = 1 << 12
 PARALLEL_MIN_NUMEL = 1 << 18
 """Elements per thread from which a tensor's loop is split over ``torch.get_num_threads()``
 threads (the result does not depend on the split: each element is computed alone)."""
+
+STREAM_MIN_NUMEL = 1 << 18
+"""Elements per call from which the loop writes θ with non-temporal (streaming) stores, on x86
+CPUs: an output this large outlives the caches anyway, and streaming stores spare the read of
+each output line before its write (one stream of the 2 + 2T the loop moves). Below, ordinary
+stores leave a small output in cache for whoever reads it next."""
+
+STREAM_HELPERS = (
+    "#if defined(__SSE2__)",
+    "#include <immintrin.h>",
+    "#define GM_STREAM 1",
+    "#define GM_ALIGN 64 /* bytes: a cache line, and every vector's alignment */",
+    "#define GM_BLOCK 64 /* elements computed into tmp, then streamed out */",
+    "static inline void gm_stream(void *restrict dst, const void *restrict src, size_t bytes) {",
+    "  char *d = (char *)dst;",
+    "  const char *s = (const char *)src;",
+    "#if defined(__AVX512F__)",
+    "  for (size_t j = 0; j < bytes; j += 64)",
+    "    _mm512_stream_si512((void *)(d + j), _mm512_load_si512((const void *)(s + j)));",
+    "#elif defined(__AVX__)",
+    "  for (size_t j = 0; j < bytes; j += 32)",
+    "    _mm256_stream_si256((__m256i *)(d + j), _mm256_load_si256((const __m256i *)(s + j)));",
+    "#else",
+    "  for (size_t j = 0; j < bytes; j += 16)",
+    "    _mm_stream_si128((__m128i *)(d + j), _mm_load_si128((const __m128i *)(s + j)));",
+    "#endif",
+    "}",
+    "#else",
+    "#define GM_STREAM 0",
+    "#endif",
+)
+"""C lines before the loop: :func:`gm_stream` copies a block of θ from an aligned buffer to
+``out`` with non-temporal stores where the CPU has them (x86 from SSE2; elsewhere
+``GM_STREAM`` is 0 and every element is stored directly)."""
+
+PIECES_PER_THREAD = 4
+"""A split tensor is cut into this many pieces per thread, which the threads take in turn: a
+thread the machine's other jobs preempt holds back one piece, not its whole share."""
 
 DTYPES = {torch.float32: "float", torch.float64: "double"}
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC")
@@ -107,9 +151,19 @@ def merge_tensor(
     threads = min(torch.get_num_threads(), n // PARALLEL_MIN_NUMEL)
     if threads <= 1:
         return out if run(0, n) == 0 else None
-    step = -(-n // threads // 64) * 64  # whole cache lines per thread
+    pieces = min(threads * PIECES_PER_THREAD, n // PARALLEL_MIN_NUMEL)
+    step = -(-n // pieces // 64) * 64  # whole cache lines (and streamed blocks) per piece
     starts = range(0, n, step)
-    bad = sum(_pool(threads, os.getpid()).map(lambda a: run(a, min(a + step, n)), starts))
+    taken = itertools.count()  # the next piece's index (next() on it is atomic under the GIL)
+
+    def work() -> int:  # pieces in turn until none is left
+        bad = 0
+        while (i := next(taken)) < len(starts):
+            bad += run(starts[i], min(starts[i] + step, n))
+        return bad
+
+    helpers = [_pool(threads - 1, os.getpid()).submit(work) for _ in range(threads - 1)]
+    bad = work() + sum(f.result() for f in helpers)  # this thread works too, from the start
     return out if bad == 0 else None
 
 
@@ -199,24 +253,46 @@ def source(pattern: str, ctype: str) -> str:
         body.append(f"  const {ctype} term = (p + q) * a{t};")
         body.append("  rhs = rhs + term; }")
     body.append(f"const {ctype} theta = bi + rhs / den;")
-    body.append("out[i] = theta;")
     checks = ["(theta - theta != 0)"]
     if pattern != "d" * len(pattern):
         checks.append("(den <= 0)")
     checks += [f"({value[i]} < 0)" for i, p in enumerate(pattern) if p != "d"]
     body.append(f"bad += {' | '.join(checks)};")
+
+    def loop(start: str, stop: str, store: str) -> list[str]:
+        return [
+            f"for (int64_t i = {start}; i < {stop}; i++) {{",
+            *(f"  {line}" for line in body),
+            f"  {store} = theta;",
+            "}",
+        ]
+
     lines = [
         "#include <float.h>",
+        "#include <stddef.h>",
         "#include <stdint.h>",
         "#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0",
         '#error "each operation must round to its type (FLT_EVAL_METHOD == 0)"',
         "#endif",
+        *STREAM_HELPERS,
         f"int64_t eq6({', '.join(args)}) {{",
         *(f"  {line}" for line in prelude),
         "  int64_t bad = 0;",
-        "  for (int64_t i = 0; i < n; i++) {",
-        *(f"    {line}" for line in body),
+        "  int64_t k = 0;  /* elements [0, k) are done */",
+        "#if GM_STREAM",
+        f"  if (n >= {STREAM_MIN_NUMEL} && (uintptr_t)out % sizeof({ctype}) == 0) {{",
+        f"    const int64_t head = (int64_t)((GM_ALIGN - (uintptr_t)out % GM_ALIGN) % GM_ALIGN)"
+        f" / (int64_t)sizeof({ctype});",
+        *(f"    {line}" for line in loop("0", "head", "out[i]")),
+        f"    _Alignas(GM_ALIGN) {ctype} tmp[GM_BLOCK];",
+        "    for (k = head; k + GM_BLOCK <= n; k += GM_BLOCK) {",
+        *(f"      {line}" for line in loop("k", "k + GM_BLOCK", "tmp[i - k]")),
+        "      gm_stream(out + k, tmp, sizeof tmp);",
+        "    }",
+        "    _mm_sfence();",
         "  }",
+        "#endif",
+        *(f"  {line}" for line in loop("k", "n", "out[i]")),
         "  return bad;",
         "}",
     ]

@@ -12,6 +12,7 @@ compiles once per process (~2 s), so the patterns here are few and fixed; hypoth
 values, sizes and weights within them.
 """
 
+import ctypes
 import re
 import stat
 import warnings
@@ -481,6 +482,48 @@ def test_fresh_outputs_are_ordinary_tensors():
     view = large[7]
     del large  # the view keeps the mapping alive
     assert float(view.sum()) == 2.0 * 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("offset", [0, 1, 3, 15])
+def test_streaming_stores_give_the_chunked_bits_at_any_alignment(monkeypatch, dtype, offset):
+    """From ``STREAM_MIN_NUMEL`` elements the C loop writes whole blocks with non-temporal
+    stores: an output not aligned to a cache line (``offset`` elements in), whole blocks and a
+    tail give the chunked result, nothing is written outside the output, a negative h is
+    still counted."""
+    monkeypatch.setattr(_native, "STREAM_MIN_NUMEL", 256)
+    _native._function.cache_clear()  # the threshold is in the C source
+    try:
+        gen = torch.Generator().manual_seed(offset)
+        n = 256 + 3 * 64 + 37
+        b, f0, f1 = (torch.randn(n, generator=gen, dtype=dtype) for _ in range(3))
+        h1 = torch.rand(n, generator=gen, dtype=dtype)
+        alphas, h = [0.7, 1.3], [0.1, h1, 0.3]
+        consts, _ = _native._constants(alphas, h)
+        try:
+            function = _native._function("dhd", _native.DTYPES[dtype])
+        except (RuntimeError, OSError) as err:
+            pytest.skip(f"no C loop here: {err}")
+        buffer = torch.full((n + offset + 5,), float("nan"), dtype=dtype)
+        out = buffer[offset : offset + n]
+        arrays = (ctypes.c_double * len(consts))(*consts)
+        ptrs = [x.data_ptr() for x in (out, b, f0, f1, h1)]
+        chunked = gm.gradient_matching(
+            {"w": b},
+            [{"w": f0}, {"w": f1}],
+            [gm.Diagonal({"w": h1}), 0.3],
+            prior=0.1,
+            alphas=alphas,
+            kernel=None,
+        )["w"]
+        assert function(n, arrays, *ptrs) == 0
+        assert torch.equal(out, chunked)
+        assert buffer[:offset].isnan().all() and buffer[offset + n :].isnan().all()
+        h1[n - 1] = -1.0  # in the tail
+        h1[300] = -1.0  # in a streamed block
+        assert function(n, arrays, *ptrs) == 2
+    finally:
+        _native._function.cache_clear()
 
 
 @pytest.mark.usefixtures("compiled")
