@@ -30,17 +30,22 @@ after each run.
 
 A third workload, ``in_memory`` (issue 30 item 3), asks whether the documented function is fast
 as called: ``gm.gradient_matching`` on ``--tasks`` diagonal tasks × ``--parameters`` float32
-parameters held in memory (four tensors, prior δ = 1e-3), in three variants in the same process —
+parameters held in memory (four tensors, prior δ = 1e-3), in four variants in the same process —
 ``reference`` (``kernel=None``: the chunked pass, which compiles nothing), ``default`` (no
-``kernel=``: the kernel the streaming engine chooses) and ``fused_on`` (``kernel=Fused("on")``)
-— each as a fraction of the memory-bandwidth roofline: the best of ``addcmul``/``add``/``copy_``
-with ``out=`` over the same number of floats into touched memory (as ``merge.py``'s roofline),
-against the (2 + 2T)·n·4 bytes Eq. 6 must move. Each round measures the roofline and the three
-variants once, in turn, so that the load of the machine weighs on all alike; the figures are
-medians over the rounds (after one warm-up round), fractions taken within each round. Bandwidths
-are over the thread's CPU time (one torch thread), not wall time: on a machine whose cores other
-jobs hold, a call's wall time is mostly waiting for a core (wall seconds are recorded beside).
-The three outputs are compared bit for bit.
+``kernel=``: the kernel the streaming engine chooses), ``fused_on`` (``kernel=Fused("on")``) and
+``default_1_thread`` (the default with torch's threads set to 1 for the call) — against the
+(2 + 2T)·n·4 bytes Eq. 6 must move. Two rooflines, both at the round's streaming bandwidth (the
+best of ``addcmul``/``add``/``copy_`` with ``out=`` over n floats into touched memory):
+``touched`` moves all the bytes at that bandwidth, as if the output existed already;
+``fresh_output`` (the fair one: a user's call returns new tensors) writes a fresh output of the
+merge's sizes by ``copy_`` — the faster of ``torch.empty`` and ``gradmerge.kernels.memory.empty``,
+allocation and page faults included — and moves the other bytes at that bandwidth. Every round
+runs each stream kernel, fresh-output copy and variant once, in an order rotated by one each
+round (no job always follows the same one); wall seconds, under torch's threads as a user's call
+runs them (so run it at normal priority and read the load recorded beside); fractions are taken
+within each round and reported as median, quartiles and range after ``warmups`` uncounted
+rounds. The first round counts the tensors each variant hands to the C loop (which path ran,
+seen rather than assumed); the outputs are compared bit for bit.
 
     python -m benchmarks.kernels --repeats 5 --blocks 1
     python -m benchmarks.kernels --workloads in_memory --repeats 9 --update
@@ -49,6 +54,7 @@ The three outputs are compared bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -61,6 +67,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import yaml
@@ -68,7 +75,7 @@ from safetensors.torch import save_file
 
 import gradmerge as gm
 from benchmarks.merge import build_gpt2, machine, make_flat, run_measured
-from gradmerge.kernels import Fused, select
+from gradmerge.kernels import Fused, memory, native, select
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -184,7 +191,7 @@ def compare(
     return result
 
 
-def in_memory(parameters: int, tasks: int, repeats: int) -> dict[str, Any]:
+def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> dict[str, Any]:
     """``gm.gradient_matching`` in memory: the chunked pass, the default and ``Fused("on")``
     against the roofline, interleaved round by round (module docstring)."""
     base, fts, hs = make_flat(parameters, tasks)
@@ -192,86 +199,125 @@ def in_memory(parameters: int, tasks: int, repeats: int) -> dict[str, Any]:
     n = sum(v.numel() for v in base.values())
     nbytes = (2 + 2 * tasks) * n * 4  # θ_LLM, every θ_t and h_t read once, θ written once
     a, b, c, out = (torch.rand(n) for _ in range(4))
-    roof = {  # bytes moved by each single-pass kernel over n floats, into touched memory
+    stream = {  # bytes moved by each single-pass kernel over n floats, into touched memory
         "addcmul(a, b, c, out=)": (lambda: torch.addcmul(a, b, c, out=out), 4 * n * 4),
         "add(a, b, out=)": (lambda: torch.add(a, b, out=out), 3 * n * 4),
         "copy_": (lambda: out.copy_(a), 2 * n * 4),
     }
 
+    def copied(allocate: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        return [allocate(v).copy_(v) for v in base.values()]
+
+    fresh = {  # outputs of the merge's sizes, fresh (allocated, faulted in) and written once
+        "torch.empty + copy_": lambda: copied(torch.empty_like),
+        "memory.empty + copy_": lambda: copied(lambda v: memory.empty(v.shape, like=v)),
+    }
+
     def merged(**kernel: Any) -> dict[str, torch.Tensor]:
         return gm.gradient_matching(base, fts, curvatures, prior=1e-3, **kernel)
+
+    def one_thread() -> dict[str, torch.Tensor]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return merged()
+        finally:
+            torch.set_num_threads(threads)
 
     variants = {
         "reference": lambda: merged(kernel=None),
         "default": lambda: merged(),
         "fused_on": lambda: merged(kernel=Fused("on")),
+        "default_1_thread": one_thread,
     }
-    gbs: dict[str, list[float]] = {k: [] for k in [*roof, *variants]}
-    wall: dict[str, list[float]] = {k: [] for k in [*roof, *variants]}
+    jobs: dict[str, Callable[[], Any]] = {
+        **{k: fn for k, (fn, _) in stream.items()},
+        **fresh,
+        **variants,
+    }
+    seconds: dict[str, list[float]] = {k: [] for k in jobs}
     loads: list[tuple[float, float]] = []
     outputs: dict[str, dict[str, torch.Tensor]] = {}
-
-    def timed(name: str, fn: Callable[[], Any], moved: int) -> Any:
-        """One call: GB/s over the thread's CPU time (preemption by the machine's other jobs
-        left out; page faults and memory stalls counted), and its wall seconds."""
-        gc.collect()
-        start, cpu = time.perf_counter(), time.thread_time()
-        value = fn()
-        cpu, seconds = time.thread_time() - cpu, time.perf_counter() - start
-        gbs[name].append(moved / cpu / 1e9)
-        wall[name].append(seconds)
-        return value
-
-    for i in range(repeats + 1):  # round 0 warms up (builds the C loop, faults the pages in)
+    c_loop: dict[str, int] = {}  # tensors the C loop merged, per variant (in the first round)
+    for i in range(warmups + repeats):
+        order = list(jobs)
+        order = order[i % len(order) :] + order[: i % len(order)]  # no job always follows another
         before = os.getloadavg()[0]
-        for name, (kernel, moved) in roof.items():
-            timed(name, kernel, moved)
-        for name, fn in variants.items():
-            result = timed(name, fn, nbytes)
-            if i == 0:
-                outputs[name] = result
-            del result
+        for name in order:
+            # which path each variant runs, seen: the C loop's calls counted in the first round
+            spy = mock.patch.object(native, "merge_tensor", wraps=native.merge_tensor)
+            with spy if i == 0 else contextlib.nullcontext() as seen:
+                gc.collect()
+                start = time.perf_counter()
+                value = jobs[name]()
+                seconds[name].append(time.perf_counter() - start)
+            if i == 0 and name in variants:
+                outputs[name], c_loop[name] = value, seen.call_count
+            del value
         loads.append((before, os.getloadavg()[0]))
-    gbs = {k: v[1:] for k, v in gbs.items()}  # the warm-up round is not counted
-    wall = {k: v[1:] for k, v in wall.items()}
-    roofline = [max(r) for r in zip(*(gbs[k] for k in roof), strict=True)]
-    fractions = {k: [x / r for x, r in zip(gbs[k], roofline, strict=True)] for k in variants}
-    median = statistics.median
+    seconds = {k: v[warmups:] for k, v in seconds.items()}
+    rounds = range(repeats)
+    bandwidth = [max(moved / seconds[k][r] for k, (_, moved) in stream.items()) for r in rounds]
+    fresh_output = [min(seconds[k][r] for k in fresh) for r in rounds]
+    roofline = {  # seconds the merge's bytes take at the round's streaming bandwidth
+        "touched": [nbytes / bandwidth[r] for r in rounds],
+        "fresh_output": [fresh_output[r] + (nbytes - 2 * n * 4) / bandwidth[r] for r in rounds],
+    }
+    first_touch = [seconds["memory.empty + copy_"][r] - seconds["copy_"][r] for r in rounds]
+
+    def spread(values: list[float]) -> dict[str, float]:
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+        return {"median": q[1], "q1": q[0], "q3": q[2], "min": min(values), "max": max(values)}
+
+    fractions = {
+        kind: {k: spread([roof[r] / seconds[k][r] for r in rounds]) for k in variants}
+        for kind, roof in roofline.items()
+    }
     result: dict[str, Any] = {
         "parameters": n,
+        "tensors": len(base),
         "tasks": tasks,
         "dtype": "float32",
         "prior": "δ·I, δ = 1e-3",
         "min_bytes_moved": nbytes,
         "repeats": repeats,
+        "warmup_rounds": warmups,
         "default_kernel": repr(select([v.numel() for v in base.values()])),
+        "tensors_merged_by_the_c_loop": c_loop,
         "torch_threads": torch.get_num_threads(),
-        "timing": "GB/s over the calling thread's CPU time (time.thread_time: one torch thread, "
-        "the C loop unsplit), so that waiting for the loaded machine's cores is not counted; "
-        "wall seconds beside it",
-        "gb_per_s": gbs,
-        "wall_seconds": wall,
-        "roofline_gb_per_s": roofline,
-        "median_roofline_gb_per_s": median(roofline),
-        "median_fraction_of_roofline": {k: median(v) for k, v in fractions.items()},
-        "median_default_over_fused_on": median(
-            [d / f for d, f in zip(fractions["default"], fractions["fused_on"], strict=True)]
-        ),
-        "median_default_over_reference": median(
-            [d / f for d, f in zip(fractions["default"], fractions["reference"], strict=True)]
-        ),
+        "nice": os.nice(0),
+        "timing": "wall seconds of each call (torch's threads, as a user's call runs), every job "
+        "once per round in an order rotated by one each round; fractions within a round",
+        "definitions": {
+            "roofline touched": "min_bytes_moved at the round's streaming bandwidth (the best "
+            "of the stream kernels into touched memory)",
+            "roofline fresh_output": "a fresh output of the merge's sizes written by copy_ (the "
+            "faster of torch.empty, what any torch call returning new tensors allocates, and "
+            "gradmerge.kernels.memory.empty, what the merge allocates), plus the other "
+            "min_bytes_moved − 2·n·4 bytes at the round's streaming bandwidth",
+            "output_first_touch_seconds": "memory.empty + copy_ less copy_ into touched "
+            "memory: what allocating and faulting in the merge's fresh outputs adds",
+        },
+        "seconds": seconds,
+        "streaming_gb_per_s": spread([x / 1e9 for x in bandwidth]),
+        "roofline_seconds": {k: spread(v) for k, v in roofline.items()},
+        "output_first_touch_seconds": spread(first_touch),
+        "fraction_of_roofline": fractions,
+        "median_seconds": {k: statistics.median(v) for k, v in seconds.items()},
         "outputs_identical": all(
-            torch.equal(outputs["reference"][k], outputs[v][k])
-            for v in ("default", "fused_on")
-            for k in base
+            torch.equal(outputs["reference"][k], outputs[v][k]) for v in variants for k in base
         ),
         "load_average_1min_before_after": loads,
     }
-    f = result["median_fraction_of_roofline"]
+    f = {k: v["median"] for k, v in fractions["fresh_output"].items()}
     print(
-        f"  in memory, {tasks} tasks × {n:,} parameters: roofline {median(roofline):.1f} GB/s; "
-        f"fraction of it: reference {f['reference']:.2f}, default {f['default']:.2f} "
-        f"({result['default_kernel']}), Fused('on') {f['fused_on']:.2f}; identical outputs: "
+        f"  in memory, {tasks} tasks × {n:,} parameters, {result['torch_threads']} threads: "
+        f"streaming {result['streaming_gb_per_s']['median']:.1f} GB/s; median fraction of the "
+        f"roofline (fresh output): reference {f['reference']:.2f}, default {f['default']:.2f} "
+        f"({result['default_kernel']}), Fused('on') {f['fused_on']:.2f}, default on 1 thread "
+        f"{f['default_1_thread']:.2f} (touched memory: default "
+        f"{fractions['touched']['default']['median']:.2f}); output first touch "
+        f"{statistics.median(first_touch):.3f} s; identical outputs: "
         f"{result['outputs_identical']}",
         flush=True,
     )
