@@ -34,18 +34,20 @@ parameters held in memory (four tensors, prior δ = 1e-3), in four variants in t
 ``reference`` (``kernel=None``: the chunked pass, which compiles nothing), ``default`` (no
 ``kernel=``: the kernel the streaming engine chooses), ``fused_on`` (``kernel=Fused("on")``) and
 ``default_1_thread`` (the default with torch's threads set to 1 for the call) — against the
-(2 + 2T)·n·4 bytes Eq. 6 must move. Two rooflines, both at the round's streaming bandwidth (the
-best of ``addcmul``/``add``/``copy_`` with ``out=`` over n floats into touched memory):
+(2 + 2T)·n·4 bytes Eq. 6 must move. Two rooflines, both at the machine's streaming bandwidth:
+the best of ``addcmul``/``add``/``copy_`` with ``out=`` over n floats into touched memory, over
+all rounds (a stream kernel that the machine's other jobs preempt runs slower, never faster).
 ``touched`` moves all the bytes at that bandwidth, as if the output existed already;
 ``fresh_output`` (the fair one: a user's call returns new tensors) writes a fresh output of the
-merge's sizes by ``copy_`` — the faster of ``torch.empty`` and ``gradmerge.kernels.memory.empty``,
-allocation and page faults included — and moves the other bytes at that bandwidth. Every round
-runs each stream kernel, fresh-output copy and variant once, in an order rotated by one each
-round (no job always follows the same one); wall seconds, under torch's threads as a user's call
-runs them (so run it at normal priority and read the load recorded beside); fractions are taken
-within each round and reported as median, quartiles and range after ``warmups`` uncounted
-rounds. The first round counts the tensors each variant hands to the C loop (which path ran,
-seen rather than assumed); the outputs are compared bit for bit.
+merge's sizes by ``copy_`` — the fastest over the rounds of ``torch.empty`` and
+``gradmerge.kernels.memory.empty``, allocation and page faults included — and moves the other
+bytes at that bandwidth. Every round runs each stream kernel, fresh-output copy and variant once,
+in an order rotated by one each round (no job always follows the same one); wall seconds, under
+torch's threads as a user's call runs them (so run it at normal priority and read the load
+recorded beside); a variant's fraction of a roofline is taken per round and reported as median,
+quartiles and range over the rounds, after two uncounted warm-up rounds. The first of those
+counts the tensors each variant hands to the C loop (which path ran, seen rather than assumed)
+and keeps the outputs, compared bit for bit.
 
     python -m benchmarks.kernels --repeats 5 --blocks 1
     python -m benchmarks.kernels --workloads in_memory --repeats 9 --update
@@ -246,12 +248,12 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
         for name in order:
             # which path each variant runs, seen: the C loop's calls counted in the first round
             spy = mock.patch.object(native, "merge_tensor", wraps=native.merge_tensor)
-            with spy if i == 0 else contextlib.nullcontext() as seen:
+            with spy if i == 0 else contextlib.nullcontext(None) as seen:
                 gc.collect()
                 start = time.perf_counter()
                 value = jobs[name]()
                 seconds[name].append(time.perf_counter() - start)
-            if i == 0 and name in variants:
+            if seen is not None and name in variants:
                 outputs[name], c_loop[name] = value, seen.call_count
             del value
         loads.append((before, os.getloadavg()[0]))
@@ -259,9 +261,10 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
     rounds = range(repeats)
     bandwidth = [max(moved / seconds[k][r] for k, (_, moved) in stream.items()) for r in rounds]
     fresh_output = [min(seconds[k][r] for k in fresh) for r in rounds]
-    roofline = {  # seconds the merge's bytes take at the round's streaming bandwidth
-        "touched": [nbytes / bandwidth[r] for r in rounds],
-        "fresh_output": [fresh_output[r] + (nbytes - 2 * n * 4) / bandwidth[r] for r in rounds],
+    peak, fastest_output = max(bandwidth), min(fresh_output)  # the machine undisturbed
+    roofline = {  # seconds the merge's bytes take at the streaming bandwidth
+        "touched": nbytes / peak,
+        "fresh_output": fastest_output + (nbytes - 2 * n * 4) / peak,
     }
     first_touch = [seconds["memory.empty + copy_"][r] - seconds["copy_"][r] for r in rounds]
 
@@ -270,7 +273,7 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
         return {"median": q[1], "q1": q[0], "q3": q[2], "min": min(values), "max": max(values)}
 
     fractions = {
-        kind: {k: spread([roof[r] / seconds[k][r] for r in rounds]) for k in variants}
+        kind: {k: spread([roof / seconds[k][r] for r in rounds]) for k in variants}
         for kind, roof in roofline.items()
     }
     result: dict[str, Any] = {
@@ -287,20 +290,23 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
         "torch_threads": torch.get_num_threads(),
         "nice": os.nice(0),
         "timing": "wall seconds of each call (torch's threads, as a user's call runs), every job "
-        "once per round in an order rotated by one each round; fractions within a round",
+        "once per round in an order rotated by one each round; a variant's fraction of a "
+        "roofline per round, as median, quartiles and range over the rounds",
         "definitions": {
-            "roofline touched": "min_bytes_moved at the round's streaming bandwidth (the best "
-            "of the stream kernels into touched memory)",
-            "roofline fresh_output": "a fresh output of the merge's sizes written by copy_ (the "
-            "faster of torch.empty, what any torch call returning new tensors allocates, and "
-            "gradmerge.kernels.memory.empty, what the merge allocates), plus the other "
-            "min_bytes_moved − 2·n·4 bytes at the round's streaming bandwidth",
+            "streaming bandwidth": "the best of the stream kernels over all rounds (into "
+            "touched memory): the machine's, undisturbed by its other jobs",
+            "roofline touched": "min_bytes_moved at the streaming bandwidth",
+            "roofline fresh_output": "the fastest fresh output of the merge's sizes written by "
+            "copy_ over all rounds (torch.empty, what any torch call returning new tensors "
+            "allocates, or gradmerge.kernels.memory.empty, what the merge allocates), plus the "
+            "other min_bytes_moved − 2·n·4 bytes at the streaming bandwidth",
             "output_first_touch_seconds": "memory.empty + copy_ less copy_ into touched "
             "memory: what allocating and faulting in the merge's fresh outputs adds",
         },
         "seconds": seconds,
-        "streaming_gb_per_s": spread([x / 1e9 for x in bandwidth]),
-        "roofline_seconds": {k: spread(v) for k, v in roofline.items()},
+        "streaming_gb_per_s_per_round": spread([x / 1e9 for x in bandwidth]),
+        "streaming_gb_per_s": peak / 1e9,
+        "roofline_seconds": roofline,
         "output_first_touch_seconds": spread(first_touch),
         "fraction_of_roofline": fractions,
         "median_seconds": {k: statistics.median(v) for k, v in seconds.items()},
@@ -312,7 +318,7 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
     f = {k: v["median"] for k, v in fractions["fresh_output"].items()}
     print(
         f"  in memory, {tasks} tasks × {n:,} parameters, {result['torch_threads']} threads: "
-        f"streaming {result['streaming_gb_per_s']['median']:.1f} GB/s; median fraction of the "
+        f"streaming {peak / 1e9:.1f} GB/s; median fraction of the "
         f"roofline (fresh output): reference {f['reference']:.2f}, default {f['default']:.2f} "
         f"({result['default_kernel']}), Fused('on') {f['fused_on']:.2f}, default on 1 thread "
         f"{f['default_1_thread']:.2f} (touched memory: default "
