@@ -42,15 +42,16 @@ all rounds (a stream kernel that the machine's other jobs preempt runs slower, n
 merge's sizes by ``copy_`` — the fastest over the rounds of ``torch.empty`` and
 ``gradmerge.kernels.memory.empty``, allocation and page faults included — and moves the other
 bytes at that bandwidth. Every round runs each stream kernel, fresh-output copy and variant once,
-in an order rotated by one each round (no job always follows the same one); wall seconds, under
-torch's threads as a user's call runs them (so run it at normal priority and read the load
+in an order shuffled anew each round (seeded: what ran just before a call — which memory it
+freed, how — changes the call's page faults, so no job may always follow the same one); wall
+seconds, under torch's threads as a user's call runs them (so run it at normal priority and read the load
 recorded beside); a variant's fraction of a roofline is taken per round and reported as median,
 quartiles and range over the rounds, after two uncounted warm-up rounds. The first of those
 counts the tensors each variant hands to the C loop (which path ran, seen rather than assumed)
 and keeps the outputs, compared bit for bit.
 
     python -m benchmarks.kernels --repeats 5 --blocks 1
-    python -m benchmarks.kernels --workloads in_memory --repeats 9 --update
+    python -m benchmarks.kernels --workloads in_memory --repeats 15 --update
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -241,9 +243,10 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
     loads: list[tuple[float, float]] = []
     outputs: dict[str, dict[str, torch.Tensor]] = {}
     c_loop: dict[str, int] = {}  # tensors the C loop merged, per variant (in the first round)
+    shuffle = random.Random(0)
     for i in range(warmups + repeats):
         order = list(jobs)
-        order = order[i % len(order) :] + order[: i % len(order)]  # no job always follows another
+        shuffle.shuffle(order)  # no job always follows the same one (what ran before matters)
         before = os.getloadavg()[0]
         for name in order:
             # which path each variant runs, seen: the C loop's calls counted in the first round
@@ -290,7 +293,7 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
         "torch_threads": torch.get_num_threads(),
         "nice": os.nice(0),
         "timing": "wall seconds of each call (torch's threads, as a user's call runs), every job "
-        "once per round in an order rotated by one each round; a variant's fraction of a "
+        "once per round in an order shuffled each round (seed 0); a variant's fraction of a "
         "roofline per round, as median, quartiles and range over the rounds",
         "definitions": {
             "streaming bandwidth": "the best of the stream kernels over all rounds (into "
