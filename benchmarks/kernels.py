@@ -28,27 +28,27 @@ Both variants' outputs are compared byte for byte. Results go to
 ``benchmarks/results/kernels-cpu.json`` with the command line and ``os.getloadavg()`` before and
 after each run.
 
-A third workload, ``in_memory`` (issue 30 item 3), asks whether the documented function is fast
-as called: ``gm.gradient_matching`` on ``--tasks`` diagonal tasks × ``--parameters`` float32
+A third workload, ``in_memory`` (issue 30 item 3), asks whether the documented function is fast as
+called: ``gm.gradient_matching`` on ``--tasks`` diagonal tasks × ``--parameters`` float32
 parameters held in memory (four tensors, prior δ = 1e-3), in four variants in the same process —
 ``reference`` (``kernel=None``: the chunked pass, which compiles nothing), ``default`` (no
 ``kernel=``: the kernel the streaming engine chooses), ``fused_on`` (``kernel=Fused("on")``) and
 ``default_1_thread`` (the default with torch's threads set to 1 for the call) — against the
-(2 + 2T)·n·4 bytes Eq. 6 must move. Two rooflines, both at the machine's streaming bandwidth:
-the best of ``addcmul``/``add``/``copy_`` with ``out=`` over n floats into touched memory, over
-all rounds (a stream kernel that the machine's other jobs preempt runs slower, never faster).
+(2 + 2T)·n·4 bytes Eq. 6 must move. Two rooflines, both at the machine's streaming bandwidth: the
+best of ``addcmul``/``add``/``copy_`` with ``out=`` over n floats into touched memory, over all
+rounds (a stream kernel that the machine's other jobs preempt runs slower, never faster).
 ``touched`` moves all the bytes at that bandwidth, as if the output existed already;
 ``fresh_output`` (the fair one: a user's call returns new tensors) writes a fresh output of the
 merge's sizes by ``copy_`` — the fastest over the rounds of ``torch.empty`` and
-``gradmerge.kernels.memory.empty``, allocation and page faults included — and moves the other
-bytes at that bandwidth. Every round runs each stream kernel, fresh-output copy and variant once,
-in an order shuffled anew each round (seeded: what ran just before a call — which memory it
-freed, how — changes the call's page faults, so no job may always follow the same one); wall
-seconds, under torch's threads as a user's call runs them (so run it at normal priority and read the load
-recorded beside); a variant's fraction of a roofline is taken per round and reported as median,
-quartiles and range over the rounds, after two uncounted warm-up rounds. The first of those
-counts the tensors each variant hands to the C loop (which path ran, seen rather than assumed)
-and keeps the outputs, compared bit for bit.
+``gradmerge.kernels.memory.empty``, allocation and page faults included — and moves the other bytes
+at that bandwidth. Every round runs each stream kernel, fresh-output copy and variant once, in an
+order shuffled anew each round (seeded: what ran just before a call — which memory it freed, how —
+changes the call's page faults, so no job may always follow the same one); wall seconds, under
+torch's threads as a user's call runs them (so run it at normal priority and read the load recorded
+beside); a variant's fraction of a roofline is taken per round and reported as median, quartiles
+and range over the rounds, after two uncounted warm-up rounds. The first of those counts the
+tensors each variant hands to the C loop (which path ran, seen rather than assumed) and keeps the
+outputs, compared bit for bit.
 
     python -m benchmarks.kernels --repeats 5 --blocks 1
     python -m benchmarks.kernels --workloads in_memory --repeats 15 --update
