@@ -42,12 +42,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
-import itertools
 import os
 import platform
+import queue
 import shutil
 import subprocess
 import tempfile
@@ -153,13 +154,16 @@ def merge_tensor(
         return out if run(0, n) == 0 else None
     pieces = min(threads * PIECES_PER_THREAD, n // PARALLEL_MIN_NUMEL)
     step = -(-n // pieces // 64) * 64  # whole cache lines (and streamed blocks) per piece
-    starts = range(0, n, step)
-    taken = itertools.count()  # the next piece's index (next() on it is atomic under the GIL)
+    left: queue.SimpleQueue[int] = queue.SimpleQueue()  # the pieces' first elements
+    for start in range(0, n, step):
+        left.put(start)
 
     def work() -> int:  # pieces in turn until none is left
         bad = 0
-        while (i := next(taken)) < len(starts):
-            bad += run(starts[i], min(starts[i] + step, n))
+        with contextlib.suppress(queue.Empty):
+            while True:
+                start = left.get_nowait()
+                bad += run(start, min(start + step, n))
         return bad
 
     helpers = [_pool(threads - 1, os.getpid()).submit(work) for _ in range(threads - 1)]
