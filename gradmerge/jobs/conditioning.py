@@ -73,7 +73,8 @@ from gradmerge.errors import (
     ResultOverflowError,
 )
 from gradmerge.jobs import methods, rules
-from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
+from gradmerge.jobs.config import MergeConfig, RemoveConfig
+from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.job import Job
 from gradmerge.jobs.opening import open_job
 from gradmerge.jobs.plan import Unit

@@ -58,9 +58,10 @@ from gradmerge._guard import Output
 from gradmerge._text import key_list
 from gradmerge.errors import PD_FIX, NotPositiveDefiniteError
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
-from gradmerge.jobs.config import MergeConfig, Options, RemoveConfig
+from gradmerge.jobs.config import MergeConfig, RemoveConfig
 from gradmerge.jobs.job import Job
 from gradmerge.jobs.opening import open_job, open_merge, open_remove
+from gradmerge.jobs.options import Options
 from gradmerge.jobs.plan import Plan, Unit
 from gradmerge.jobs.progress import Progress
 from gradmerge.kernels import memory
@@ -341,7 +342,7 @@ def check_output(
     config: MergeConfig | RemoveConfig, out_dir: str | os.PathLike[str], *, overwrite: bool
 ) -> _guard.Snapshot:
     """The output guard (:func:`gradmerge._guard.check`) for ``out_dir`` against every input of
-    ``config`` (:meth:`~gradmerge.jobs.config.FromYaml.inputs`), before any input is opened;
+    ``config`` (:meth:`~gradmerge.jobs.options.FromYaml.inputs`), before any input is opened;
     returns the inputs' :class:`~gradmerge._guard.Snapshot`, checked again before the output is
     renamed into place.
 

@@ -37,7 +37,8 @@ from gradmerge.errors import (
 from gradmerge.io import fingerprint as _weight_sample
 from gradmerge.io.reader import Checkpoint
 from gradmerge.jobs import card
-from gradmerge.jobs.config import MergeConfig, Options
+from gradmerge.jobs.config import MergeConfig
+from gradmerge.jobs.options import Options
 from gradmerge.jobs.plan import Plan, Unit
 from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.solvers.solution import Solution

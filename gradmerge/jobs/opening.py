@@ -38,7 +38,8 @@ from gradmerge.io import fingerprint as _weight_sample
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.jobs import methods, rules
-from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
+from gradmerge.jobs.config import MergeConfig, RemoveConfig
+from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.job import Job
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.jobs.removal_checks import Rounding, StepSize
