@@ -5,6 +5,11 @@
 Each key is declared once, as a field with its :class:`~gradmerge.settings.Setting`. A merge's
 configuration (:mod:`gradmerge.jobs.config`) holds its models, merges and removals hold precision
 terms (refine's too: :mod:`gradmerge.jobs.refine`); :func:`path_inputs` walks any of them.
+
+Example:
+    >>> term = CurvatureTerm(delta=1e-6, curvature=(Path("a.safetensors"), Path("b.safetensors")))
+    >>> [(i.role, i.path.name) for i in path_inputs(term, "remaining")]
+    [('remaining.curvature[0]', 'a.safetensors'), ('remaining.curvature[1]', 'b.safetensors')]
 """
 
 from __future__ import annotations

@@ -2,6 +2,12 @@
 its :class:`~gradmerge.settings.Setting`, a path, a size, a device, or a mapping of its own — a
 precision term δ·I + s·C (:func:`read_term`), ``solver:`` (a :class:`gradmerge.SolverSpec`), a
 re-merge's ``without``.
+
+Example:
+    >>> from gradmerge.jobs.yaml_reader import Reader
+    >>> r = Reader({"prior": {"delta": 1e-6}}, "the merge config", Path("."), False)
+    >>> read_term(r, "prior", required=True)
+    CurvatureTerm(delta=1e-06, curvature=None, scale=1.0)
 """
 
 from __future__ import annotations

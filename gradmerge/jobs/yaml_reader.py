@@ -8,6 +8,15 @@ a close match (or the key another tool uses for it), relative paths are relative
 folder and must exist. :func:`parse_size` reads sizes such as ``5GB``. What each key means and
 allows is declared elsewhere (:mod:`gradmerge.settings`; :mod:`gradmerge.jobs.setting_values`
 reads a declared setting through a :class:`Reader`).
+
+Example:
+    >>> r = Reader({"device": "cuda:1", "out_shard_size": "2GB"}, "the merge config", Path("."), False)
+    >>> r.device("device")
+    'cuda:1'
+    >>> r.allow("dtype", "device", "max_shard_size")
+    Traceback (most recent call last):
+    ...
+    gradmerge.errors.ConfigError: unknown key 'out_shard_size' in the merge config (did you mean 'max_shard_size'?); allowed keys: dtype, device, max_shard_size
 """
 
 from __future__ import annotations
