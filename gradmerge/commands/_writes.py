@@ -5,7 +5,7 @@ A command that writes gives its parser a declaration, ``p.set_defaults(writes=de
 ``--out-dir``...) and everything it reads, resolved as loading will resolve it (MODEL and DATA
 with :func:`gradmerge.io.sources.spec_inputs`: an entry point's file, a LoRA adapter's base;
 ``--tokenizer``; a configuration file and every path in it, :meth:`FromYaml.inputs
-<gradmerge.jobs.config.FromYaml.inputs>`). :func:`guard` applies the guard's rules to it after the
+<gradmerge.jobs.options.FromYaml.inputs>`). :func:`guard` applies the guard's rules to it after the
 command's own argument checks and before it runs, in ``gradmerge`` (:func:`gradmerge.cli.main`)
 and under torchrun (:func:`gradmerge.commands.distributed.main`) alike: a refused output is an
 argparse error (exit 2, one line after the usage). The library functions the commands call apply

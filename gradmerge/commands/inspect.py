@@ -100,7 +100,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def writes(args: argparse.Namespace) -> Any:
     """The output guard's declaration: ``--json`` PATH (not ``-``) against every CURVATURE, or
     against one CONFIG with every path it names (:meth:`FromYaml.inputs
-    <gradmerge.jobs.config.FromYaml.inputs>`)."""
+    <gradmerge.jobs.options.FromYaml.inputs>`)."""
     from gradmerge._guard import Input
     from gradmerge.commands._writes import Writes, file_output
 

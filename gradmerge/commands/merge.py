@@ -83,7 +83,7 @@ def writes(args: argparse.Namespace) -> Any:
 
 
 def config_writes(args: argparse.Namespace, config: Any) -> Any:
-    """OUT_DIR against ``config``'s inputs (:meth:`~gradmerge.jobs.config.FromYaml.inputs`)."""
+    """OUT_DIR against ``config``'s inputs (:meth:`~gradmerge.jobs.options.FromYaml.inputs`)."""
     from pathlib import Path
 
     from gradmerge._guard import Output

@@ -75,7 +75,7 @@ def epilog() -> str:
     """The help's text, the shared options' keys from their declarations."""
     import textwrap
 
-    from gradmerge.jobs.config import Options
+    from gradmerge.jobs.options import Options
     from gradmerge.settings import declared
 
     return EPILOG.replace(

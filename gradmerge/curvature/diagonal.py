@@ -207,7 +207,7 @@ class ShiftedDiagonal(Diagonal):
 def unchecked(values: Params) -> Diagonal:
     """A Diagonal whose values' NaN/Inf check is left to whoever uses them: the streaming engine
     reads curvature files this way (``CurvatureFile.restrict(check_finite=False)``), names a
-    non-finite value when a unit's merge fails (:mod:`gradmerge.jobs.engine`), and the diagonal
+    non-finite value when a unit's merge fails (:mod:`gradmerge.jobs.opening`), and the diagonal
     merge's own pass catches one without a separate read. Structure (a dict of float tensors on
     one device) is checked.
 

@@ -56,7 +56,9 @@ from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
 from gradmerge.io import open_checkpoint
 from gradmerge.io.writer import INDEX_NAME, ShardedWriter
 from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig
-from gradmerge.jobs.engine import Job, check_output, open_job
+from gradmerge.jobs.engine import check_output
+from gradmerge.jobs.job import Job
+from gradmerge.jobs.opening import open_job
 from gradmerge.jobs.plan import Plan, Unit
 
 

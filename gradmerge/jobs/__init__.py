@@ -23,13 +23,7 @@ from typing import TYPE_CHECKING
 from gradmerge._lazy import lazy_names
 
 if TYPE_CHECKING:  # loaded on first access (__getattr__ below)
-    from gradmerge.jobs.config import (
-        CurvatureTerm,
-        MergeConfig,
-        ModelInput,
-        RemoveConfig,
-        parse_size,
-    )
+    from gradmerge.jobs.config import MergeConfig, RemoveConfig
     from gradmerge.jobs.engine import (
         MergeReport,
         plan_merge,
@@ -37,11 +31,14 @@ if TYPE_CHECKING:  # loaded on first access (__getattr__ below)
         run_merge,
         run_remove,
     )
+    from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
     from gradmerge.jobs.plan import Plan, Unit
+    from gradmerge.jobs.yaml_reader import parse_size
 
 _LAZY = {
-    **dict.fromkeys(("CurvatureTerm", "MergeConfig", "ModelInput", "RemoveConfig"), "config"),
-    "parse_size": "config",
+    **dict.fromkeys(("MergeConfig", "RemoveConfig"), "config"),
+    **dict.fromkeys(("CurvatureTerm", "ModelInput"), "inputs"),
+    "parse_size": "yaml_reader",
     **dict.fromkeys(("MergeReport", "plan_merge", "plan_remove", "run_merge"), "engine"),
     "run_remove": "engine",
     "Plan": "plan",

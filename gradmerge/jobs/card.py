@@ -2,7 +2,7 @@
 
 Every folder that ``gradmerge merge`` and ``gradmerge remove`` write (and ``gradmerge tune
 --out-dir``, which merges the same way) holds a README.md built from the run's record
-(``gradmerge_<command>.json``, :meth:`gradmerge.jobs.engine.Job.record`): a YAML front matter
+(``gradmerge_<command>.json``, :meth:`gradmerge.jobs.job.Job.record`): a YAML front matter
 with the Hub's model-card metadata, then the method, the inputs with their fingerprints, the
 configuration and the solver's certificates.
 

@@ -73,9 +73,12 @@ from gradmerge.errors import (
     ResultOverflowError,
 )
 from gradmerge.jobs import methods, rules
-from gradmerge.jobs.config import CurvatureTerm, MergeConfig, RemoveConfig
-from gradmerge.jobs.engine import Job, Rounding, StepSize, open_job
+from gradmerge.jobs.config import MergeConfig, RemoveConfig
+from gradmerge.jobs.inputs import CurvatureTerm
+from gradmerge.jobs.job import Job
+from gradmerge.jobs.opening import open_job
 from gradmerge.jobs.plan import Unit
+from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.merge import regmean_systems
 
 CLIMB = 100.0

@@ -2,7 +2,7 @@ r"""``gradmerge inspect CONFIG.yaml``: the numbers for choosing δ, for exactly 
 describes.
 
 The merge is read by the merge's own reader (:class:`~gradmerge.jobs.config.MergeConfig`), its
-inputs opened and grouped into units by the engine (:func:`~gradmerge.jobs.engine.open_job`: the
+inputs opened and grouped into units by the engine (:func:`~gradmerge.jobs.opening.open_job`: the
 plan of ``gradmerge merge``), and each merged unit's curvature terms built as the dry run builds
 them (:mod:`gradmerge.jobs.conditioning`: α_t·scale_t·H_t of every model with a curvature there,
 the prior H_0 = δ·I + s·C_0), in float64. The method's own system (the
@@ -64,7 +64,7 @@ from gradmerge.errors import ArgumentError
 from gradmerge.jobs import methods
 from gradmerge.jobs.conditioning import _inputs, _term
 from gradmerge.jobs.config import MergeConfig
-from gradmerge.jobs.engine import open_job
+from gradmerge.jobs.opening import open_job
 
 
 def inspect_config(

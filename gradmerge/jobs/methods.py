@@ -22,7 +22,7 @@ record here and its rule in :mod:`gradmerge.jobs.rules`:
 - ``summary``: its lines in ``gradmerge merge --help``;
 - ``rowwise``: the rule is elementwise where every curvature of a tensor is (diagonal or δ·I),
   so that the engine may merge a large tensor a block of rows at a time
-  (:data:`gradmerge.jobs.engine.ROW_BLOCK_BYTES`): rows of the result depend only on the same
+  (:data:`gradmerge.jobs.job.ROW_BLOCK_BYTES`): rows of the result depend only on the same
   rows of every input.
 
 Example:
@@ -55,7 +55,7 @@ from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 Need = Literal["required", "optional", "forbidden"]
 JobKind = Literal["merge", "remove"]
 """Which command a method serves: ``gradmerge merge`` or ``gradmerge remove`` (the running job
-itself is :class:`gradmerge.jobs.engine.Job`)."""
+itself is :class:`gradmerge.jobs.job.Job`)."""
 
 
 @dataclass(frozen=True)

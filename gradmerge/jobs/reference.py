@@ -22,15 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge.jobs import methods
-from gradmerge.jobs.config import (
-    CurvatureTerm,
-    MergeConfig,
-    ModelInput,
-    Options,
-    Remerge,
-    RemoveConfig,
-    _ordered,
-)
+from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
+from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
+from gradmerge.jobs.options import Options, ordered
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
 from gradmerge.solvers.spec import SolverSpec
 
@@ -41,12 +35,10 @@ def tables() -> dict[str, str]:
     """Every generated table of docs/config.md, by block name."""
     shared = declared(Options)
     return {
-        "merge": _table(
-            MergeConfig, [k for k in _ordered(MergeConfig) if k not in shared], "merge"
-        ),
+        "merge": _table(MergeConfig, [k for k in ordered(MergeConfig) if k not in shared], "merge"),
         "models": _table(ModelInput, list(declared(ModelInput)), "merge"),
         "remove": _table(
-            RemoveConfig, [k for k in _ordered(RemoveConfig) if k not in shared], "remove"
+            RemoveConfig, [k for k in ordered(RemoveConfig) if k not in shared], "remove"
         ),
         "remerge": _table(Remerge, list(declared(Remerge)), "remove"),
         "term": _table(CurvatureTerm, list(declared(CurvatureTerm)), None),

@@ -79,17 +79,13 @@ from gradmerge.io import sources
 from gradmerge.io.reader import ASSET_PATTERNS
 from gradmerge.io.text_data import TEXT_SUFFIXES, TextOptions
 from gradmerge.io.writer import staged_output
-from gradmerge.jobs.config import (
-    _REQUIRED,
-    CurvatureTerm,
-    FromYaml,
-    _plain,
-    _Reader,
-    _shown,
-    _term,
-)
+from gradmerge.jobs.inputs import CurvatureTerm
+from gradmerge.jobs.options import FromYaml, plain
+from gradmerge.jobs.setting_values import read_term
+from gradmerge.jobs.yaml_reader import Reader
 from gradmerge.merge import refine
 from gradmerge.params import Params
+from gradmerge.settings import REQUIRED, shown
 
 RECORD = "gradmerge_refine.json"
 
@@ -142,7 +138,7 @@ class RefineConfig(FromYaml):
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON values (paths absolute), for the run's record."""
         skip = ("source", "models", "text")
-        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
+        out = {f.name: plain(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
         return out | {"models": [asdict(m) for m in self.models], "text": asdict(self.text)}
 
     _WHAT: ClassVar[str] = "the refine config"
@@ -181,7 +177,7 @@ class RefineConfig(FromYaml):
         return [(key, spec) for key, spec in specs if _is_entry_point(spec)]
 
     @classmethod
-    def _read(cls, r: _Reader, source: Path | None) -> RefineConfig:
+    def _read(cls, r: Reader, source: Path | None) -> RefineConfig:
         """The checks of a refinement's keys (:meth:`FromYaml.from_dict`; also: ``steps`` < 1
         is a :class:`ConfigError`)."""
         r.allow(
@@ -211,7 +207,7 @@ class RefineConfig(FromYaml):
                     alpha=m.number("alpha", 1.0),
                 )
             )
-        prior = _term(r, "prior", required=True)
+        prior = read_term(r, "prior", required=True)
         assert prior is not None  # required=True raises instead
         structure = r.choice("structure", tuple(Structure), default="kfac")
         fisher = r.choice("fisher", tuple(Fisher), default="empirical")
@@ -358,7 +354,7 @@ def run_refine(
 
 
 # ----- inputs ---------------------------------------------------------------------------------
-def _spec(r: _Reader, key: str, what: str) -> str:
+def _spec(r: Reader, key: str, what: str) -> str:
     """A MODEL or DATA entry: a path (made absolute against the config's folder; it must exist)
     or a ``module:function`` / ``file.py:function`` entry point (a relative file likewise)."""
     value = r.data.get(key)
@@ -366,7 +362,7 @@ def _spec(r: _Reader, key: str, what: str) -> str:
         raise ConfigError(f"{r.where} needs `{key}`")
     if not isinstance(value, str) or not value:
         raise ConfigError(
-            f"`{key}` in {r.where} must be a path or module:function, got {_shown(value)}"
+            f"`{key}` in {r.where} must be a path or module:function, got {shown(value)}"
         )
     is_file = what == "DATA" and value.endswith((*sources.TENSOR_SUFFIXES, *TEXT_SUFFIXES))
     path = (r.root / Path(value).expanduser()).absolute()
@@ -382,7 +378,7 @@ def _spec(r: _Reader, key: str, what: str) -> str:
     return str(path)
 
 
-def _text_options(r: _Reader) -> TextOptions:
+def _text_options(r: Reader) -> TextOptions:
     """The ``text`` mapping: fields and limits of text DATA (:class:`TextOptions`)."""
     if "text" not in r.data:
         return TextOptions()
@@ -396,7 +392,7 @@ def _text_options(r: _Reader) -> TextOptions:
         if name in ("max_length", "max_examples"):
             values[name] = _integer(t, name, None, minimum=1)
         elif not isinstance(t.data[name], str) or not t.data[name]:
-            raise ConfigError(f"`text.{name}` must be a field name, got {_shown(t.data[name])}")
+            raise ConfigError(f"`text.{name}` must be a field name, got {shown(t.data[name])}")
         else:
             values[name] = t.data[name]
     return TextOptions(**values)
@@ -409,8 +405,8 @@ ALLOW_ENTRY_POINTS = "GRADMERGE_ALLOW_ENTRY_POINTS"
 """The environment variable that, set to 1, lets YAML files name entry points."""
 
 
-def _steps(r: _Reader) -> int:
-    steps = _integer(r, "steps", _REQUIRED, minimum=1)
+def _steps(r: Reader) -> int:
+    steps = _integer(r, "steps", REQUIRED, minimum=1)
     if steps > MAX_STEPS:
         raise ConfigError(
             f"`steps` must be at most {MAX_STEPS}, got {steps}: each step re-estimates every "
@@ -420,12 +416,12 @@ def _steps(r: _Reader) -> int:
     return steps
 
 
-def _integer(r: _Reader, key: str, default: Any, *, minimum: int | None = None) -> int:
+def _integer(r: Reader, key: str, default: Any, *, minimum: int | None = None) -> int:
     value = r.data.get(key, default)
-    if value is _REQUIRED:
+    if value is REQUIRED:
         raise ConfigError(f"{r.where} needs `{key}`")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"`{key}` must be an integer, got {_shown(value)}")
+        raise ConfigError(f"`{key}` must be an integer, got {shown(value)}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"`{key}` must be at least {minimum}, got {value}")
     return value

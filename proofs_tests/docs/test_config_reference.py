@@ -226,11 +226,11 @@ def test_every_declared_setting_has_a_row():
     generated = reference.tables()
     for name, cls in [
         ("merge", gm.MergeConfig),
-        ("models", gm.jobs.config.ModelInput),
+        ("models", gm.jobs.inputs.ModelInput),
         ("remove", gm.RemoveConfig),
-        ("term", gm.jobs.config.CurvatureTerm),
+        ("term", gm.jobs.inputs.CurvatureTerm),
         ("solver", gm.SolverSpec),
     ]:
         rows = set(re.findall(r"^\| `([a-z_]+)` \|", generated[name], flags=re.M))
-        shared = set(declared(gm.jobs.config.Options)) if name in ("merge", "remove") else set()
+        shared = set(declared(gm.jobs.options.Options)) if name in ("merge", "remove") else set()
         assert set(declared(cls)) - shared == rows, name

@@ -88,7 +88,7 @@ def test_the_engine_finds_a_bad_value_through_the_algebra(bad_curvature):
     """Whatever the algebra made of unchecked values (scaled, shifted, summed, cast, in blocks
     with a K-FAC part), the engine's search after a failed unit names the input it came from;
     checked values are left alone."""
-    from gradmerge.jobs.engine import _raise_non_finite
+    from gradmerge.jobs.opening import _raise_non_finite
 
     with open_curvature(bad_curvature) as f:
         lazy = f.restrict(["2.weight", "2.bias"], check_finite=False)

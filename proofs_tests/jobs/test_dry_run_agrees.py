@@ -154,11 +154,11 @@ def test_a_solve_that_does_not_converge_advises_float64_only_when_not_in_float64
     from types import SimpleNamespace
 
     from gradmerge.errors import NotConvergedError
-    from gradmerge.jobs.engine import _run_unit
+    from gradmerge.jobs.job import _run_unit
     from gradmerge.jobs.plan import Unit
     from gradmerge.solvers.cg import solve_or_raise
 
-    def compute(unit, rows=None):  # a UnitFn (gradmerge.jobs.engine)
+    def compute(unit, rows=None):  # a UnitFn (gradmerge.jobs.job)
         dtype = torch.float64 if wide else torch.float32
         b = {"w": torch.ones(3, dtype=dtype)}
         solve_or_raise(

@@ -22,7 +22,9 @@ import gradmerge as gm
 from gradmerge._readahead import data_offsets, row_range
 from gradmerge.curvature.io import open_curvature
 from gradmerge.io.writer import ShardedWriter
-from gradmerge.jobs import MergeConfig, engine, run_merge
+from gradmerge.jobs import MergeConfig, run_merge
+from gradmerge.jobs import job as job_module
+from gradmerge.jobs.opening import open_job
 
 SHAPES = {"embed.weight": (37, 8), "layer.weight": (5, 3, 4), "norm.weight": (8,), "scalar": ()}
 ALPHAS = (0.7, 0.4, 1.1)
@@ -64,7 +66,7 @@ def _config(method: str) -> dict:
 
 
 def _run(ws, method, out, monkeypatch, block_bytes):
-    monkeypatch.setattr(engine, "ROW_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(job_module, "ROW_BLOCK_BYTES", block_bytes)
     calls = []
     original = ShardedWriter.write_rows
 
@@ -110,7 +112,7 @@ def test_blocks_of_rows_give_the_whole_merge_bit_for_bit(ws, tmp_path, monkeypat
 
 
 def test_coupled_curvatures_and_other_methods_are_never_split(ws, tmp_path, monkeypatch):
-    monkeypatch.setattr(engine, "ROW_BLOCK_BYTES", 16)
+    monkeypatch.setattr(job_module, "ROW_BLOCK_BYTES", 16)
     kfac = gm.Blocks(
         [
             gm.KFAC({"embed": (torch.eye(8), torch.eye(37))}),
@@ -140,7 +142,7 @@ def test_coupled_curvatures_and_other_methods_are_never_split(ws, tmp_path, monk
 
     for cfg, expected in cases:
         with ExitStack() as stack:
-            job = engine.open_job(MergeConfig.from_dict(cfg, root=ws), stack)
+            job = open_job(MergeConfig.from_dict(cfg, root=ws), stack)
             units = {u.keys[0]: u for u in job.plan.units}
             for key, split in expected.items():
                 assert (job.row_blocks(units[key]) != [None]) is split, (cfg["method"], key)
@@ -156,7 +158,7 @@ def test_a_singular_block_names_its_rows_and_nothing_is_written(ws, tmp_path, mo
     config.pop("damping")
     for t, m in enumerate(config["models"]):
         m["curvature"] = str(tmp_path / f"z{t}.safetensors")
-    monkeypatch.setattr(engine, "ROW_BLOCK_BYTES", BLOCK_ROWS * 8 * 4)
+    monkeypatch.setattr(job_module, "ROW_BLOCK_BYTES", BLOCK_ROWS * 8 * 4)
     with pytest.raises(
         gm.NotPositiveDefiniteError,
         match=r"of 32 entries of 'embed.weight'.*computing \['embed.weight'\] \(rows 28:32\)",
