@@ -53,17 +53,11 @@ from gradmerge.errors import (
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.evaluation import Evaluation, evaluate
-from gradmerge.merge import (
-    Merged,
-    fisher_average,
-    gradient_matching,
-    influence_remove,
-    refine,
-    regmean,
-    remove,
-    task_arithmetic,
-    with_solution,
-)
+from gradmerge.merge.matching import Merged, fisher_average, gradient_matching, task_arithmetic
+from gradmerge.merge.refinement import refine
+from gradmerge.merge.regression import regmean
+from gradmerge.merge.removal import influence_remove, remove
+from gradmerge.merge.report import with_solution
 from gradmerge.solvers import Solution, SolverSpec
 from gradmerge.spectral import iso_c, iso_cts, tsv_merge
 
