@@ -42,7 +42,7 @@ from gradmerge.errors import ArgumentError, ConfigError, InputWarning, MissingIn
 from gradmerge.jobs import methods
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 from gradmerge.settings import REQUIRED, Setting, check, declared, default_of, setting, shown
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import SolverSpec, refuse_renamed
 from gradmerge.solvers.spec import checked as checked_solver
 from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
@@ -707,6 +707,7 @@ def _solver(r: _Reader, key: str, default: Any) -> SolverSpec:
     if r.data.get(key) is None:
         return SolverSpec()
     s = r.sub(r.data[key], key)
+    refuse_renamed(s.data, key, ConfigError)
     s.allow(*declared(SolverSpec))
     given = {k: v for k, v in s.data.items() if v is not None}
     return SolverSpec(**checked_solver(given, key, ConfigError))
