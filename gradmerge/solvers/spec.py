@@ -137,9 +137,9 @@ def refuse_renamed(
                 else f"`{where}.{old}` is `{where}.{new}`"
             )
             raise error(
-                f"{said} (renamed after gradmerge 0.1.0): the floating-point arithmetic of the K-FAC solves "
-                f'({", ".join(ARITHMETIC_MODES)}); "precision" names the prior\'s precision '
-                f"matrix only. Rename the {'keyword' if where == 'SolverSpec' else 'key'}: "
+                f"{said} (renamed after gradmerge 0.1.0): the floating-point arithmetic of the "
+                f'K-FAC solves ({", ".join(ARITHMETIC_MODES)}); "precision" names the prior\'s '
+                f"precision matrix only. Rename the {'keyword' if where == 'SolverSpec' else 'key'}: "
                 f"{new}={given[old]!r}"
             )
 
