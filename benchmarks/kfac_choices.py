@@ -37,7 +37,7 @@ from gradmerge.solvers.spec import SolverSpec
 CHOICES: dict[str, SolverSpec] = {
     "working": SolverSpec(warm_start=False),
     "warm": SolverSpec(warm_start=True),
-    "bfloat16": SolverSpec(precision="bfloat16", warm_start=True),
+    "bfloat16": SolverSpec(arithmetic="bfloat16", warm_start=True),
     "approximate-0": SolverSpec(approximate=True, maxiter=0),
     "approximate-10": SolverSpec(approximate=True, maxiter=10),
 }

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="TOL",
-        help="also merge with solver: {tol: TOL, precision: bfloat16}",
+        help="also merge with solver: {tol: TOL, arithmetic: bfloat16}",
     )
     parser.add_argument("--sequences", type=int, default=4, help="held-out sequences per task")
     parser.add_argument("--length", type=int, default=128)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     settings = [(f"tol={tol:g}", {"tol": tol}) for tol in args.tol]
     settings += [
-        (f"tol={tol:g}, bfloat16 products", {"tol": tol, "precision": "bfloat16"})
+        (f"tol={tol:g}, bfloat16 products", {"tol": tol, "arithmetic": "bfloat16"})
         for tol in args.bfloat16
     ]
     settings += [

@@ -27,7 +27,7 @@ from gradmerge.curvature import (
     load_curvature,
 )
 from gradmerge.diagnostics import GradientFn, GradientMismatch, gradient_mismatch
-from gradmerge.elementwise import matching as _elementwise
+from gradmerge.elementwise import matching as _elementwise_matching
 from gradmerge.errors import (
     ArgumentError,
     ConfigError,
@@ -53,17 +53,11 @@ from gradmerge.errors import (
 from gradmerge.estimate import EstimateOptions, estimate_curvature, gradient_fn
 from gradmerge.estimate.matrix_free import MatrixFree
 from gradmerge.evaluation import Evaluation, evaluate
-from gradmerge.merge import (
-    Merged,
-    fisher_average,
-    gradient_matching,
-    influence_remove,
-    refine,
-    regmean,
-    remove,
-    task_arithmetic,
-    with_solution,
-)
+from gradmerge.merge.matching import Merged, fisher_average, gradient_matching, task_arithmetic
+from gradmerge.merge.refinement import refine
+from gradmerge.merge.regression import regmean
+from gradmerge.merge.removal import influence_remove, remove
+from gradmerge.merge.report import with_solution
 from gradmerge.solvers import Solution, SolverSpec
 from gradmerge.spectral import iso_c, iso_cts, tsv_merge
 
@@ -90,7 +84,7 @@ _LAZY = {
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, _MODULES)
 
 
-def _engine_kernel(numels: Sequence[int]) -> _elementwise.Kernel | None:
+def _engine_kernel(numels: Sequence[int]) -> _elementwise_matching.Kernel | None:
     """The kernel the streaming engine takes for tensors of these sizes
     (:func:`gradmerge.kernels.select`, from the mode in force), for the in-memory rules' default
     ``kernel=``; :mod:`gradmerge.kernels` loads on the first diagonal merge, not on import."""
@@ -99,7 +93,8 @@ def _engine_kernel(numels: Sequence[int]) -> _elementwise.Kernel | None:
     return select(numels)
 
 
-_elementwise.SELECTED.choose = _engine_kernel  # the core compiles nothing: the facade chooses
+# the core compiles nothing: the facade chooses
+_elementwise_matching.SELECTED.choose = _engine_kernel
 
 
 __all__ = [

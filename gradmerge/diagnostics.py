@@ -17,7 +17,7 @@ from torch import Tensor
 from gradmerge import params as P
 from gradmerge.curvature import Curvature
 from gradmerge.errors import ArgumentError
-from gradmerge.merge import CurvatureLike, _alphas, _curvature, _task_vector
+from gradmerge.merge.inputs import CurvatureLike, checked_alphas, checked_curvature, task_vector
 from gradmerge.params import Params
 
 GradientFn = Callable[[Params], Params]
@@ -73,11 +73,11 @@ def gradient_mismatch(
         raise ArgumentError(
             f"got {tasks} fine-tuned models but {len(gradients)} gradient functions"
         )
-    weights = _alphas(alphas, tasks)
+    weights = checked_alphas(alphas, tasks)
     P.check_params(theta, name="theta")
     per_task = []
     for t, (ft, grad) in enumerate(zip(finetuned, gradients, strict=True)):
-        _task_vector(theta, ft, name=f"finetuned[{t}]")
+        task_vector(theta, ft, name=f"finetuned[{t}]")
         g_theta, g_t = grad(theta), grad(ft)
         for which, g in (("theta", g_theta), (f"finetuned[{t}]", g_t)):
             P.check_params(g, name=f"gradients[{t}]({which})")
@@ -85,7 +85,7 @@ def gradient_mismatch(
         per_task.append(P.sub(g_theta, g_t))
     correction = None
     if prior is not None:
-        h0: Curvature = _curvature(prior, theta, name="prior")
+        h0: Curvature = checked_curvature(prior, theta, name="prior")
         total = P.zeros_like(theta)
         for alpha, delta in zip(weights, per_task, strict=True):
             total = P.axpy(alpha, delta, total)

@@ -64,7 +64,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StructureError,
 )
-from gradmerge.merge import _alphas
+from gradmerge.merge.inputs import checked_alphas
 from gradmerge.params import Params
 
 ISO_CTS_COMMON_SPACE_FRACTION = 0.8
@@ -376,7 +376,7 @@ def _merge(
     for t, ft in enumerate(finetuned):
         P.check_params(ft, name=f"finetuned[{t}]")
         P.check_compatible(base, ft, ref_name="base", name=f"finetuned[{t}]")
-    weights = _alphas(alphas, len(finetuned), dtype=next(iter(base.values())).dtype)
+    weights = checked_alphas(alphas, len(finetuned), dtype=next(iter(base.values())).dtype)
     if isinstance(average, str):
         raise ArgumentError(f"average must be a collection of names, got the string {average!r}")
     unknown = [k for k in average if k not in base]

@@ -158,7 +158,7 @@ def check_reading(
     data: str | None = None,
 ) -> tuple[list[tuple[str, str]], str]:
     """argparse errors (exit 2) for unusable MODELs, DATA or reading flags; each MODEL with its
-    kind, and DATA's kind (:func:`gradmerge.sources.model_kind`, ``data_kind``).
+    kind, and DATA's kind (:func:`gradmerge.io.sources.model_kind`, ``data_kind``).
 
     ``data``: the DATA to check instead of ``args.data`` (commands taking several)."""
     data = args.data if data is None else data

@@ -10,7 +10,8 @@ atomic: a temporary file in the same folder, renamed when complete.
 
 ``open_curvature(path)`` opens a file lazily (:class:`CurvatureFile`): its structure at once, its
 tensors only for the parameters asked for (``restrict``), so a streaming merge reads one K-FAC
-layer's factors or one tensor's diagonal at a time instead of the whole file.
+layer's factors or one tensor's diagonal at a time instead of the whole file; what it asks of
+the file's structure tree before reading a tensor is :mod:`gradmerge.curvature.spec`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.codec import decode, encode
+from gradmerge.curvature.spec import (
+    MAX_SPEC_DEPTH,
+    coupling_groups,
+    is_elementwise,
+    kfac_layer_keys,
+    parse_spec,
+    restricted_spec,
+    spec_depth,
+    tensor_names,
+)
 from gradmerge.errors import ArgumentError, FileFormatError, GradmergeError, StructureError
 from gradmerge.params import Layout, Params
 
@@ -57,7 +68,7 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         raise ArgumentError("δ·I covers no particular parameters; there is nothing to save")
     tensors: dict[str, Tensor] = {}
     spec = encode(curvature, "", tensors)
-    if _depth(spec) > MAX_SPEC_DEPTH:
+    if spec_depth(spec) > MAX_SPEC_DEPTH:
         raise ArgumentError(
             f"this curvature nests Blocks/Sums more than {MAX_SPEC_DEPTH} levels deep, more than "
             "a curvature file may hold: flatten it (gm.Blocks of the innermost blocks)"
@@ -160,7 +171,7 @@ def load_curvature(
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
     try:
-        spec = _parse_spec(meta["spec"], source)
+        spec = parse_spec(meta["spec"], source)
     except (KeyError, ValueError) as err:
         if isinstance(err, FileFormatError):
             raise
@@ -179,42 +190,6 @@ def load_curvature(
     if like is not None:
         _check_fits(curvature, like, source)
     return curvature
-
-
-MAX_SPEC_DEPTH = 32
-"""Nesting levels a curvature file's structure may have (Blocks of Sums of ...): real ones have
-a few; a deeper one is refused before anything recurses over it."""
-
-
-def _parse_spec(text: str, source: Path) -> dict[str, Any]:
-    """The ``spec`` metadata of a curvature file, refused when its structures nest deeper than
-    :data:`MAX_SPEC_DEPTH` (a 50,000-deep one overflowed Python's recursion limit while being
-    parsed; a few hundred levels would overflow it in the decoding that recurses over parts)."""
-    try:
-        spec = json.loads(text)
-    except RecursionError:
-        spec = None
-    if spec is not None and not isinstance(spec, dict):
-        raise ValueError(f"the structure is a {type(spec).__name__}, not an object")
-    if spec is None or _depth(spec) > MAX_SPEC_DEPTH:
-        raise FileFormatError(
-            f"{source}: damaged curvature metadata: its structure nests more than "
-            f"{MAX_SPEC_DEPTH} levels deep; write the curvature again with C.save(path)"
-        )
-    return spec
-
-
-def _depth(spec: dict[str, Any]) -> int:
-    """Nesting levels of structures in ``spec`` (1 for a flat one), counted without recursion
-    (the input is untrusted) and only up to just past :data:`MAX_SPEC_DEPTH`."""
-    stack, deepest = [(spec, 1)], 0
-    while stack and deepest <= MAX_SPEC_DEPTH:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        parts = node.get("parts") if isinstance(node, dict) else None
-        if isinstance(parts, list):
-            stack.extend((p, depth + 1) for p in parts)
-    return deepest
 
 
 def _check_fits(curvature: Curvature, like: nn.Module | Params, source: Path) -> None:
@@ -292,13 +267,13 @@ class CurvatureFile:
                 f"expected {FORMAT!r}); write curvatures with C.save(path)"
             )
         try:
-            self.spec: dict[str, Any] = _parse_spec(meta["spec"], self.path)
+            self.spec: dict[str, Any] = parse_spec(meta["spec"], self.path)
             self.layout: Layout = tuple(
                 (str(k), torch.Size(s)) for k, s in json.loads(meta["layout"])
             )
             self.fingerprint = meta["fingerprint"]
             self.structure = meta["structure"]
-            groups = _couplings(self.spec)
+            groups = coupling_groups(self.spec)
         except FileFormatError:
             raise
         except (KeyError, ValueError, TypeError) as err:
@@ -308,7 +283,7 @@ class CurvatureFile:
         covered = [k for group in groups for k in group]
         if sorted(covered) != sorted(k for k, _ in self.layout):
             raise FileFormatError(f"{self.path}: the structure does not cover its stated layout")
-        missing = sorted(set(_tensor_names(self.spec)) - self._names)
+        missing = sorted(set(tensor_names(self.spec)) - self._names)
         if missing:
             raise FileFormatError(
                 f"{self.path} lacks {len(missing)} tensor(s) its structure needs, e.g. "
@@ -342,7 +317,7 @@ class CurvatureFile:
 
     def kfac_layers(self) -> dict[str, tuple[str, ...]]:
         """K-FAC layers stored as such (not inside a lazy sum): module name → its parameters."""
-        return _kfac_layers(self.spec)
+        return kfac_layer_keys(self.spec)
 
     def restrict(
         self,
@@ -371,10 +346,10 @@ class CurvatureFile:
             FileFormatError: a tensor cannot be read.
         """
         wanted = set(keys)
-        spec = _restrict_spec(self.spec, wanted)
+        spec = restricted_spec(self.spec, wanted)
         if spec is None:
             return None
-        if rows is not None and not _elementwise(spec):
+        if rows is not None and not is_elementwise(spec):
             raise ArgumentError(
                 f"{self.path}: rows of {sorted(wanted)[:3]} were asked for, but its "
                 f"{spec['type']} curvature couples their entries: read the whole parameters"
@@ -400,11 +375,11 @@ class CurvatureFile:
     def prefetch(self, keys: Iterable[str], rows: slice | None = None) -> None:
         """Start reading the tensors ``restrict(keys, rows=rows)`` would read into the page cache
         in the background (:mod:`gradmerge._readahead`; a hint only, nothing is checked)."""
-        spec = _restrict_spec(self.spec, set(keys))
+        spec = restricted_spec(self.spec, set(keys))
         if spec is None:
             return
-        sliced = rows is not None and _elementwise(spec)
-        for name in _tensor_names(spec):
+        sliced = rows is not None and is_elementwise(spec)
+        for name in tensor_names(spec):
             if name in self._starts:
                 start, end = self._starts[name]
                 shape = self._file.get_slice(name).get_shape() if sliced else ()
@@ -417,8 +392,8 @@ class CurvatureFile:
         Raises:
             ArgumentError: ``keys`` splits a coupling group.
         """
-        spec = _restrict_spec(self.spec, set(keys))
-        return spec is None or _elementwise(spec)
+        spec = restricted_spec(self.spec, set(keys))
+        return spec is None or is_elementwise(spec)
 
     def load(
         self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -465,136 +440,6 @@ class _LazyTensors(Mapping[str, Tensor]):
 
 def _is_safetensors(err: BaseException) -> bool:
     return type(err).__module__.startswith("safetensors")
-
-
-def _layer_keys(name: str, spec: dict[str, Any]) -> tuple[str, ...]:
-    return (f"{name}.weight", f"{name}.bias") if name in spec["bias"] else (f"{name}.weight",)
-
-
-def _couplings(spec: dict[str, Any]) -> list[tuple[str, ...]]:
-    kind = spec["type"]
-    if kind == "identity":
-        return []
-    if kind == "diag":
-        return [(str(k),) for k in spec["keys"]]
-    if kind == "dense":
-        return [tuple(str(k) for k, _ in spec["layout"])]
-    if kind == "kfac":
-        return [_layer_keys(n, spec) for n in spec["terms"]]
-    if kind == "blocks":
-        return [g for p in spec["parts"] for g in _couplings(p)]
-    if kind == "sum":  # the terms cover the same parameters; join groups that share a parameter
-        return join_groups([g for p in spec["parts"] for g in _couplings(p)])
-    raise ValueError(f"unknown curvature structure {kind!r}")
-
-
-def join_groups(groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-    """Connected components of overlapping groups, each in first-appearance order (union-find)."""
-    parent: dict[str, str] = {}
-
-    def find(k: str) -> str:
-        while parent[k] != k:
-            parent[k] = parent[parent[k]]
-            k = parent[k]
-        return k
-
-    order: list[str] = []
-    for group in groups:
-        for k in group:
-            if k not in parent:
-                parent[k] = k
-                order.append(k)
-        for k in group[1:]:
-            parent[find(k)] = find(group[0])
-    members: dict[str, list[str]] = {}
-    for k in order:
-        members.setdefault(find(k), []).append(k)
-    return [tuple(m) for m in members.values()]
-
-
-def _kfac_layers(spec: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    if spec["type"] == "kfac":
-        return {n: _layer_keys(n, spec) for n in spec["terms"]}
-    if spec["type"] == "blocks":
-        return {n: keys for p in spec["parts"] for n, keys in _kfac_layers(p).items()}
-    return {}
-
-
-def _tensor_names(spec: dict[str, Any], prefix: str = "") -> Iterator[str]:
-    kind = spec["type"]
-    if kind == "diag":
-        yield from (f"{prefix}diag/{k}" for k in spec["keys"])
-    elif kind == "dense":
-        yield f"{prefix}dense"
-    elif kind == "kfac":
-        for n, count in spec["terms"].items():
-            for i in range(count):
-                yield from (f"{prefix}kfac/{n}/{i}/A", f"{prefix}kfac/{n}/{i}/G")
-    elif kind in ("blocks", "sum"):
-        for i, p in enumerate(spec["parts"]):
-            yield from _tensor_names(p, f"{prefix}{kind}{p.get('index', i)}/")
-
-
-def _elementwise(spec: dict[str, Any]) -> bool:
-    """Whether a structure couples no two entries (diagonal, δ·I, and blocks and sums of them)."""
-    kind = spec["type"]
-    if kind in ("blocks", "sum"):
-        return all(_elementwise(p) for p in spec["parts"])
-    return kind in ("diag", "identity")
-
-
-def _restrict_spec(spec: dict[str, Any], keys: set[str]) -> dict[str, Any] | None:
-    """``spec`` cut down to the parameters in ``keys`` (``None``: it covers none of them)."""
-    kind = spec["type"]
-    if kind == "identity":
-        return spec
-    if kind == "diag":
-        kept = [k for k in spec["keys"] if k in keys]
-        return {"type": "diag", "keys": kept} if kept else None
-    if kind == "dense":
-        inside = [k in keys for k, _ in spec["layout"]]
-        if all(inside):
-            return spec
-        if any(inside):
-            raise _split_error(tuple(k for k, _ in spec["layout"]), keys)
-        return None
-    if kind == "kfac":
-        layers = []
-        for n in spec["terms"]:
-            group = _layer_keys(n, spec)
-            inside = [k in keys for k in group]
-            if all(inside):
-                layers.append(n)
-            elif any(inside):
-                raise _split_error(group, keys)
-        if not layers:
-            return None
-        return {
-            "type": "kfac",
-            "terms": {n: spec["terms"][n] for n in layers},
-            "bias": [n for n in spec["bias"] if n in layers],
-            "transposed": [n for n in spec["transposed"] if n in layers],
-            "weight_shapes": {n: s for n, s in spec["weight_shapes"].items() if n in layers},
-            "counts": {n: m for n, m in spec.get("counts", {}).items() if n in layers},
-        }
-    parts = []
-    for i, part in enumerate(spec["parts"]):
-        cut = _restrict_spec(part, keys)
-        if cut is not None:
-            parts.append({**cut, "index": i})
-    if all(p["type"] == "identity" for p in parts):
-        return None
-    return {"type": kind, "parts": parts}
-
-
-def _split_error(group: tuple[str, ...], keys: set[str]) -> ArgumentError:
-    inside = [k for k in group if k in keys]
-    outside = [k for k in group if k not in keys]
-    return ArgumentError(
-        f"the curvature couples {list(group)[:4]}{' ...' if len(group) > 4 else ''}, but only "
-        f"{inside[:3]} were asked for (not {outside[:3]}): restrict to whole coupling groups "
-        "(CurvatureFile.couplings())"
-    )
 
 
 def _simplify(curvature: Curvature) -> Curvature:

@@ -93,7 +93,7 @@ class KFAC(Curvature):
             ``Conv2d`` weight (out, in, kh, kw), which is viewed as (out, in·kh·kw).
         solver: how :meth:`solve` and :meth:`solve_info` without a ``spec`` run the solves
             (:class:`gradmerge.SolverSpec`: tolerance, CG iterations, ``approximate``,
-            ``precision``, ``warm_start``); ``None``: ``SolverSpec()``. Kept by ``to``,
+            ``arithmetic``, ``warm_start``); ``None``: ``SolverSpec()``. Kept by ``to``,
             ``scaled`` and ``K + δ``. The merge rules and the YAML jobs pass their own
             ``solver=`` to each solve instead. (The keywords ``cg_tol``, ``cg_maxiter`` and
             ``cg_approximate`` of gradmerge 0.1.0 are refused with

@@ -23,7 +23,8 @@ from typing import Literal
 import torch
 
 from gradmerge._text import first_and_more
-from gradmerge.curvature.io import CurvatureFile, join_groups
+from gradmerge.curvature.io import CurvatureFile
+from gradmerge.curvature.spec import join_groups
 from gradmerge.errors import ConfigError, DTypeError, InputWarning, StructureError
 from gradmerge.io.reader import Checkpoint
 

@@ -19,7 +19,7 @@ from gradmerge.errors import ConfigError
 from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.yaml_reader import Reader
 from gradmerge.settings import REQUIRED, Setting, check, declared, default_of
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import SolverSpec, refuse_renamed
 from gradmerge.solvers.spec import checked as checked_solver
 
 
@@ -49,6 +49,7 @@ def _solver(r: Reader, key: str, default: Any) -> SolverSpec:
     if r.data.get(key) is None:
         return SolverSpec()
     s = r.sub(r.data[key], key)
+    refuse_renamed(s.data, key, ConfigError)
     s.allow(*declared(SolverSpec))
     given = {k: v for k, v in s.data.items() if v is not None}
     return SolverSpec(**checked_solver(given, key, ConfigError))

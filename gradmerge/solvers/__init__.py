@@ -3,7 +3,7 @@
 - :mod:`gradmerge.solvers.solution`: :class:`Solution`, the one result type of every solve
   (value, method, iterations, relative residual, success; per-block parts);
 - :mod:`gradmerge.solvers.spec`: :class:`SolverSpec`, the settings passed to each iterative
-  solve (tol, maxiter, approximate, precision, warm start);
+  solve (tol, maxiter, approximate, arithmetic, warm start);
 - :mod:`gradmerge.solvers.kronecker`: exact solves of one or two Kronecker products per layer;
 - :mod:`gradmerge.solvers.kfac_cg`: δ·I plus any number of Kronecker products per layer, by CG
   in the eigenbasis of the tasks' collapsed factors, certified in float64;

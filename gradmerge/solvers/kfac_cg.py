@@ -58,7 +58,7 @@ INNER_RTOL = 1e-3
 """Relative accuracy of each refinement's correction solve."""
 
 LOW_RTOL = 1e-2
-"""Relative accuracy of each bfloat16-product CG round (``precision="bfloat16"``), against the
+"""Relative accuracy of each bfloat16-product CG round (``arithmetic="bfloat16"``), against the
 residual formed in the working dtype."""
 
 DROP = 1e-3
@@ -76,7 +76,7 @@ SMALL = 256 * 256
 """Reduced systems of at most this many unknowns are solved with one intra-op thread."""
 
 LOW_MIN_SIDE = 256
-"""``precision="auto"`` uses bfloat16 products only where both sides of a layer are at least
+"""``arithmetic="auto"`` uses bfloat16 products only where both sides of a layer are at least
 this long (smaller products gain nothing and pay the conversions)."""
 
 MAX_RANK = 512
@@ -132,9 +132,9 @@ def solve(
             eigenbasis alone, which is exact for one term) and return that x with its measured
             residual, above ``tol`` or not: no refinement, no float64 fallback, no
             :class:`NotConvergedError` (an explicit speed-for-accuracy trade; the residual is
-            still certified in float64 and reported); ``precision``, the dtype of CG's inner
+            still certified in float64 and reported); ``arithmetic``, the dtype of CG's inner
             Kronecker products (``"bfloat16"``: under a working-precision refinement, same
-            certificate; ``"auto"``: :func:`auto_precision`); ``warm_start``, whether ``x0`` may start CG.
+            certificate; ``"auto"``: :func:`auto_arithmetic`); ``warm_start``, whether ``x0`` may start CG.
         x0: an estimate of X; CG starts from it when its residual is below that of the
             preconditioner's solve (both measured in the eigenbasis).
         reduce: allow the low-rank reduction (:class:`LowRank`); where its refinement does not
@@ -169,7 +169,7 @@ def solve(
                 f"the K-FAC system of {name!r} is δ·I with δ = {delta:.3e}: add a prior δ > 0"
             )
         return LayerSolve(b / delta, "δ·I (exact)", 0, 0.0)
-    basis = inverse(name, delta, terms, spec.precision, reduce)
+    basis = inverse(name, delta, terms, spec.arithmetic, reduce)
     target = tol * bnorm / 2  # CG aims below tol: the certified residual has room for round-off
     x, iterations = basis.solve(b, target, maxiter, x0 if spec.warm_start else None)
     r = residual(delta, terms, b, x)
@@ -211,7 +211,7 @@ def solve(
 
 
 def inverse(
-    name: str, delta: float, terms: list[Term], precision: ArithmeticMode, reduce: bool = True
+    name: str, delta: float, terms: list[Term], arithmetic: ArithmeticMode, reduce: bool = True
 ) -> Inverse:
     """The approximate inverse of one layer's K that :func:`solve` refines: the exact solve of
     K restricted to the joint range of its factors where that range is small
@@ -220,7 +220,7 @@ def inverse(
         reduced = LowRank.build(name, delta, terms)
         if reduced is not None:
             return reduced
-    return Basis(name, delta, terms, precision)
+    return Basis(name, delta, terms, arithmetic)
 
 
 def not_converged(
@@ -248,7 +248,7 @@ class Inverse(Protocol):
 class Basis:
     """The common eigenbasis of a layer's terms, the rotated terms and the diagonal D.
 
-    With ``precision="bfloat16"`` (and several terms; ``"auto"``: where :func:`auto_precision`
+    With ``arithmetic="bfloat16"`` (and several terms; ``"auto"``: where :func:`auto_arithmetic`
     says so), CG's Kronecker products run in bfloat16
     (AMX/tensor-core GEMMs with float32 accumulation) inside a refinement whose residual
     b̃ − K̃ỹ is formed with the working-dtype rotated terms: each round solves K̃ e = r with
@@ -259,7 +259,7 @@ class Basis:
     """
 
     def __init__(
-        self, name: str, delta: float, terms: list[Term], precision: ArithmeticMode = "auto"
+        self, name: str, delta: float, terms: list[Term], arithmetic: ArithmeticMode = "auto"
     ) -> None:
         self.name, self.delta = name, delta
         self.low: list[Term] = []
@@ -284,9 +284,9 @@ class Basis:
             )
             prior = " + δI" if delta else ""
             self.method = f"eigenbasis-preconditioned CG ({len(terms)} Kronecker terms{prior})"
-            if precision == "auto":
-                precision = auto_precision(terms)
-            if precision == "bfloat16" and terms[0][0].dtype != torch.bfloat16:
+            if arithmetic == "auto":
+                arithmetic = auto_arithmetic(terms)
+            if arithmetic == "bfloat16" and terms[0][0].dtype != torch.bfloat16:
                 self.low = [(a.bfloat16(), g.bfloat16()) for a, g in self.rotated]
                 self.method += ", bfloat16 products under refinement"
         low = float(self.diagonal.min())
@@ -405,7 +405,7 @@ class LowRank:
         return x.to(b.dtype), its
 
 
-def auto_precision(terms: list[Term]) -> ArithmeticMode:
+def auto_arithmetic(terms: list[Term]) -> ArithmeticMode:
     """``"bfloat16"`` for a float32 layer with both sides ≥ :data:`LOW_MIN_SIDE` on a device
     with fast bfloat16 GEMMs (:func:`fast_bfloat16`), else ``"working"``."""
     a, g = terms[0]

@@ -11,17 +11,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gradmerge.errors import ArgumentError
+from gradmerge.errors import ArgumentError, RemovedArgumentError
 from gradmerge.settings import check, declared, setting
 
 ArithmeticMode = Literal["auto", "working", "bfloat16"]
-"""The floating-point arithmetic of the K-FAC solves (the ``precision`` setting): ``"working"``, the
-operator's dtype throughout; ``"bfloat16"``, bfloat16 Kronecker products inside a working-dtype
-refinement; ``"auto"``, bfloat16 where the device's bfloat16 products are measurably faster.
-"Precision" as a type name is kept for precision MATRICES (the prior H_0, the merged H̄)."""
+"""The floating-point arithmetic of the K-FAC solves (the ``arithmetic`` setting): ``"working"``,
+the operator's dtype throughout; ``"bfloat16"``, bfloat16 Kronecker products inside a
+working-dtype refinement; ``"auto"``, bfloat16 where the device's bfloat16 products are measurably
+faster. "Precision" names precision MATRICES only (the prior H_0, the merged H̄)."""
 ARITHMETIC_MODES: tuple[ArithmeticMode, ...] = ("auto", "working", "bfloat16")
 MAXITER = 1000
 """The default budget of CG iterations per round (``maxiter``), without ``approximate``."""
+RENAMED = {"precision": "arithmetic"}
+"""Fields of gradmerge 0.1.0 → their name now (Python keyword and YAML key alike): "precision"
+means the prior's precision matrix in gradmerge, so the float arithmetic has its own name."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class SolverSpec:
       :data:`MAXITER`, or 0 with ``approximate``; the record holds the resolved number.
     - ``approximate``: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
       with whatever residual it has, still measured and reported; never the default.
-    - ``precision``: the dtype of the K-FAC CG's inner Kronecker products: ``"working"``,
+    - ``arithmetic``: the dtype of the K-FAC CG's inner Kronecker products: ``"working"``,
       ``"bfloat16"`` (inside an iterative refinement certified the same way) or ``"auto"``:
       ``"bfloat16"`` for float32 layers with both sides ≥
       :data:`gradmerge.solvers.kfac_cg.LOW_MIN_SIDE` on a device whose bfloat16 GEMMs are
@@ -49,13 +52,16 @@ class SolverSpec:
     Example:
         >>> import gradmerge as gm
         >>> gm.SolverSpec(tol=1e-4, maxiter=200)
-        SolverSpec(tol=0.0001, maxiter=200, approximate=False, precision='auto', warm_start=False)
+        SolverSpec(tol=0.0001, maxiter=200, approximate=False, arithmetic='auto', warm_start=False)
         >>> gm.SolverSpec().maxiter, gm.SolverSpec(approximate=True).maxiter
         (1000, 0)
         >>> gm.SolverSpec(tol=2.0)
         Traceback (most recent call last):
         ...
         gradmerge.errors.ArgumentError: `SolverSpec.tol` (a relative residual) must be > 0 and < 1, got 2.0 (e.g. 1.0e-6)
+
+    The field ``precision`` of gradmerge 0.1.0 is ``arithmetic`` (:data:`RENAMED`); the old
+    keyword raises :class:`~gradmerge.errors.RemovedArgumentError` naming it.
     """
 
     tol: float | None = setting(
@@ -86,7 +92,7 @@ class SolverSpec:
         "says how many stopped above `tol`.",
         kind="flag",
     )
-    precision: ArithmeticMode = setting(
+    arithmetic: ArithmeticMode = setting(
         "auto",
         "`bfloat16` runs the CG's Kronecker products in bfloat16 (AMX, `avx512_bf16`, tensor "
         "cores) inside a refinement whose residual is formed in the working dtype; the float64 "
@@ -107,10 +113,35 @@ class SolverSpec:
         kind="flag",
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> SolverSpec:
+        """Refuse the keywords of :data:`RENAMED` (the dataclass's ``__init__`` takes the rest)."""
+        refuse_renamed(kwargs, "SolverSpec", RemovedArgumentError)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         values = checked({k: getattr(self, k) for k in declared(self)}, "SolverSpec", ArgumentError)
         for name, value in values.items():
             object.__setattr__(self, name, value)
+
+
+def refuse_renamed(
+    given: Mapping[str, Any], where: str = "SolverSpec", error: type[Exception] = ArgumentError
+) -> None:
+    """Raise ``error`` for a key of ``given`` that :data:`RENAMED` lists, naming its new name
+    (``where``: ``SolverSpec``, a keyword; the YAML reader's ``solver``, a key)."""
+    for old, new in RENAMED.items():
+        if old in given:
+            said = (
+                f"SolverSpec({old}=...) is SolverSpec({new}=...)"
+                if where == "SolverSpec"
+                else f"`{where}.{old}` is `{where}.{new}`"
+            )
+            raise error(
+                f"{said} (renamed after gradmerge 0.1.0): the floating-point arithmetic of the "
+                f'K-FAC solves ({", ".join(ARITHMETIC_MODES)}); "precision" names the prior\'s '
+                f"precision matrix only. Rename the {'keyword' if where == 'SolverSpec' else 'key'}: "
+                f"{new}={given[old]!r}"
+            )
 
 
 def checked(

@@ -1,6 +1,6 @@
-"""K-FAC's Gram products for wide layers (the blocked upper triangle of ``_add_gram``).
+"""K-FAC's Gram products for wide layers (the blocked upper triangle of ``_gram.add_gram``).
 
-The other K-FAC tests use layers narrower than ``_GRAM_BLOCKS_FROM``, whose Gram matrices are one
+The other K-FAC tests use layers narrower than ``GRAM_BLOCKS_FROM``, whose Gram matrices are one
 product; here the sides are wide enough for the blocked path. References: ``rowsᵀ rows`` in
 float64, and the factors written out from hooked inputs and autograd output gradients.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradmerge.estimate import kfac as K
+from gradmerge.estimate import _gram as K
 from gradmerge.estimate.kfac import estimate_kfac_factors
 
 F64 = torch.float64
@@ -26,14 +26,14 @@ def test_blocked_upper_gram_then_mirror_is_the_full_gram(n):
     start = torch.randn(n + 1, n + 1, generator=g, dtype=F64)
     start = start + start.T  # a symmetric running sum, with one extra (bias) column
     acc = start.clone()
-    K._add_gram(acc, rows, alpha=0.5)
+    K.add_gram(acc, rows, alpha=0.5)
     want = start.clone()
     want[:n, :n] += 0.5 * rows.T @ rows
-    torch.testing.assert_close(K._symmetrize_(acc), want, rtol=1e-13, atol=1e-12)
-    blocks = K._gram_blocks(n)
+    torch.testing.assert_close(K.symmetrize_(acc), want, rtol=1e-13, atol=1e-12)
+    blocks = K.gram_blocks(n)
     assert blocks[0][0] == 0 and blocks[-1][1] == n
     assert all(hi == lo for (_, hi), (lo, _) in itertools.pairwise(blocks))
-    if n < K._GRAM_BLOCKS_FROM:
+    if n < K.GRAM_BLOCKS_FROM:
         assert blocks == ((0, n),)
     else:  # equal 64-aligned widths of 128 or more, at most 8 blocks, the last one ± half a block
         width = blocks[0][1]
@@ -80,26 +80,26 @@ def test_wide_mlp_factors_equal_their_definition(fisher):
         torch.testing.assert_close(g, g_sum[name], rtol=1e-12, atol=1e-14)
 
 
-def _gram_sum(n: int, budget: int) -> K._GramSum:
-    return K._GramSum(torch.zeros(n + 1, n + 1, dtype=F64), K._Budget(budget))
+def _gram_sum(n: int, budget: int) -> K.GramSum:
+    return K.GramSum(torch.zeros(n + 1, n + 1, dtype=F64), K.Budget(budget))
 
 
 @pytest.mark.parametrize("budget", [0, 10**9])  # no room for a buffer: every call its own product
 def test_gathered_rows_give_the_sum_of_the_calls_products(monkeypatch, budget):
     """Calls of 1..11 rows, with a change of alpha and a call above the buffer size in between:
     after ``flush`` the sum is Σ alpha · rowsᵀ rows, however the rows were grouped."""
-    monkeypatch.setattr(K, "_GRAM_ROWS", 8)
+    monkeypatch.setattr(K, "GRAM_ROWS", 8)
     n, g = 6, torch.Generator().manual_seed(1)
     gram, want = _gram_sum(n, budget), torch.zeros(n + 1, n + 1, dtype=F64)
     products = 0
-    real_add_gram = K._add_gram
+    real_add_gram = K.add_gram
 
     def counting(acc, rows, alpha=1.0):
         nonlocal products
         products += 1
         real_add_gram(acc, rows, alpha)
 
-    monkeypatch.setattr(K, "_add_gram", counting)
+    monkeypatch.setattr(K, "add_gram", counting)
     calls = [(k, 1.0) for k in (3, 2, 5, 1, 11, 4)] + [(k, 0.25) for k in (2, 2, 7)] + [(3, 1.0)]
     for k, alpha in calls:
         rows = torch.randn(k, n, generator=g, dtype=F64)
@@ -108,7 +108,7 @@ def test_gathered_rows_give_the_sum_of_the_calls_products(monkeypatch, budget):
         rows.fill_(float("nan"))  # the caller's tensors may change afterwards
     gram.flush()
     gram.flush()  # nothing left: a no-op
-    torch.testing.assert_close(K._symmetrize_(gram.acc), want, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(K.symmetrize_(gram.acc), want, rtol=1e-13, atol=1e-13)
     if budget:  # products: 3+2 | 5+1 | 11 | 4 | (alpha) 2+2 | 7 | (alpha) 3, at the flush
         assert products == 7 and gram.buffer is not None and gram.buffer.shape == (8, n)
     else:
@@ -116,9 +116,9 @@ def test_gathered_rows_give_the_sum_of_the_calls_products(monkeypatch, budget):
 
 
 def test_buffers_are_allocated_while_the_budget_allows(monkeypatch):
-    monkeypatch.setattr(K, "_GRAM_ROWS", 4)
-    budget = K._Budget(4 * 5 * 8 + 4 * 3 * 8)  # room for a 5- and a 3-column float64 buffer
-    grams = [K._GramSum(torch.zeros(n, n, dtype=F64), budget) for n in (5, 6, 3)]
+    monkeypatch.setattr(K, "GRAM_ROWS", 4)
+    budget = K.Budget(4 * 5 * 8 + 4 * 3 * 8)  # room for a 5- and a 3-column float64 buffer
+    grams = [K.GramSum(torch.zeros(n, n, dtype=F64), budget) for n in (5, 6, 3)]
     for gram in grams:
         gram.add(torch.ones(2, gram.acc.shape[0], dtype=F64))
     assert [gram.buffer is not None for gram in grams] == [True, False, True]
@@ -129,7 +129,7 @@ def test_buffers_are_allocated_while_the_budget_allows(monkeypatch):
 def test_many_small_batches_match_the_definition(monkeypatch):
     """Batches of 3 examples (their rows gathered across batches, buffers filled and flushed
     mid-way and at the end) and one batch larger than the buffer: K-FAC's definition in float64."""
-    monkeypatch.setattr(K, "_GRAM_ROWS", 16)
+    monkeypatch.setattr(K, "GRAM_ROWS", 16)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 4)).to(F64)
     data = [(torch.randn(n, 7, dtype=F64), torch.randint(0, 4, (n,))) for n in [3] * 13 + [20, 3]]

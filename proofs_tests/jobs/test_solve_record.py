@@ -105,6 +105,12 @@ def test_solver_keys_set_every_k_fac_solve(tmp_path):
         ({"approximate": "yes"}, "solver.approximate"),
         ({"maxiter": 2.5}, "solver.maxiter"),
         ({"iterations": 5}, "unknown key 'iterations'"),
+        ({"arithmetic": "float16"}, "solver.arithmetic"),
+        # the key of gradmerge 0.1.0, named with its replacement and the value to keep
+        (
+            {"precision": "bfloat16"},
+            r"`solver.precision` is `solver.arithmetic`.*arithmetic='bfloat16'",
+        ),
         ("fast", "solver must be a mapping"),
     ],
 )

@@ -20,7 +20,7 @@ from gradmerge.errors import ConfigError
 from gradmerge.jobs import MergeConfig, plan_merge, run_merge
 from proofs_tests.workspace import make_workspace
 
-MAX_SPEC_DEPTH = 32  # gradmerge.curvature.io.MAX_SPEC_DEPTH
+MAX_SPEC_DEPTH = 32  # gradmerge.curvature.spec.MAX_SPEC_DEPTH
 
 
 def _nested(tmp_path, depth: int):

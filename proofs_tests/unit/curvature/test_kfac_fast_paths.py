@@ -73,7 +73,7 @@ def test_bfloat16_products_under_refinement_reach_the_certified_tolerance(
         (_spd(gen, n_in, orders, dtype), _spd(gen, n_out, orders, dtype)) for _ in range(tasks)
     ]
     b = torch.randn(n_out, n_in, dtype=DT, generator=gen).to(dtype)
-    spec = gm.SolverSpec(tol=tol, precision="bfloat16")
+    spec = gm.SolverSpec(tol=tol, arithmetic="bfloat16")
     solved = kfac_cg.solve("m", delta, terms, b, spec)
     assert "bfloat16 products" in solved.method
     _check(delta, terms, b, solved, tol)
@@ -87,7 +87,7 @@ def test_bfloat16_solve_that_cannot_converge_still_raises():
     b = torch.randn(6, 7, dtype=DT, generator=gen)
     with pytest.raises(NotConvergedError, match="solved only to relative residual"):
         kfac_cg.solve(
-            "m", 1e-9, terms, b, gm.SolverSpec(tol=1e-12, maxiter=2, precision="bfloat16")
+            "m", 1e-9, terms, b, gm.SolverSpec(tol=1e-12, maxiter=2, arithmetic="bfloat16")
         )
 
 
@@ -175,7 +175,7 @@ SPEC_ERRORS = [  # each message names the field, what it must be and what came
     ({"maxiter": -1, "approximate": True}, r"`SolverSpec.maxiter` must be ≥ 0, got -1"),
     ({"maxiter": 2.5}, "whole number"),
     ({"approximate": "yes"}, "true or false"),
-    ({"precision": "float16"}, "`SolverSpec.precision` must be one of auto, working, bfloat16"),
+    ({"arithmetic": "float16"}, "`SolverSpec.arithmetic` must be one of auto, working, bfloat16"),
 ]
 
 
@@ -183,6 +183,25 @@ SPEC_ERRORS = [  # each message names the field, what it must be and what came
 def test_solver_spec_refuses_bad_settings(kwargs, message):
     with pytest.raises(ArgumentError, match=message):
         gm.SolverSpec(**kwargs)
+
+
+def test_the_old_name_of_arithmetic_is_refused_naming_the_new_one():
+    """``precision=`` of gradmerge 0.1.0 is ``arithmetic=`` ("precision" is the prior's matrix):
+    the old keyword raises RemovedArgumentError (a TypeError) with the replacement and its
+    value, alone or among other fields; the new one, the positional form, ``replace`` and
+    pickling are unaffected."""
+    import pickle
+
+    for kwargs in ({"precision": "working"}, {"tol": 1e-6, "precision": "working"}):
+        with pytest.raises(gm.RemovedArgumentError, match=r"SolverSpec\(arithmetic=\.\.\.\)"):
+            gm.SolverSpec(**kwargs)
+        with pytest.raises(TypeError, match="arithmetic='working'"):
+            gm.SolverSpec(**kwargs)
+    spec = gm.SolverSpec(1e-6, 5, False, "working")
+    assert spec == gm.SolverSpec(tol=1e-6, maxiter=5, arithmetic="working")
+    assert dataclasses.replace(spec, arithmetic="bfloat16").arithmetic == "bfloat16"
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert not hasattr(spec, "precision")
 
 
 def test_solver_spec_is_frozen():
@@ -215,10 +234,10 @@ def test_rules_take_the_spec_and_return_the_solution_without_touching_the_operat
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_auto_precision_takes_bfloat16_products_only_for_large_float32_layers_on_fast_devices(
+def test_auto_arithmetic_takes_bfloat16_products_only_for_large_float32_layers_on_fast_devices(
     monkeypatch, fast
 ):
-    """``precision="auto"`` (the default): bfloat16 products where the device's bfloat16 GEMMs
+    """``arithmetic="auto"`` (the default): bfloat16 products where the device's bfloat16 GEMMs
     are faster and both sides are ≥ LOW_MIN_SIDE, the working dtype elsewhere; either way the
     certified residual meets ``tol``."""
     monkeypatch.setitem(kfac_cg._FAST, "cpu", fast)
@@ -237,9 +256,9 @@ def test_auto_precision_takes_bfloat16_products_only_for_large_float32_layers_on
     assert true <= 1e-5 and solved.residual == pytest.approx(true, rel=1e-6)
     small = [(a[:40, :40].contiguous(), g[:30, :30].contiguous()) for a, g in large]
     wide = [(a.double(), g.double()) for a, g in large]
-    assert kfac_cg.auto_precision(small) == "working"
-    assert kfac_cg.auto_precision(wide) == "working"
-    assert kfac_cg.auto_precision(large) == ("bfloat16" if fast else "working")
+    assert kfac_cg.auto_arithmetic(small) == "working"
+    assert kfac_cg.auto_arithmetic(wide) == "working"
+    assert kfac_cg.auto_arithmetic(large) == ("bfloat16" if fast else "working")
 
 
 def test_fast_bfloat16_is_measured_once_per_device_type():

@@ -334,13 +334,13 @@ def test_identity_multiple_is_exact(m, expected):
 
 def test_the_solver_travels_with_the_operator_and_the_old_keywords_name_it():
     """``KFAC(solver=SolverSpec(...))`` is the one way to set an operator's solves: it carries
-    every field (precision and warm_start too) through ``K + δ``, ``c·K``, ``to`` and sums, and
+    every field (arithmetic and warm_start too) through ``K + δ``, ``c·K``, ``to`` and sums, and
     ``solve`` obeys it (a budget of 1 iteration raises where the default converges). The
     keywords and attributes of 0.1.0 (``cg_tol``, ``cg_maxiter``, ``cg_approximate``) are
     refused, naming the SolverSpec field that replaced each; nothing is silently ignored."""
     gen = torch.Generator().manual_seed(3)
     terms = [(_decaying_spd(gen, 6), _decaying_spd(gen, 4)) for _ in range(3)]
-    spec = gm.SolverSpec(tol=1e-9, maxiter=1, precision="working", warm_start=True)
+    spec = gm.SolverSpec(tol=1e-9, maxiter=1, arithmetic="working", warm_start=True)
     k = gm.KFAC({"m": terms}, solver=spec)
     for derived in (k + 1e-6, 2.0 * k, k.to(dtype=torch.float32), k + k):
         assert derived.solver == spec

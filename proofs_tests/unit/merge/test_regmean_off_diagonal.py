@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradmerge as gm
-from gradmerge.merge import regmean_systems
+from gradmerge.merge.regression import regmean_systems
 
 
 def _reduced(g: np.ndarray, r: float) -> np.ndarray:
