@@ -145,3 +145,15 @@ def test_quick_run_of_the_recipe(tmp_path):
         lo, hi = c["pooled"]["ci95"]
         assert lo <= c["pooled"]["difference"] <= hi
     assert (tmp_path / "paper-recipe-cpu.png").stat().st_size > 0
+    # --combine (seeds run as separate processes) rebuilds the record from the parts' records
+    from benchmarks import paper_recipe
+
+    both = tmp_path / "both"
+    args = ["--combine", str(tmp_path / "paper-recipe-cpu.json"), "--out", str(both)]
+    assert paper_recipe.main([*args, "--stem", "r"]) == 0
+    combined = read_result(both / "r.json")
+    assert combined["settings"] == settings  # the study's settings, from its part
+    assert combined["results"]["parts"][0]["command"] == record["command"]
+    for key in ("seeds", "summary", "comparisons"):
+        assert combined["results"][key] == report[key]
+    assert (both / "r.png").stat().st_size > 0
