@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", type=int, default=4, help="in_memory: T")
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels-cpu.json")
     parser.add_argument(
-        "--update", action="store_true", help="keep the other workloads of an existing JSON"
+        "--update", action="store_true", help="keep the other workloads of an existing record"
     )
     args = parser.parse_args(argv)
     started = Run("kernels", settings=vars(args), argv=argv)
