@@ -50,7 +50,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from benchmarks.merge import machine, run_measured
+from benchmarks.record import Run, run_measured, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "gpt2-kfac-cpu.json"
@@ -298,20 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-layer", nargs="+", default=None, metavar="LAYER")
     parser.add_argument("--relative-delta", type=float, nargs="+", default=[1e-6, 1e-4, 1e-2])
     args = parser.parse_args(argv)
+    run = Run("gpt2_kfac", settings=vars(args), argv=argv)
     if args.per_layer:
         if args.keep is None:
             parser.error("--per-layer reads the K-FAC files of a --keep folder")
         rows = per_layer(args.keep, args.per_layer, args.relative_delta, min(args.tasks))
         out = args.out if args.out != RESULT else RESULT.with_name("gpt2-kfac-layers-cpu.json")
-        report = {"machine": machine(), "rows": rows}
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        write_result(out, run.finish({"rows": rows}))
         print(f"wrote {out}")
         return 0
     most = max(args.tasks)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="gpt2-kfac-"))
     folder.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"machine": machine(), "settings": vars(args) | {"out": str(args.out)}}
-    report["settings"]["keep"] = str(args.keep) if args.keep else None
+    report: dict[str, Any] = {}  # the record's results, saved as they grow
     try:
         if not all((folder / f"ft{t}").exists() for t in range(most)):
             # deterministic: a kept folder's earlier models are rebuilt bit-identical
@@ -340,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             report["kfac_estimation_ratio"] = interleaved_ratio(
                 yardstick, paths, folder, args.rounds, args.batch_size
             )
-            save(args.out, report)
+            save(args.out, run, report)
         if args.estimate_only:
             todo = []
         for structure, t in todo:
@@ -352,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             show(f"curvature {structure} task {t}", r)
         report["estimation"] = est
         if args.estimate_only:
-            save(args.out, report)
+            save(args.out, run, report)
             print(f"wrote {args.out}")
             return 0
         merges: dict[str, Any] = {}
@@ -364,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.skip_exact:
                     merges[label] = merge(folder, f"kfac{tasks}_{delta:g}", config)
                     show(label, merges[label])
-                    save(args.out, report)
+                    save(args.out, run, report)
                 for maxiter in args.approximate:
                     solver = {"solver": {"approximate": True, "maxiter": maxiter}}
                     name = f"{label}, approximate maxiter={maxiter}"
@@ -372,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                         folder, f"kfac{tasks}_{delta:g}_approx{maxiter}", config | solver
                     )
                     show(name, merges[name])
-                    save(args.out, report)
+                    save(args.out, run, report)
         diag = gradient_matching(folder, paths, "diag", 2, args.delta[0])
         merges["diagonal gradient matching T=2"] = merge(folder, "diag2", diag)
         show("diagonal gradient matching T=2", merges["diagonal gradient matching T=2"])
@@ -388,14 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(folder, ignore_errors=True)
-    save(args.out, report)
+    save(args.out, run, report)
     print(f"wrote {args.out}")
     return 0
 
 
-def save(path: Path, report: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+def save(path: Path, run: Run, report: dict[str, Any]) -> None:
+    """The record of ``run`` with what ``report`` holds so far (a long run keeps what it
+    measured; ``seconds`` and the load are those at this save)."""
+    write_result(path, run.finish(report))
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ from benchmarks.paper_recipe import (
     CLI,
     batches,
     encode,
-    environment,
+    libraries,
     load_classifier,
     mc_fisher_call,
     paired_bootstrap,
@@ -89,9 +89,7 @@ from benchmarks.paper_recipe import (
     write_jsonl,
     yaml_dump,
 )
-from benchmarks.paper_recipe import (
-    write as recipe_write,
-)
+from benchmarks.record import Run, read_result, write_result
 from gradmerge.errors import ArgumentError
 
 HERE = Path(__file__).resolve().parent
@@ -1160,11 +1158,9 @@ def report_of(
     extra: dict[str, Any],
     data: Path,
 ) -> dict[str, Any]:
+    """The study's results (a record's ``results``; ``config``: its ``settings``)."""
     resamples = config["bootstrap"]
     report: dict[str, Any] = {
-        "benchmark": "interference",
-        "command": extra.pop("command"),
-        "config": config,
         "datasets": {d: LANGUAGE[d] for d in DATASETS[: config["datasets"] + 1]},
         "data provenance": json.loads((data.parent / "interference.provenance.json").read_text()),
         "base": base,
@@ -1175,19 +1171,21 @@ def report_of(
         "removal comparisons": removal_comparisons(seeds, resamples),
         "interference (fine-tuned − task arithmetic α=1, largest T)": interference(seeds),
         **extra,
-        "environment": environment(),
+        "libraries": libraries(),
     }
     report["table"] = table(report)
     return report
 
 
-def write(report: dict[str, Any], out: Path, stem: str) -> Path:
-    """The report and its plot, written as the paper-recipe study writes its own."""
-    return recipe_write(report, out, stem, draw=plot)
+def write(record: dict[str, Any], out: Path, stem: str) -> Path:
+    """``out/stem.json``, the record, and its plot ``out/stem.png`` (``benchmarks.record``'s
+    writer: whole or not at all)."""
+    results = record["results"]
+    return write_result(out / f"{stem}.json", record, figure=lambda p: plot(results, p))
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The report's key tables as Markdown (docs/interference.md is this, for the committed run):
+    """The results' key tables as Markdown (docs/interference.md is this, for the committed run):
     at the largest T every method's mean accuracy (± std over seeds) and its pooled paired
     difference to task arithmetic at α = 1 and at the label-free α; the mean accuracy by T; the
     interference; the removal rows against the gold model."""
@@ -1318,24 +1316,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.markdown:
-        print(markdown(json.loads(args.markdown.read_text())), end="")
+        print(markdown(read_result(args.markdown)["results"]), end="")
         return 0
     if args.recompute:
-        olds = [json.loads(f.read_text()) for f in args.recompute]
-        old, seeds = olds[0], {}
+        run = Run("interference", settings=vars(args), argv=argv)
+        olds = [read_result(f) for f in args.recompute]
+        seeds = {}
         for o in olds:
-            seeds |= {sd["seed"]: sd for sd in o["seeds"]}
-        keep = ("seconds", "stage seconds", "cli log",
-                "load average (1, 5, 15 min) at start and after each seed")  # fmt: skip
-        extra = {"command": old["command"]} | {k: old[k] for k in keep if k in old}
-        extra["recomputed from"] = [str(f) for f in args.recompute]
-        data = Path(old["config"]["work"]) / "data" / "interference.jsonl.gz"
-        report = report_of(
-            [seeds[k] for k in sorted(seeds)], old["base"], old["config"], extra, data
+            seeds |= {sd["seed"]: sd for sd in o["results"]["seeds"]}
+        first = olds[0]["results"]
+        keep = (
+            "stage seconds",
+            "cli log",
+            "load average (1, 5, 15 min) at start and after each seed",
         )
-        report["config"]["seeds"] = sorted(seeds)
-        report["environment"] = old["environment"]
-        print(write(report, args.out, args.stem))
+        extra = {k: first[k] for k in keep if k in first}
+        extra["recomputed from"] = [
+            {"file": str(f), "command": o["command"], "git": o["git"], "seconds": o["seconds"]}
+            for f, o in zip(args.recompute, olds, strict=True)
+        ]
+        run.settings = olds[0]["settings"] | {"seeds": sorted(seeds)}  # the study's settings
+        data = Path(run.settings["work"]) / "data" / "interference.jsonl.gz"
+        report = report_of(
+            [seeds[k] for k in sorted(seeds)], first["base"], run.settings, extra, data
+        )
+        print(write(run.finish(report), args.out, args.stem))
         return 0
     if args.quick:
         args.seeds, args.train, args.val, args.test = [0], 24, 8, 16
@@ -1348,10 +1353,10 @@ def main(argv: list[str] | None = None) -> int:
     # spend most of their time waiting for each other's descheduled threads
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     begin = time.perf_counter()
+    run = Run("interference", settings=vars(args), argv=argv)  # after --quick's settings
     load_avg = [os.getloadavg()]
     study = Study(args)
     base = study.base()
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     seeds: list[dict[str, Any]] = []
     path = None
     for seed in args.seeds:
@@ -1359,15 +1364,13 @@ def main(argv: list[str] | None = None) -> int:
         seeds.append(study.seed(seed))
         load_avg.append(os.getloadavg())
         extra = {
-            "command": " ".join(["python -m benchmarks.interference", *(argv or sys.argv[1:])]),
-            "seconds": time.perf_counter() - begin,
             "stage seconds": study.timings,
             "load average (1, 5, 15 min) at start and after each seed": load_avg,
             "cli log": study.log,
         }
-        report = report_of(seeds, base, config, extra, study.data_file)
-        path = write(report, args.out, args.stem)
-        print(report["table"], flush=True)
+        record = run.finish(report_of(seeds, base, run.settings, extra, study.data_file))
+        path = write(record, args.out, args.stem)
+        print(record["results"]["table"], flush=True)
     print(f"\nwrote {path} ({time.perf_counter() - begin:.0f} s)")
     return 0
 

@@ -25,8 +25,9 @@ Workloads (float32 safetensors in the page cache, Eq. 6 with diagonal curvatures
   full 32 blocks (27 GB per file) do not fit this machine's disk five times over.
 
 Both variants' outputs are compared byte for byte. Results go to
-``benchmarks/results/kernels-cpu.json`` with the command line and ``os.getloadavg()`` before and
-after each run.
+``benchmarks/results/kernels-cpu.json`` (the suite's record, ``benchmarks.record``), with
+``os.getloadavg()`` before and after each run; each workload names the run that measured it
+(``run``: command, commit, start, machine), as ``--update`` keeps the workloads not run now.
 
 A third workload, ``in_memory`` (issue 30 item 3), asks whether the documented function is fast as
 called: ``gm.gradient_matching`` on ``--tasks`` diagonal tasks × ``--parameters`` float32
@@ -59,12 +60,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,7 +77,15 @@ import yaml
 from safetensors.torch import save_file
 
 import gradmerge as gm
-from benchmarks.merge import build_gpt2, machine, make_flat, run_measured
+from benchmarks.merge import build_gpt2, make_flat
+from benchmarks.record import (
+    RecordError,
+    Run,
+    machine,
+    read_result,
+    run_measured,
+    write_result,
+)
 from gradmerge.kernels import Fused, memory, native, select
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -333,7 +340,7 @@ def in_memory(parameters: int, tasks: int, repeats: int, warmups: int = 2) -> di
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=1, help="Llama-7B decoder blocks")
@@ -342,26 +349,21 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=4, help="in_memory: T")
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels-cpu.json")
     parser.add_argument(
-        "--update", action="store_true", help="keep the other workloads of an existing JSON"
+        "--update", action="store_true", help="keep the other workloads of an existing record"
     )
-    args = parser.parse_args()
-    run = {
-        "command": "python -m benchmarks.kernels " + " ".join(sys.argv[1:]),
-        "machine": machine(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git_commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
-        ).stdout.strip(),
-    }
-    report: dict[str, Any] = {**run, "workloads": {}}
-    if args.update and args.out.is_file():  # the workloads not run now stay, with their command
-        report = json.loads(args.out.read_text())
+    args = parser.parse_args(argv)
+    started = Run("kernels", settings=vars(args), argv=argv)
+    run = {"command": started.command, "git": started.git, "started": started.started}
+    run["machine"] = machine()
+    workloads: dict[str, Any] = {}
+    if args.update and args.out.is_file():  # the workloads not run now stay, with their run
+        try:
+            workloads = read_result(args.out)["results"]["workloads"]
+        except RecordError as err:
+            parser.error(f"--update keeps the workloads of a record: {err}; run every workload")
     if "in_memory" in args.workloads:
         name = f"in_memory gradient_matching, {args.tasks} diagonal tasks"
-        report["workloads"][name] = {
-            **run,
-            **in_memory(args.parameters, args.tasks, args.repeats),
-        }
+        workloads[name] = {"run": run, **in_memory(args.parameters, args.tasks, args.repeats)}
     with tempfile.TemporaryDirectory(dir=os.environ.get("GRADMERGE_BENCH_DIR")) as tmp:
         root = Path(tmp)
         if "gpt2" in args.workloads:
@@ -370,26 +372,33 @@ def main() -> None:
             paths = build_gpt2(folder)
             for method in ("gradient_matching", "task_arithmetic"):
                 name = f"gpt2-124m {method}"
-                report["workloads"][name] = compare(
-                    name, config(folder, paths, method), folder, args.repeats, paths["parameters"]
-                )
+                workloads[name] = {
+                    "run": run,
+                    **compare(
+                        name,
+                        config(folder, paths, method),
+                        folder,
+                        args.repeats,
+                        paths["parameters"],
+                    ),
+                }
             shutil.rmtree(folder)
         if "llama7b_blocks" in args.workloads:
             folder = root / "llama"
             folder.mkdir()
             paths = llama_blocks(folder, args.blocks)
             name = f"llama-7b shapes, {args.blocks} block(s), gradient_matching"
-            report["workloads"][name] = compare(
-                name,
-                config(folder, paths, "gradient_matching"),
-                folder,
-                args.repeats,
-                paths["parameters"],
-            )
-    if not args.update:
-        report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+            workloads[name] = {
+                "run": run,
+                **compare(
+                    name,
+                    config(folder, paths, "gradient_matching"),
+                    folder,
+                    args.repeats,
+                    paths["parameters"],
+                ),
+            }
+    write_result(args.out, started.finish({"workloads": workloads}))
     print(f"wrote {args.out}")
 
 

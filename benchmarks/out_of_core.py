@@ -32,7 +32,7 @@ base, fine-tunes and curvatures) and ``task_arithmetic`` (reads base and fine-tu
    system, ``getrusage`` of the child) is recorded beside its wall time;
 4. the inputs are evicted and read once more, after the merge, the same way: on a shared
    machine the disk's speed drifts, so the wall is given against both reads. The load average
-   is recorded at each phase (the JSON's ``load_average``).
+   is recorded at each phase (each merge's ``load_average``).
 
 Targets (issue 31, item 7): peak RssAnon ≤ 1 GiB; merge wall ≤ 1.5× the read-once time.
 
@@ -71,6 +71,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from benchmarks.record import Run, machine, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "out-of-core-cpu.json"
@@ -393,13 +395,12 @@ def disk_need(shapes: Shapes, tasks: int) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.merge import machine
-
+    """The measurements (a record's ``results``); the machine and the load before and after are
+    the record's."""
     shapes = SIZES[args.size]
     if args.layers is not None:
         shapes = replace(shapes, layers=args.layers)
-    info = machine()
-    ram = info["memory_bytes"]
+    ram = machine()["memory_bytes"]
     work_root = Path(args.work).absolute()
     work_root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work_root).free
@@ -411,14 +412,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--work on another disk, or pass fewer --layers"
         )
     report: dict[str, Any] = {
-        "benchmark": "out_of_core",
         "size": args.size,
         "shapes": asdict(shapes),
         "parameters": shapes.parameters(),
         "tasks": args.tasks,
-        "machine": info,
         "disk": {"work": str(work_root), "free_before_bytes": free, "need_bytes": need},
-        "load_average": [os.getloadavg()],
         "sample_seconds": SAMPLE_SECONDS,
     }
     work = Path(tempfile.mkdtemp(prefix="out-of-core-", dir=work_root))
@@ -429,7 +427,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         report["disk"]["removed"] = not work.exists()
-    report["load_average"].append(os.getloadavg())
     return report
 
 
@@ -555,9 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"stopped by signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
+    started = Run("out_of_core", settings=vars(args), argv=argv)
     report = run(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    write_result(out, started.finish(report))
     ok = all(r["check"]["ok"] for r in report["merges"].values())
     print(f"wrote {out}; outputs equal to the in-memory rule: {ok}")
     return 0 if ok else 1

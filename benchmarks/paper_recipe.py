@@ -55,14 +55,13 @@ import gzip
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.paper_recipe_data import BASE_TASK, PROVENANCE, TASKS, TEXTS
-from benchmarks.record import module_argv
+from benchmarks.record import Run, module_argv, read_result, write_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -1252,18 +1251,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def environment() -> dict[str, Any]:
+def libraries() -> dict[str, str]:
+    """Versions the study's figures depend on beyond the record's ``machine`` (which names
+    Python, torch and gradmerge)."""
     import transformers
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cpu threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "device": "cpu",
-    }
+    return {"transformers": transformers.__version__}
 
 
 def report_of(
@@ -1273,9 +1266,8 @@ def report_of(
     config: dict[str, Any],
     extra: dict[str, Any],
 ) -> dict[str, Any]:
+    """The study's results (a record's ``results``; ``config``: its ``settings``)."""
     report: dict[str, Any] = {
-        "benchmark": "benchmarks/paper_recipe.py: the paper's recipe on MiniLM-L6",
-        "config": config,
         "data": {
             "file": str(TEXTS.relative_to(HERE.parent)),
             "provenance": json.loads(PROVENANCE.read_text()),
@@ -1290,7 +1282,7 @@ def report_of(
         "comparisons": comparisons(seeds, config["bootstrap"]),
         "interference (fine-tuned − task arithmetic (a))": interference(seeds),
         **extra,
-        "environment": environment(),
+        "libraries": libraries(),
     }
     report["table"] = table(report["summary"], tasks)
     if seeds:
@@ -1302,61 +1294,56 @@ def report_of(
     return report
 
 
-def write(
-    report: dict[str, Any],
-    out: Path,
-    stem: str,
-    draw: Callable[[dict[str, Any], Path], None] | None = None,
-) -> Path:
-    """``out/stem.json`` written whole (a temporary file renamed over it) and, where the report
-    has seeds, its plot ``out/stem.png`` by ``draw`` (default: this study's :func:`plot`)."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{stem}.json"
-    tmp = out / f"{stem}.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False, allow_nan=False) + "\n")
-    tmp.replace(path)
-    if report["seeds"]:
-        (draw or plot)(report, out / f"{stem}.png")
-    return path
+def write(record: dict[str, Any], out: Path, stem: str) -> Path:
+    """``out/stem.json``, the record, and where it has seeds its plot ``out/stem.png``
+    (``benchmarks.record``'s writer: whole or not at all)."""
+    results = record["results"]
+    draw = (lambda p: plot(results, p)) if results["seeds"] else None
+    return write_result(out / f"{stem}.json", record, figure=draw)
 
 
-def combine(paths: list[Path], out: Path, stem: str, seconds: float | None = None) -> Path:
-    """One report from per-seed reports (seeds run as separate processes); ``seconds``: the
-    whole run's wall time."""
-    parts = [json.loads(p.read_text()) for p in paths]
-    seeds = sorted((s for p in parts for s in p["seeds"]), key=lambda s: s["seed"])
-    first = parts[0]
+def combine(paths: list[Path], out: Path, stem: str, run: Run) -> Path:
+    """One record from per-seed records (seeds run as separate processes), under ``run``'s
+    settings with the seeds found."""
+    parts = [read_result(p) for p in paths]
+    seeds = sorted((s for p in parts for s in p["results"]["seeds"]), key=lambda s: s["seed"])
     extra = {
         "parts": [
             {
                 "file": str(p),
                 "command": q["command"],
+                "git": q["git"],
                 "seconds": q["seconds"],
-                "stage seconds": q["stage seconds"],
-                "load average": q["load average (1, 5, 15 min) at start and after each seed"],
-                "cli log": q["cli log"],
+                "load": q["load"],
+                "stage seconds": q["results"]["stage seconds"],
+                "load average": q["results"][
+                    "load average (1, 5, 15 min) at start and after each seed"
+                ],
+                "cli log": q["results"]["cli log"],
             }
             for p, q in zip(paths, parts, strict=True)
         ]
     }
-    base = next((q["base"] for q in parts if "base-task test accuracy" in q["base"]), first["base"])
-    scored = Path(first["config"]["work"]) / "base-eval.json"  # the base run's evaluate output
+    first = parts[0]["results"]
+    base = next(
+        (q["results"]["base"] for q in parts if "base-task test accuracy" in q["results"]["base"]),
+        first["base"],
+    )
+    scored = Path(run.settings["work"]) / "base-eval.json"  # the base run's evaluate output
     if "base-task test accuracy" not in base and scored.exists():
         (row,) = json.loads(scored.read_text())["models"]
         base = base | {"base-task test accuracy": row["accuracy"], "n": row["examples"]}
-    if seconds is not None:
-        extra["seconds"] = seconds
-    report = report_of(seeds, base, first["tasks"], first["config"], extra)
-    report["config"]["seeds"] = [s["seed"] for s in seeds]
-    path = write(report, out, stem)
+    run.settings["seeds"] = [s["seed"] for s in seeds]
+    report = report_of(seeds, base, first["tasks"], run.settings, extra)
+    path = write(run.finish(report), out, stem)
     print(report["table"])
     return path
 
 
-def parallel(args: argparse.Namespace, argv: list[str]) -> int:
+def parallel(args: argparse.Namespace, argv: list[str], run: Run) -> int:
     """θ_LLM and F_0 first (``--jobs`` threads, at most one per CPU), then each seed as its own
     process (``--seeds S --shared-base --threads 1``), ``--jobs`` at a time, then one combined
-    report."""
+    record."""
     begin = time.perf_counter()
     parts = args.work / "parts"
     me = module_argv("paper_recipe", *argv, "--jobs", "1")
@@ -1385,7 +1372,7 @@ def parallel(args: argparse.Namespace, argv: list[str]) -> int:
                         other.kill()
                     return proc.returncode
     paths = [parts / "base.json", *(parts / f"seed{s}.json" for s in args.seeds)]
-    combine(paths, args.out, args.stem, seconds=time.perf_counter() - begin)
+    combine(paths, args.out, args.stem, run)
     return 0
 
 
@@ -1439,44 +1426,43 @@ def main(argv: list[str] | None = None) -> int:
         "--combine", type=Path, nargs="+", help="per-seed reports to combine into --stem"
     )
     args = parser.parse_args(argv)
-    if args.combine:
-        combine(args.combine, args.out, args.stem)
-        return 0
     if args.quick:
         args.seeds, args.train, args.val, args.test = [0], 16, 8, 16
         args.base_train, args.base_fisher_examples, args.epochs, args.base_epochs = 32, 16, 1, 1
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.tasks = ["diag"], ["subjectivity", "code"]
+    run = Run("paper_recipe", settings=vars(args), argv=argv)  # after --quick's settings
+    if args.combine:  # the study's settings are the parts'
+        run.settings = read_result(args.combine[0])["settings"]
+        combine(args.combine, args.out, args.stem, run)
+        return 0
     if args.jobs > 1 and len(args.seeds) > 1 and not args.shared_base:
-        return parallel(args, argv if argv is not None else sys.argv[1:])
+        return parallel(args, argv if argv is not None else sys.argv[1:], run)
     torch.set_num_threads(args.threads)
     begin = time.perf_counter()
     load = [os.getloadavg()]
     study = Study(args)
     base = study.base(shared=bool(args.seeds) and args.shared_base)
     seeds: list[dict[str, Any]] = []
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    command = " ".join(["python", "benchmarks/paper_recipe.py", *(argv or sys.argv[1:])])
     path = None
 
-    def extra() -> dict[str, Any]:
-        return {
-            "command": command,
+    def record() -> dict[str, Any]:
+        extra = {
             "cli log": study.log,
-            "seconds": time.perf_counter() - begin,
             "stage seconds": study.timings,
             "load average (1, 5, 15 min) at start and after each seed": load,
         }
+        return run.finish(report_of(seeds, base, study.tasks, run.settings, extra))
 
-    if not args.seeds:  # the shared part only (θ_LLM, F_0): its own small report
-        path = write(report_of([], base, study.tasks, config, extra()), args.out, args.stem)
+    if not args.seeds:  # the shared part only (θ_LLM, F_0): its own small record
+        path = write(record(), args.out, args.stem)
     for seed in args.seeds:
         print(f"seed {seed}", flush=True)
         seeds.append(study.seed(seed))
         load.append(os.getloadavg())
-        report = report_of(seeds, base, study.tasks, config, extra())
-        path = write(report, args.out, args.stem)
-        print("\n" + report["table"], flush=True)
+        done = record()
+        path = write(done, args.out, args.stem)
+        print("\n" + done["results"]["table"], flush=True)
     print(f"\nwrote {path} ({time.perf_counter() - begin:.0f} s)")
     return 0
 

@@ -20,6 +20,9 @@ A benchmark builds it in three steps::
     results = {...}                             # measure
     write_result(path, run.finish(results))     # load after, seconds; validated, written atomically
 
+``write_result(path, record, figure=draw)`` also writes the study's plot beside it (``.png``),
+drawn into a temporary file first: the suite's one writer of results files.
+
 ``problems(record)`` lists what keeps a record from the schema (``validate`` raises them as one
 ``RecordError``); ``proofs_tests/benchmarks/test_results.py`` checks every committed results
 file with it. Timings on a shared machine are only comparable within one run: report ratios taken
@@ -276,26 +279,53 @@ def validate(record: Any) -> None:
         raise RecordError("not a benchmark record: " + "; ".join(found))
 
 
-def write_result(path: str | Path, record: dict[str, Any]) -> Path:
+def write_result(
+    path: str | Path,
+    record: dict[str, Any],
+    *,
+    figure: Callable[[Path], object] | None = None,
+) -> Path:
     """Validate ``record`` and write it to ``path`` as indented JSON, whole or not at all (a
     temporary file in the same folder, renamed over ``path``). NaN and infinity are refused
-    (JSON has none): store them as ``None`` with a note."""
+    (JSON has none): store them as ``None`` with a note.
+
+    ``figure``, where given, draws the record's plot into the path it is passed (e.g.
+    ``lambda p: fig.savefig(p)``); the plot goes beside the JSON, ``path`` with the suffix
+    ``.png``, also drawn into a temporary file first: a record or a drawing that fails leaves
+    both files as they were. The suite's one writer of results files."""
     validate(record)
     path = Path(path)
     text = json.dumps(record, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    png = path.with_suffix(".png")
+    made: list[Path] = []
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp's is 0600)
-        os.replace(tmp, path)
+        if figure is not None:  # ends in .png: matplotlib takes the format from the name
+            made.append(_temporary(png))
+            figure(made[-1])
+        made.append(_temporary(path))
+        made[-1].write_text(text, encoding="utf-8")
+        os.replace(made[-1], path)
+        if figure is not None:
+            os.replace(made[0], png)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp in made:
+            tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _temporary(path: Path) -> Path:
+    """An empty file beside ``path``, named ``.<name>.<random>.tmp<suffix>``, readable as
+    ``open()`` would create it (``mkstemp`` gives 0600)."""
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}"
+    )
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return Path(tmp)
 
 
 def read_result(path: str | Path) -> dict[str, Any]:

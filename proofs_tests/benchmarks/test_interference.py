@@ -32,6 +32,7 @@ from benchmarks.interference_data import (
     load,
     sdist,
 )
+from benchmarks.record import RecordError, Run, read_result, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +100,12 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((tmp_path / "interference-cpu.json").read_text())
+    record = read_result(tmp_path / "interference-cpu.json")  # the suite's record
+    assert record["benchmark"] == "interference" and record["command"].startswith(
+        "python -m benchmarks.interference --quick"
+    )
+    assert record["settings"]["datasets"] == 2 and record["settings"]["seeds"] == [0]
+    report = record["results"]
     (seed,) = report["seeds"]
     by = {(r["T"], r["method"]): r for r in seed["rows"]}
     for T in (1, 2):
@@ -134,9 +140,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         report["interference (fine-tuned − task arithmetic α=1, largest T)"]["mean over seeds"]
     ) == set(study.ADDED[:2])
     assert (tmp_path / "interference-cpu.png").stat().st_size > 10_000
-    assert "environment" in report and report["command"].startswith(
-        "python -m benchmarks.interference"
-    )
+    assert set(report["libraries"]) == {"transformers"}
 
 
 def test_recompute_and_markdown_of_a_report(tmp_path):
@@ -158,21 +162,21 @@ def test_recompute_and_markdown_of_a_report(tmp_path):
     seeds = [
         {"seed": s, "rows": rows(s), "removal": {"removed": "dutch", "rows": []}} for s in (0, 1)
     ]
-    report = {
-        "command": "python -m benchmarks.interference",
-        "config": {"work": str(tmp_path), "bootstrap": 200, "datasets": 1},
-        "base": {},
-        "seeds": seeds,
-        "environment": {"machine": "test"},
-    }
+    settings = {"work": str(tmp_path), "bootstrap": 200, "datasets": 1}
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "interference.provenance.json").write_text("{}")
     src, other = tmp_path / "in.json", tmp_path / "other.json"
-    src.write_text(json.dumps(report | {"seeds": seeds[:1]}))
-    other.write_text(json.dumps(report | {"seeds": seeds[1:]}))
+    for path, part in ((src, seeds[:1]), (other, seeds[1:])):
+        write_result(
+            path, Run("interference", settings, argv=[]).finish({"base": {}, "seeds": part})
+        )
     args = ["--recompute", str(src), str(other), "--out", str(tmp_path), "--stem", "r"]
     assert study.main(args) == 0
-    out = json.loads((tmp_path / "r.json").read_text())
+    record = read_result(tmp_path / "r.json")
+    assert record["command"] == "python -m benchmarks.interference " + " ".join(args)
+    assert record["settings"] == settings | {"seeds": [0, 1]}  # the study's, not recompute's
+    out = record["results"]
+    assert [r["file"] for r in out["recomputed from"]] == [str(src), str(other)]
     assert [s["seed"] for s in out["seeds"]] == [0, 1]  # seeds of both files
     by = {(c["method"], c["against"]): c for c in out["comparisons"]}
     gm = by["grad. matching (official), kfac", "task arithmetic α=1"]
@@ -180,6 +184,16 @@ def test_recompute_and_markdown_of_a_report(tmp_path):
     assert [s["difference"] for s in gm["per seed"]] == pytest.approx([0.5, 0.5])
     text = study.markdown(out)
     assert "| grad. matching (official), kfac | 2 | 1.000 ± 0.000 | +50.0" in text
+    assert (tmp_path / "r.png").stat().st_size > 0  # the plot, written with the record
+
+
+def test_recompute_and_markdown_refuse_a_report_in_an_earlier_layout(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"command": "python -m benchmarks.interference", "seeds": []}))
+    for args in (["--recompute", str(old), "--out", str(tmp_path)], ["--markdown", str(old)]):
+        with pytest.raises(RecordError, match=r"old\.json: not a benchmark record: missing keys"):
+            study.main(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
 
 
 def test_a_checkpoint_trained_otherwise_is_refused_not_reused(tmp_path):

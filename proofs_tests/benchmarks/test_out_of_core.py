@@ -7,7 +7,6 @@ start."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.out_of_core import SIZES
+from benchmarks.record import read_result
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,10 +29,12 @@ def test_the_tiny_run_measures_and_checks_both_merges(tmp_path):
     work, out = tmp_path / "work", tmp_path / "report.json"
     done = _run("--work", str(work), "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    record = read_result(out)  # the suite's record
+    assert record["benchmark"] == "out_of_core" and record["settings"]["size"] == "tiny"
+    report, machine = record["results"], record["machine"]
     shapes = SIZES["tiny"]
     assert report["parameters"] == shapes.parameters() and report["tasks"] == 3
-    assert report["machine"]["memory_bytes"] > 0 and report["machine"]["cpus"] >= 1
+    assert machine["memory_bytes"] > 0 and machine["cpus"] >= 1
     assert report["disk"]["removed"] and list(work.iterdir()) == []  # everything cleaned up
     idle = report["idle_process"]
     assert idle["returncode"] == 0 and idle["peak_rss_anon_bytes"] > 0
@@ -48,7 +50,7 @@ def test_the_tiny_run_measures_and_checks_both_merges(tmp_path):
         assert row["peak_rss_anon_gib"] == merge["peak_rss_anon_bytes"] / 2**30 < 1
         assert row["input_files"] == files[method] and once["bytes"] == row["input_bytes"]
         assert row["input_bytes"] <= build["bytes"]
-        assert row["inputs_over_ram"] == row["input_bytes"] / report["machine"]["memory_bytes"]
+        assert row["inputs_over_ram"] == row["input_bytes"] / machine["memory_bytes"]
         assert once["seconds"] > 0 and merge["wall_seconds"] > 0
         assert row["wall_over_read_once"] == merge["wall_seconds"] / once["seconds"]
         again = row["read_once_after_merge"]  # the same read, after the merge

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.record import read_result
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
 
@@ -50,7 +52,12 @@ def test_quick_run_of_the_recipe(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((tmp_path / "paper-recipe-cpu.json").read_text())
+    record = read_result(tmp_path / "paper-recipe-cpu.json")  # the suite's record
+    assert record["benchmark"] == "paper_recipe" and record["command"].startswith(
+        "python -m benchmarks.paper_recipe --quick"
+    )
+    report, settings = record["results"], record["settings"]
+    assert settings["seeds"] == [0] and settings["tasks"] == report["tasks"]
     (seed,) = report["seeds"]
     tasks = report["tasks"]
     methods = {r["method"].split(" α=")[0] for r in seed["rows"]}
@@ -87,7 +94,7 @@ def test_quick_run_of_the_recipe(tmp_path):
     for recipe in ("a", "b"):  # α on validation: the best validation accuracy of the grid
         ta = next(r for r in seed["rows"] if r["method"].startswith(f"task arithmetic ({recipe})"))
         curve = {float(a): v for a, v in ta["validation accuracy by α"].items()}
-        assert set(curve) == set(report["config"]["alphas"])
+        assert set(curve) == set(settings["alphas"])
         assert curve[ta["chosen α"]] == max(curve.values())
         if recipe == "b":  # --quick tunes recipe (a) only (recipe (b)'s is the same path)
             continue
@@ -107,7 +114,7 @@ def test_quick_run_of_the_recipe(tmp_path):
         if r["method"].startswith("label-free task arithmetic (a), mismatch")
     )  # Eq. 2's gradient mismatch as the label-free criterion
     by_alpha = {float(a): v for a, v in mismatch["gradient mismatch by α"].items()}
-    assert set(by_alpha) == set(report["config"]["alphas"])
+    assert set(by_alpha) == set(settings["alphas"])
     assert by_alpha[mismatch["chosen α"]] == min(by_alpha.values())
     loss, base = (
         next(
@@ -138,3 +145,15 @@ def test_quick_run_of_the_recipe(tmp_path):
         lo, hi = c["pooled"]["ci95"]
         assert lo <= c["pooled"]["difference"] <= hi
     assert (tmp_path / "paper-recipe-cpu.png").stat().st_size > 0
+    # --combine (seeds run as separate processes) rebuilds the record from the parts' records
+    from benchmarks import paper_recipe
+
+    both = tmp_path / "both"
+    args = ["--combine", str(tmp_path / "paper-recipe-cpu.json"), "--out", str(both)]
+    assert paper_recipe.main([*args, "--stem", "r"]) == 0
+    combined = read_result(both / "r.json")
+    assert combined["settings"] == settings  # the study's settings, from its part
+    assert combined["results"]["parts"][0]["command"] == record["command"]
+    for key in ("seeds", "summary", "comparisons"):
+        assert combined["results"][key] == report[key]
+    assert (both / "r.png").stat().st_size > 0
