@@ -111,12 +111,7 @@ class ForwardBackward:
 
 
 def interleaved_ratio(
-    yardstick: ForwardBackward,
-    paths: dict[str, Any],
-    folder: Path,
-    rounds: int,
-    batch: int,
-    precision: str = "working",
+    yardstick: ForwardBackward, paths: dict[str, Any], folder: Path, rounds: int, batch: int
 ) -> dict[str, Any]:
     """``rounds`` × (one forward+backward here, then ``gradmerge curvature --structure kfac`` of
     task 0 in a fresh process): each round's ratio, their median and spread. Interleaved, so
@@ -126,7 +121,7 @@ def interleaved_ratio(
     for r in range(rounds):
         out.unlink(missing_ok=True)  # each round writes anew (the CLI refuses an existing OUT)
         fb = yardstick.seconds()
-        cli = curvature(paths["models"][0], paths["data"][0], out, "kfac", batch, precision)
+        cli = curvature(paths["models"][0], paths["data"][0], out, "kfac", batch)
         if cli.get("returncode"):  # a failed estimate has no cost to compare: stop, say why
             raise RuntimeError(f"round {r}: gradmerge curvature failed: {cli.get('error')}")
         row = {"forward_backward_seconds": fb, "cli_seconds": cli["wall_seconds"]}
@@ -147,13 +142,9 @@ def interleaved_ratio(
     }
 
 
-def curvature(
-    model: Path, data: Path, out: Path, structure: str, batch: int, precision: str = "working"
-) -> dict[str, Any]:
+def curvature(model: Path, data: Path, out: Path, structure: str, batch: int) -> dict[str, Any]:
     cmd = [GRADMERGE, "curvature", str(model), str(data), str(out), "--structure", structure]
     cmd += ["--shift-labels", "--batch-size", str(batch), "--no-progress"]
-    if precision != "working":
-        cmd += ["--kfac-precision", precision]
     return run_measured(cmd)
 
 
@@ -302,12 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--estimate-only", action="store_true", help="only the interleaved ratio rounds"
     )
-    parser.add_argument(
-        "--kfac-precision",
-        choices=["working", "bfloat16"],
-        default="working",
-        help="the rounds' --kfac-precision (the K-FAC Gram products' precision)",
-    )
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--keep", type=Path, default=None, help="build in this folder, keep it")
     parser.add_argument("--per-layer", nargs="+", default=None, metavar="LAYER")
@@ -353,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"forward+backward over {tokens} tokens: {fb:.1f} s", flush=True)
         if args.rounds:
             report["kfac_estimation_ratio"] = interleaved_ratio(
-                yardstick, paths, folder, args.rounds, args.batch_size, args.kfac_precision
+                yardstick, paths, folder, args.rounds, args.batch_size
             )
             save(args.out, report)
         if args.estimate_only:

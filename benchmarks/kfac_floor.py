@@ -2,35 +2,38 @@
 forward+backward pass, all in one process (so that the ratios share the machine's load).
 
 Setup: GPT-2-124M from its config (random weights; ``device_check.gpt2_inputs``: the model and
-16 × 128 random tokens ``gpt2_kfac`` uses), read as ``gradmerge curvature MODEL DATA OUT
---structure kfac --shift-labels --batch-size 4`` reads it (the CLI's own loader), and these
-stages, each one pass over the data, in ``--rounds`` interleaved rounds (each stage's ratio is
-taken to its round's forward+backward; the median over rounds is reported):
+16 × 128 random tokens, as ``gpt2_kfac`` builds them; ``--sequences N``: the first N), read as
+``gradmerge curvature MODEL DATA OUT --structure kfac --shift-labels --batch-size 4`` reads it
+(the CLI's own parser and loader), and these stages, each one pass over the data, in ``--rounds``
+interleaved rounds (each stage's ratio is taken to its round's forward+backward, the median over
+rounds reported):
 
 - ``forward_backward``: the yardstick of ``gpt2_kfac`` (summed cross-entropy of the shifted
   tokens, ``loss.backward()`` into every weight);
-- ``hooks``: forward with hooks keeping every K-FAC layer's input and output (48 Conv1D), the
-  same loss, the backward asked for those outputs' gradients only (K-FAC's backward: no weight
-  gradients) — the least work any K-FAC estimator does before its products;
-- ``grams_float32``: ``hooks`` plus the Gram products A += aᵀa, G += gᵀg of every layer, whole
-  float32 products (one ``addmm_`` each): the least arithmetic of the factors;
-- ``grams_bfloat16``: the same products from bfloat16 operands (float32 sums);
-- ``estimator``: ``estimate_kfac_factors(model, data, fisher=...)``, the estimator itself (kept
-  positions, gathered rows, upper-triangle products, symmetrised factors, checks);
-- ``estimator_bfloat16``: the same with ``gram_dtype="bfloat16"``;
-- ``estimator_with_diagonal``: with ``diagonal=True``, the CLI's pass (plus the diagonal block of
-  what K-FAC leaves out, in GPT-2 the LayerNorms, the position embedding and the tied
-  embedding/head, whose per-example squares are summed over positions first);
-- ``curvature``: ``gm.estimate.estimate_with``, what ``gradmerge curvature`` calls (the estimate
-  and the curvature object);
+- ``hooks``: forward with hooks keeping every K-FAC layer's input and output (GPT-2's 48 Conv1D),
+  the same loss, and the backward asked for those outputs' gradients only (K-FAC's backward: no
+  weight gradients) — the least any K-FAC estimator does before its products;
+- ``grams_float32``: ``hooks`` plus the Gram products A += aᵀa, G += gᵀg of every layer as whole
+  float32 products (one ``addmm_`` each);
+- ``grams_bfloat16``: the same products from bfloat16 operands (float32 sums in the GEMM, the
+  product rounded to bfloat16: torch's CPU GEMMs return their operands' dtype);
+- ``estimator``: ``estimate_kfac_factors(model, data)``, the estimator itself (kept positions,
+  gathered rows, upper-triangle products, symmetrised factors, checks);
+- ``estimator_with_diagonal``: with ``diagonal=True``, the estimator's pass in ``gradmerge
+  curvature`` (plus the diagonal block of what K-FAC leaves out: in GPT-2 the LayerNorms, the
+  position embedding and the tied embedding/head, whose per-example gradients are summed over
+  positions before squaring);
+- ``curvature``: ``gm.estimate.estimate_with``, what the CLI calls (the estimate and the
+  ``gm.Blocks`` it returns), followed by ``save``, writing its file;
 
-and, once per round, the process's other costs: ``load`` (model and data as the CLI reads them),
-``save`` (the curvature file) and ``cli``, the whole ``gradmerge curvature`` command in a fresh
-process (imports, load, estimate, write; ``gpt2_kfac --estimate-only``'s figure). The floor is
-``grams_float32`` (or ``grams_bfloat16``): forward+backward and the products K-FAC cannot avoid.
+and, with ``--cli``, ``cli``: the whole ``gradmerge curvature`` command in a fresh process
+(imports, loading, estimate, writing; ``gpt2_kfac --estimate-only``'s figure). Every stage is
+timed in wall seconds and in CPU seconds of this process (of the command, for ``cli``): on a
+shared machine the CPU seconds are what the work costs, the wall seconds also what the other jobs
+took; the record holds both, and ratios of each.
 
-    python -m benchmarks.kfac_floor               # writes benchmarks/results/kfac-floor-cpu.json
-    python -m benchmarks.kfac_floor --quick       # GPT-2 width 64, depth 2 (a test)
+    python -m benchmarks.kfac_floor --cli   # writes benchmarks/results/kfac-floor-cpu.json
+    python -m benchmarks.kfac_floor --quick  # GPT-2 width 64, depth 2 (a test)
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ STAGES = (
     "grams_float32",
     "grams_bfloat16",
     "estimator",
-    "estimator_bfloat16",
     "estimator_with_diagonal",
     "curvature",
 )
@@ -164,7 +166,6 @@ def stages(model: nn.Module, batches: list[Any], fisher: str) -> dict[str, Calla
         "grams_float32": lambda: hooks_and_grams(model, batches, torch.float32),
         "grams_bfloat16": lambda: hooks_and_grams(model, batches, torch.bfloat16),
         "estimator": kfac(),
-        "estimator_bfloat16": kfac(kfac_precision="bfloat16"),
         "estimator_with_diagonal": kfac(diagonal=True),
         "curvature": lambda: estimate_with(model, batches, options),
     }
@@ -212,14 +213,13 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         if curvature is not None:
             out.unlink(missing_ok=True)
             row["save"] = _seconds(lambda c=curvature: c.save(out))
-        for precision in args.cli:
+        if args.cli:
             out.unlink(missing_ok=True)
-            cmd = _cli_args(model_dir, data, out, args.fisher, args.batch_size)
-            cmd = device_check.gradmerge(*cmd, "--kfac-precision", precision)
-            done: dict[str, Any] = {}
-            row[f"cli_{precision}"] = _seconds(
-                lambda cmd=cmd, done=done: done.update(run_measured(cmd))
+            cmd = device_check.gradmerge(
+                *_cli_args(model_dir, data, out, args.fisher, args.batch_size)
             )
+            done: dict[str, Any] = {}
+            row["cli"] = _seconds(lambda cmd=cmd, done=done: done.update(run_measured(cmd)))
             if done.get("returncode"):
                 raise RuntimeError(f"round {r}: gradmerge curvature failed: {done.get('error')}")
         rounds.append(row)
@@ -258,11 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fisher", choices=["empirical", "mc"], default="empirical")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument(
-        "--cli",
-        nargs="*",
-        default=["working", "bfloat16"],
-        choices=["working", "bfloat16"],
-        help="the whole command once per round with each --kfac-precision (none: skip)",
+        "--cli", action="store_true", help="also the whole command, in a fresh process, per round"
     )
     parser.add_argument("--quick", action="store_true", help="GPT-2 width 64, depth 2 (a test)")
     parser.add_argument(

@@ -36,7 +36,6 @@ from gradmerge.estimate.options import (
     EstimateOptions,
     Fisher,
     KFACApprox,
-    KFACPrecision,
     Structure,
 )
 from gradmerge.io import sources
@@ -144,16 +143,6 @@ def add_parser(sub: Any) -> None:
         f"'none': no limit; default: {MAX_FACTOR_SIDE}",
     )
     p.add_argument(
-        "--kfac-precision",
-        choices=[c.value for c in KFACPrecision],
-        default=KFACPrecision.WORKING.value,
-        help="--structure kfac: the precision of the factors' Gram products: working (the "
-        "factors' dtype, default) or bfloat16 (bfloat16 operands, float32 sums: faster with "
-        "AMX / avx512_bf16 / tensor cores; each entry within about 1.2%% of the Gram of the "
-        "absolute values, and not PSD by construction: a merge may refuse a rank-deficient "
-        "factor; docs/guide.md)",
-    )
-    p.add_argument(
         "--max-params", type=int, default=20_000, help="largest model --structure full takes"
     )
     add_distributed_options(p)  # --distributed, --timeout, --expected-examples, --backend
@@ -176,7 +165,6 @@ def estimate_options(args: argparse.Namespace) -> EstimateOptions:
         kfac_approx=args.kfac_approx,
         max_params=args.max_params,
         kfac_max_factor_side=args.kfac_max_factor_side,
-        kfac_precision=args.kfac_precision,
     )
 
 

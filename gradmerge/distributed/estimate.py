@@ -144,7 +144,7 @@ def estimate_curvature(
             which repeats examples so that they would be counted twice).
         **options: the keywords of :func:`gradmerge.estimate_curvature` (structure, fisher,
             loss, mc_samples, seed, ignore_index, kfac_approx, kfac_max_factor_side, params,
-            max_params, progress, kfac_precision), with its defaults: the fields of
+            max_params, progress), with its defaults: the fields of
             :class:`gradmerge.EstimateOptions`, checked by it on every rank. They must agree
             across ranks (``progress`` excepted).
 

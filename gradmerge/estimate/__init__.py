@@ -50,7 +50,6 @@ def estimate_curvature(
     max_params: int = 20_000,
     kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
     progress: bool = False,
-    kfac_precision: Literal["working", "bfloat16"] = "working",
 ) -> Curvature:
     r"""The curvature of ``model`` on ``data``, a SUM over examples: H = Σ_i H_i.
 
@@ -84,18 +83,12 @@ def estimate_curvature(
             whose A is diagonal, are held to min(this, :data:`MAX_DIAGONAL_FACTOR`) for their
             vocabulary (their A is stored dense). ``None``: no limit.
         progress: print a line per batch (and per layer left to the diagonal) to stderr.
-        kfac_precision: ``"kfac"`` only: ``"working"`` (default) forms the factors' Gram
-            products in the factors' dtype; ``"bfloat16"`` from bfloat16 operands with float32
-            sums (faster where the hardware multiplies bfloat16 natively; every entry within
-            about 1.2 % of the Gram of the rows' absolute values, and not PSD by construction,
-            so a merge may refuse a rank-deficient factor: see :class:`EstimateOptions`).
 
     Returns:
         The curvature; ``C.meta`` records structure, fisher, loss and num_examples (saved by
         ``C.save``); for ``"kfac"`` also kfac_approx, ``kfac_max_factor_side`` (the limit, or
         ``"none"``) and ``kfac_diagonal_layers``: a JSON object, module name → why its
-        parameters are in the diagonal block instead of K-FAC (``"{}"`` when none are), and
-        ``kfac_precision`` when it is ``"bfloat16"``.
+        parameters are in the diagonal block instead of K-FAC (``"{}"`` when none are).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -119,7 +112,7 @@ def estimate_curvature(
     # The keywords above are EstimateOptions' fields, in order (a test holds them equal).
     options = EstimateOptions(
         structure, fisher, loss, mc_samples, seed, ignore_index, kfac_approx, params,
-        max_params, kfac_max_factor_side, progress, kfac_precision,
+        max_params, kfac_max_factor_side, progress,
     )  # fmt: skip
     return estimate_with(model, data, options)
 
@@ -174,7 +167,6 @@ def estimate_with(model: nn.Module, data: Iterable[Any], options: EstimateOption
             kfac_max_factor_side=options.kfac_max_factor_side,
             progress=options.progress,
             diagonal=True,  # the diagonal block from the same pass
-            kfac_precision=options.kfac_precision,
             **_draws(options),
         )
         curvature = kfac_curvature(model, counted, factors, options)
@@ -189,8 +181,6 @@ def estimate_with(model: nn.Module, data: Iterable[Any], options: EstimateOption
     )
     if options.structure == Structure.KFAC:
         curvature.meta["kfac_approx"] = str(options.kfac_approx)
-        if options.kfac_precision != "working":  # absent: the factors' own dtype
-            curvature.meta["kfac_precision"] = str(options.kfac_precision)
     provenance.record(curvature, dict(model.named_parameters()))
     return curvature
 

@@ -86,13 +86,6 @@ of outer products are accumulated on and above the diagonal, mirrored once at th
 products of at least 1024 rows: the rows of smaller calls (small batches, ``"reduce"``) are
 copied into a buffer per factor first (at most 64 MiB of buffers per estimate).
 
-Precision. ``kfac_precision="bfloat16"`` rounds the rows of the Gram products to bfloat16 (the
-buffers hold them so) and multiplies them with float32 sums; on a CPU each product comes back
-rounded to bfloat16 and is added to the working-dtype sum. Per entry the factors are then within
-((1 + u)³(1 + γ_N) − 1)·(|X|ᵀ|X|)_ij/M of the exact Gram of the rows (u = 2⁻⁸; the working path:
-γ_N alone), and no longer PSD by construction: a merge's PSD check may refuse a rank-deficient
-factor (``EstimateOptions.kfac_precision``; ``proofs_tests/estimate/test_kfac_precision.py``).
-
 References:
     Martens & Grosse (2015), "Optimizing neural networks with Kronecker-factored approximate
     curvature". Eschenhagen, Immer, Turner, Schneider & Hennig (2023), "Kronecker-Factored
@@ -148,8 +141,6 @@ from gradmerge.estimate.options import (
     FisherName,
     KFACApprox,
     KFACApproxName,
-    KFACPrecision,
-    KFACPrecisionName,
     LossFunction,
     LossName,
     check_fisher,
@@ -202,7 +193,6 @@ class KFACFactors:
         kfac_max_factor_side: the factor-side limit used (None: no limit).
         diagonal: parameter name → its diagonal Fisher, collected in the same pass
             (``estimate_kfac_factors(diagonal=True)``), for parameters that may have no factors.
-        kfac_precision: the precision of the Gram products (``"working"`` or ``"bfloat16"``).
     """
 
     factors: dict[str, tuple[Tensor, Tensor]]
@@ -217,7 +207,6 @@ class KFACFactors:
     left_out: dict[str, str] = field(default_factory=dict)
     kfac_max_factor_side: int | None = MAX_FACTOR_SIDE
     diagonal: dict[str, Tensor] = field(default_factory=dict)
-    kfac_precision: str = "working"
 
     @property
     def max_factor_side(self) -> int | None:
@@ -296,7 +285,6 @@ def _select_layers(
     modules: Sequence[str] | None,
     kfac_max_factor_side: int | None,
     left_out: dict[str, str],
-    precision: KFACPrecision = KFACPrecision.WORKING,
 ) -> dict[str, _Layer]:
     """The covered modules: supported, trainable, not sharing their weight, small enough.
 
@@ -323,7 +311,6 @@ def _select_layers(
         if isinstance(getattr(m, "weight", None), Tensor):
             weight_users.setdefault(id(m.weight), []).append(n)
     layers, too_large, budget = {}, [], _Budget(_GRAM_BUFFER_BYTES)
-    low = torch.bfloat16 if precision == KFACPrecision.BFLOAT16 else None  # the products' dtype
     for name, module in candidates.items():
         weight = _weight(module)
         if not weight.requires_grad:
@@ -353,8 +340,8 @@ def _select_layers(
             kind,
             has_bias,
             a_sum,
-            None if kind == "embedding" else _GramSum(a_sum, budget, dtype=low),
-            _GramSum(torch.zeros(n_out, n_out, device=device, dtype=dtype), budget, dtype=low),
+            None if kind == "embedding" else _GramSum(a_sum, budget),
+            _GramSum(torch.zeros(n_out, n_out, device=device, dtype=dtype), budget),
         )
     if too_large:
         warnings.warn(
@@ -427,20 +414,12 @@ def _layer_grads(layer: _Layer, g: Tensor) -> Tensor:
 def _add_gram(acc: Tensor, rows: Tensor, alpha: float = 1.0) -> None:
     """``acc[:n, :n] += alpha · rowsᵀ rows`` (n = rows.shape[1]) ON AND ABOVE THE DIAGONAL only.
 
-    Rows of a lower precision than ``acc`` (bfloat16, ``kfac_precision="bfloat16"``) are
-    multiplied in it (float32 sums inside the GEMM, the product rounded to bfloat16 once) and
-    each product is added to ``acc`` in its own dtype.
-
     Large sides go in row blocks ``[lo, hi)``, each from its diagonal block rightwards
     (``acc[lo:hi, lo:] += rows[:, lo:hi]ᵀ rows[:, lo:]``, one GEMM per block): with k blocks the
     products cost (k + 1)/(2k) of the full one (k = 6 for a side of 784: 58%). The blocks below
     the diagonal are never computed; ``_symmetrize_`` fills them at the end.
     """
     n = rows.shape[1]
-    if rows.dtype != acc.dtype:
-        for lo, hi in _gram_blocks(n):
-            acc[lo:hi, lo:n].add_(rows[:, lo:hi].T @ rows[:, lo:], alpha=alpha)
-        return
     if n == acc.shape[0] and n < _GRAM_BLOCKS_FROM:  # one product, no views (the common G)
         acc.addmm_(rows.T, rows, alpha=alpha)
         return
@@ -484,14 +463,13 @@ class _GramSum:
     buffer: Tensor | None = None
     filled: int = 0
     alpha: float = 1.0
-    dtype: torch.dtype | None = None  # of the products' operands (None: acc's)
 
     def add(self, rows: Tensor, alpha: float = 1.0) -> None:
         k = rows.shape[0]
         if self.filled and (alpha != self.alpha or self.filled + k > _GRAM_ROWS):
             self.flush()
         if k >= _GRAM_ROWS or not self._has_buffer(rows):
-            _add_gram(self.acc, rows if self.dtype is None else rows.to(self.dtype), alpha)
+            _add_gram(self.acc, rows, alpha)
             return
         assert self.buffer is not None  # _has_buffer
         self.buffer[self.filled : self.filled + k].copy_(rows)
@@ -508,12 +486,11 @@ class _GramSum:
 
     def _has_buffer(self, rows: Tensor) -> bool:
         if self.buffer is None:
-            dtype = self.dtype or rows.dtype
-            size = _GRAM_ROWS * rows.shape[1] * torch.finfo(dtype).bits // 8
+            size = _GRAM_ROWS * rows.shape[1] * rows.element_size()
             if size > self.budget.left:
                 return False
             self.budget.left -= size
-            self.buffer = rows.new_empty(_GRAM_ROWS, rows.shape[1], dtype=self.dtype)
+            self.buffer = rows.new_empty(_GRAM_ROWS, rows.shape[1])
         return True
 
 
@@ -811,7 +788,6 @@ def estimate_kfac_factors(
     kfac_max_factor_side: int | None = MAX_FACTOR_SIDE,
     max_factor_side: int | None = _FIRST_NAME_UNSET,
     diagonal: bool = False,
-    kfac_precision: KFACPrecision | KFACPrecisionName = "working",
 ) -> KFACFactors:
     """K-FAC factors (A, G) of every supported layer, normalised so A ⊗ G ≈ Σ_i curvature_i.
 
@@ -840,9 +816,6 @@ def estimate_kfac_factors(
             is called; a large vocabulary is routed to a diagonal by ``kfac_curvature``). Stored
             in ``KFACFactors.diagonal``; ``fisher="empirical"`` and ``"mc"`` only (ignored for
             ``"ggn"``, whose diagonal needs per-position vectors).
-        kfac_precision: ``"working"`` (default): the Gram products in the factors' dtype;
-            ``"bfloat16"``: their operands rounded to bfloat16, float32 sums (module docstring,
-            *Precision*).
 
     Returns:
         The factors, with ``num_examples`` = N and the uncovered parameter names.
@@ -855,7 +828,6 @@ def estimate_kfac_factors(
     """
     fisher = check_fisher(fisher)
     kfac_approx = KFACApprox.check(kfac_approx, "kfac_approx")
-    kfac_precision = KFACPrecision.check(kfac_precision, "kfac_precision")
     check_mc_samples(mc_samples, fisher)
     loss_spec = Loss(loss, ignore_index)
     if max_factor_side is not _FIRST_NAME_UNSET:
@@ -866,7 +838,7 @@ def estimate_kfac_factors(
         kfac_max_factor_side = max_factor_side
     kfac_max_factor_side = check_kfac_max_factor_side(kfac_max_factor_side)
     left_out: dict[str, str] = {}
-    layers = _select_layers(model, modules, kfac_max_factor_side, left_out, kfac_precision)
+    layers = _select_layers(model, modules, kfac_max_factor_side, left_out)
     if progress:
         for name, reason in left_out.items():
             print(f"kfac: {name!r} gets no factors: {reason}", file=sys.stderr)
@@ -884,7 +856,6 @@ def estimate_kfac_factors(
             _uncovered(model, {}),
             left_out,
             kfac_max_factor_side,
-            kfac_precision=kfac_precision,
         )
     recorder = _Recorder(layers, kfac_approx)
     wrt = [layer.weight for layer in layers.values()]
@@ -947,7 +918,6 @@ def estimate_kfac_factors(
         left_out=left_out,
         kfac_max_factor_side=kfac_max_factor_side,
         diagonal={} if rider is None else rider.values(),
-        kfac_precision=kfac_precision,
     )
 
 

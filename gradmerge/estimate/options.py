@@ -40,14 +40,12 @@ from enum import Enum
 from typing import Literal, TypedDict, TypeVar
 
 from gradmerge.errors import ArgumentError
-from gradmerge.settings import setting
 
 StructureName = Literal["diag", "kfac", "full"]
 FisherName = Literal["empirical", "mc", "ggn"]
 """The curvature types every structure estimates (``"hessian"``: dense estimates only)."""
 LossName = Literal["cross_entropy", "mse"]
 KFACApproxName = Literal["expand", "reduce"]
-KFACPrecisionName = Literal["working", "bfloat16"]
 
 MAX_FACTOR_SIDE = 16384
 """Default ``kfac_max_factor_side``, the largest side of a K-FAC factor: 16384² × 4 bytes = 1 GiB
@@ -128,15 +126,6 @@ class KFACApprox(_Choice):
     REDUCE = "reduce"
 
 
-class KFACPrecision(_Choice):
-    """The precision of K-FAC's Gram products: the factors' own dtype (``working``: float32, or
-    float64 for float64 models) or bfloat16 operands with float32 sums (``bfloat16``; the factors
-    are still accumulated in the working dtype)."""
-
-    WORKING = "working"
-    BFLOAT16 = "bfloat16"
-
-
 def check_fisher(fisher: object, allowed: Sequence[Fisher] = FISHERS) -> Fisher:
     """``fisher`` as a :class:`Fisher` if it names one of ``allowed`` (the estimators' check)."""
     return Fisher.check(fisher, "fisher", allowed)
@@ -213,9 +202,6 @@ class EstimateOptions:
         kfac_max_factor_side: ``"kfac"`` only: a layer whose A or G would have a larger side
             gets a diagonal block instead (default :data:`MAX_FACTOR_SIDE`; None: no limit).
         progress: print progress lines to stderr.
-        kfac_precision: ``"kfac"`` only: the precision of the factors' Gram products,
-            ``"working"`` or ``"bfloat16"`` (:class:`KFACPrecision`; declared with its accuracy
-            in the field's :class:`~gradmerge.settings.Setting`).
 
     Raises:
         ArgumentError: on construction, for an unknown choice, ``fisher="hessian"`` with a
@@ -247,26 +233,6 @@ class EstimateOptions:
     max_params: int = 20_000
     kfac_max_factor_side: int | None = MAX_FACTOR_SIDE
     progress: bool = False
-    kfac_precision: KFACPrecision | KFACPrecisionName = setting(
-        KFACPrecision.WORKING,
-        "`bfloat16` rounds the operands of K-FAC's Gram products (each layer's inputs and output "
-        "gradients) to bfloat16 and multiplies them with float32 sums (AMX, `avx512_bf16`, tensor "
-        "cores); on a CPU each product is rounded to bfloat16 once more before it is added to the "
-        "factor, which stays in the working dtype. Accuracy, per entry: |Â_ij − A_ij| ≤ ((1 + u)³"
-        "(1 + γ_N) − 1)·(|X|ᵀ|X|)_ij/M against the exact Gram of the same rows X (u = 2⁻⁸, "
-        "bfloat16's unit roundoff; γ_N = N·2⁻²⁴/(1 − N·2⁻²⁴), float32's summation bound for N "
-        "rows, which the working path has alone): about 3u ≈ 1.2 % of the Gram of the absolute "
-        "values beyond float32's own error (tested, `proofs_tests/estimate/test_kfac_precision.py`"
-        ", with the change of a K-FAC merge it implies). The factors are then not PSD by "
-        "construction: a least eigenvalue below about 1.2 % of ‖|X|ᵀ|X|‖ (rank-deficient or "
-        "ill-conditioned factors, e.g. fewer tokens than a layer's width) can come out negative, "
-        "and a merge's PSD check refuses it. Not the default for that reason. `working`: the "
-        "products in the factors' dtype (float32; float64 for float64 models).",
-        kind="choice",
-        what="the precision of K-FAC's Gram products",
-        choices=("working", "bfloat16"),
-        python="kfac_precision",
-    )
 
     def __post_init__(self) -> None:
         structure = Structure.check(self.structure, "structure")
@@ -285,7 +251,6 @@ class EstimateOptions:
             "kfac_approx": KFACApprox.check(self.kfac_approx, "kfac_approx"),
             "params": check_params(self.params),
             "kfac_max_factor_side": check_kfac_max_factor_side(self.kfac_max_factor_side),
-            "kfac_precision": KFACPrecision.check(self.kfac_precision, "kfac_precision"),
         }
         if kfac and self.params is not None:
             raise ArgumentError(
@@ -319,7 +284,6 @@ class EstimateKeywords(TypedDict, total=False):
     max_params: int
     kfac_max_factor_side: int | None
     progress: bool
-    kfac_precision: KFACPrecision | KFACPrecisionName
 
 
 __all__ = [
@@ -329,7 +293,6 @@ __all__ = [
     "EstimateOptions",
     "Fisher",
     "KFACApprox",
-    "KFACPrecision",
     "LossFunction",
     "Structure",
     "check_fisher",
