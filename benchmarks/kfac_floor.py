@@ -68,6 +68,7 @@ STAGES = (
 
 
 def _cli_args(model: Path, data: Path, out: Path, fisher: str, batch: int) -> list[str]:
+    """``gradmerge curvature``'s arguments for the estimate measured here."""
     return [
         "curvature", str(model), str(data), str(out), "--structure", "kfac", "--fisher", fisher,
         "--shift-labels", "--batch-size", str(batch), "--no-progress",
@@ -153,6 +154,9 @@ def hooks_and_grams(model: nn.Module, batches: list[Any], dtype: torch.dtype | N
 
 
 def stages(model: nn.Module, batches: list[Any], fisher: str) -> dict[str, Callable[[], object]]:
+    """Each stage of the module docstring as a call doing one pass over ``batches`` (``hooks``
+    and ``grams_*`` backpropagate the observed labels' loss whatever ``fisher`` is: the same
+    backward cost)."""
     from gradmerge.estimate import estimate_kfac_factors, estimate_with
     from gradmerge.estimate.options import EstimateOptions
 
