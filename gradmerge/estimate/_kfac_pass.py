@@ -92,16 +92,31 @@ class Recorder:
             # nn.ReLU(inplace=True)) rebases the tensor onto that op, the edge stays put.
             self.taps.append(Tap(layer, get_gradient_edge(out), keep, approx, out.numel()))
 
-    def collect(self, root: Tensor, wrt: list[Tensor], weight: float = 1.0, **kwargs: Any) -> None:
-        """One backward pass from ``root``: add ``weight`` · Σ g gᵀ of the noted outputs to G."""
-        if not self.taps:  # nothing to collect: the pass still runs, for autograd's own errors
+    def collect(
+        self,
+        root: Tensor,
+        wrt: list[Tensor],
+        weight: float = 1.0,
+        rider: SharedPassDiagonal | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """One backward pass from ``root``: add ``weight`` · Σ g gᵀ of the noted outputs to G,
+        and hand the gradients of the ``rider``'s outputs from the same pass to it (as one
+        vector's; a rider that needs the vector itself, :attr:`SharedPassDiagonal.needs_vectors`,
+        goes through :meth:`collect_vectors`)."""
+        riding = [] if rider is None else rider.outputs
+        if not self.taps and not riding:  # the pass still runs, for autograd's own errors
             torch.autograd.grad(root, wrt, allow_unused=True, **kwargs)
+            if rider is not None:
+                rider.add([], [])
             return
-        edges = [tap.edge for tap in self.taps]
+        edges = [tap.edge for tap in self.taps] + [get_gradient_edge(t) for t in riding]
         grads = torch.autograd.grad(root, edges, allow_unused=True, **kwargs)
-        for tap, g in zip(self.taps, grads, strict=True):
+        for tap, g in zip(self.taps, grads, strict=False):
             if g is not None:  # None: the output does not reach the loss
                 add_grads(tap.layer, g, tap.keep, tap.approx, weight)
+        if rider is not None:
+            rider.add([], [None if g is None else g.unsqueeze(0) for g in grads[len(self.taps) :]])
 
     def collect_vectors(
         self,
@@ -153,8 +168,10 @@ def backward_passes(
     loss: Loss = options["loss"]
     backward: Backward = options["backward"]
     rider: SharedPassDiagonal | None = options["rider"]
-    if options["fisher"] == "empirical" and rider is None:
-        recorder.collect(losses.sum(), wrt)
+    if options["fisher"] == "empirical" and (rider is None or not rider.needs_vectors):
+        # the loss's own backward: the gradient it brings to the outputs is bit for bit the
+        # vector ∂(Σ_i ℓ_i)/∂f below, without forming it (a second loss pass and a product)
+        recorder.collect(losses.sum(), wrt, rider=rider)
     elif options["fisher"] == "empirical":  # the same pass, as the vector ∂(Σ_i ℓ_i)/∂f
         vector = loss_gradient(outputs.detach(), targets, loss, batch=options["batch"])
         recorder.collect_vectors(outputs, [vector], wrt, 1.0, backward, rider)

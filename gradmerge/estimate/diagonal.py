@@ -365,9 +365,16 @@ class SharedPassDiagonal:
         """The tensors whose gradients :meth:`add` takes, in order (none before :meth:`start`)."""
         return [] if self._squares is None else self._squares.outputs
 
+    @property
+    def needs_vectors(self) -> bool:
+        """Whether :meth:`add` needs the output vectors themselves (parameters left to the exact
+        per-example fallback); else the gradients of :attr:`outputs` are enough."""
+        return bool(self._fallback)
+
     def add(self, vectors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Add the squares for the output ``vectors`` of one backward pass; ``grads``: the
-        gradients of :attr:`outputs`, each ``(len(vectors), *shape)``."""
+        gradients of :attr:`outputs`, each ``(R, *shape)`` for the ``R`` vectors (``vectors``
+        may be left empty when :attr:`needs_vectors` is False)."""
         assert self._squares is not None and self._outputs is not None, "start() first"
         if self._squares.calls:
             self._squares.add_grads(grads)
@@ -381,8 +388,11 @@ class SharedPassDiagonal:
         self._squares = self._outputs = None
 
     def values(self) -> dict[str, Tensor]:
-        """Parameter name → its diagonal, a sum over the examples seen."""
+        """Parameter name → its diagonal, a sum over the examples seen (with one vector per
+        example, the running sums themselves, not copies: a tied GPT-2 embedding's is 154 MB)."""
         k = self.state.mc_samples if self.state.fisher == "mc" else 1
+        if k == 1:
+            return dict(self.state.acc)
         return {name: value / k for name, value in self.state.acc.items()}
 
     def remove(self) -> None:

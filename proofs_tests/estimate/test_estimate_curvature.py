@@ -201,3 +201,31 @@ def test_kfac_takes_its_diagonal_block_from_the_same_pass(fisher: str, passes: i
     for name, value in diag.values.items():
         assert value.abs().max() > 0, name
         torch.testing.assert_close(value, expected.values[name], rtol=1e-10, atol=1e-14)
+
+
+def test_the_empirical_diagonal_from_the_loss_backward_is_the_vectors_bit_for_bit(monkeypatch):
+    """With the empirical Fisher the shared-pass diagonal takes its gradients from the loss's own
+    backward pass; forcing the path through the explicit vector ∂(Σ_i ℓ_i)/∂f (the one riders
+    with an exact fallback take) gives the same factors and diagonal, bit for bit."""
+    from gradmerge.estimate.diagonal import SharedPassDiagonal
+    from gradmerge.estimate.kfac import estimate_kfac_factors
+
+    model, ids = _tiny_gpt2()
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)
+    data = [({"input_ids": ids}, labels)] * 2
+    runs = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(SharedPassDiagonal, "needs_vectors", property(lambda self: True))
+        with pytest.warns(UserWarning, match="transformer.wpe"):
+            runs.append(estimate_kfac_factors(model, data, fisher="empirical", diagonal=True))
+    fast, vector = runs
+    assert (
+        fast.factors.keys() == vector.factors.keys()
+        and fast.diagonal.keys() == vector.diagonal.keys()
+    )
+    for name, (a, g) in fast.factors.items():
+        assert torch.equal(a, vector.factors[name][0]) and torch.equal(g, vector.factors[name][1])
+    assert "transformer.wte.weight" in fast.diagonal
+    for name, value in fast.diagonal.items():
+        assert value.abs().max() > 0 and torch.equal(value, vector.diagonal[name]), name
