@@ -25,11 +25,6 @@ RESULTS = BENCHMARKS / "results"
 
 # results files still in an earlier layout, and why they are not regenerated yet
 NOT_YET_RECORDS = {
-    # written by the issue-32 studies' earlier code; regenerated from their cached work folders
-    # (every fine-tune, curvature, merge and score cached) by the current code's same command
-    "interference-cpu.json": "the issue-32 study's rerun; regenerated from its cache after it",
-    "paper-recipe-cpu.json": "the issue-32 study's rerun; regenerated from its cache after it",
-    "paper-recipe-rerun-cpu.json": "superseded by paper-recipe-cpu.json once that is regenerated",
     # their scripts write records now; a rerun takes longer than a few minutes here
     "gpt2-kfac-cpu.json": "GPT-2-124M K-FAC estimation and merges of 2 and 4 tasks (hours)",
     "gpt2-kfac-cpu-4tasks.json": "GPT-2-124M K-FAC estimation and merges of 4 tasks (hours)",
