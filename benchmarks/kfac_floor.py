@@ -100,9 +100,11 @@ class Taps:
     """Forward hooks keeping each K-FAC layer's input rows and output edge (one batch)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from gradmerge.estimate.kfac import _kind  # the estimator's own test of a K-FAC layer
+        from gradmerge.estimate._kfac_layers import (
+            layer_kind,
+        )  # the estimator's own test of a K-FAC layer
 
-        self.layers = [m for m in model.modules() if _kind(m) in ("linear", "conv1d")]
+        self.layers = [m for m in model.modules() if layer_kind(m) in ("linear", "conv1d")]
         self.layers = [m for m in self.layers if _shared(model, m) == 1]
         self.inputs: list[Tensor] = []
         self.edges: list[Any] = []

@@ -58,7 +58,7 @@ class Layer:
     calls: int = 0
 
 
-def _kind(module: nn.Module) -> LayerKind | None:
+def layer_kind(module: nn.Module) -> LayerKind | None:
     """The K-FAC layer kind of ``module``, or None when it is not supported."""
     if isinstance(module, nn.Linear):
         return "linear"
@@ -122,12 +122,16 @@ def select_layers(
             raise ArgumentError(
                 f"modules {missing} are not in the model; pass names from model.named_modules()"
             )
-        unsupported = [f"{m} ({type(named[m]).__name__})" for m in modules if not _kind(named[m])]
+        unsupported = [
+            f"{m} ({type(named[m]).__name__})" for m in modules if not layer_kind(named[m])
+        ]
         if unsupported:
             raise ArgumentError(
                 f"modules {unsupported} are not K-FAC layers; supported: {SUPPORTED_LAYERS}"
             )
-    candidates = {n: m for n, m in named.items() if _kind(m) and (modules is None or n in modules)}
+    candidates = {
+        n: m for n, m in named.items() if layer_kind(m) and (modules is None or n in modules)
+    }
     if not candidates:
         raise StructureError(f"the model has no K-FAC layer: looked for {SUPPORTED_LAYERS}")
     weight_users: dict[int, list[str]] = {}
@@ -143,7 +147,7 @@ def select_layers(
         if others:
             left_out[name] = f"its weight is shared with {others} (tied)"
             continue
-        kind = _kind(module)
+        kind = layer_kind(module)
         assert kind is not None
         n_in, n_out = _sides(weight, kind)
         bias = getattr(module, "bias", None)
