@@ -200,6 +200,35 @@ def merge_tensor(
     return out if bool(torch.isfinite(total)) else None
 
 
+def merge_widened(
+    base: Tensor,
+    finetuned: Sequence[Tensor],
+    alphas: Sequence[float],
+    h: Sequence[H],
+) -> Tensor | None:
+    """Eq. 6 for one bfloat16 tensor computed in float32 by the C loop, θ written in bfloat16:
+    bit for bit :func:`merge_tensor` of the tensors widened to float32, then
+    ``.to(torch.bfloat16)``, without either conversion in memory. ``None`` where the loop does
+    not take these tensors (:func:`gradmerge.kernels.native.supports` with ``widened=True``),
+    cannot be built, or does not certify the result (as :func:`merge_tensor`, and a θ that
+    rounds to ±Inf in bfloat16): the caller then takes the float32 path, which names the fault.
+
+    Example:
+        >>> import torch
+        >>> b, f = torch.zeros(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+        >>> out = merge_widened(b, [f], [0.5], [1.0, 1.0])
+        >>> out is None or (out.dtype, out.tolist()) == (torch.bfloat16, [0.5] * 8)
+        True
+    """
+    if not native.supports(base, [*finetuned, *tensors(h)], widened=True) or "native" in _failed:
+        return None
+    try:
+        return native.merge_tensor(base, finetuned, alphas, h)
+    except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
+        _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
+        return None
+
+
 def _warn_failed(key: object, err: Exception, what: str) -> None:
     """Remember that the kernel under ``key`` cannot be built, and say so once."""
     _failed[key] = f"{type(err).__name__}: {str(err).strip()[:300]}"
