@@ -175,13 +175,7 @@ def merge_tensor(
     :class:`~gradmerge.elementwise.matching.Affine` h is formed in the C loop; ``torch.compile``'s kernel
     takes it formed (``form()``)."""
     if native.supports(base, [*finetuned, *tensors(h)]):
-        if "native" in _failed:
-            return None
-        try:
-            return native.merge_tensor(base, finetuned, alphas, h)
-        except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
-            _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
-            return None
+        return _native(base, finetuned, alphas, h)
     formed = [x.form() if isinstance(x, Affine) else x for x in h]
     pattern = tuple(isinstance(x, Tensor) for x in formed)
     if not any(pattern) and _scalar_denominator(alphas, formed) <= 0:
@@ -220,7 +214,17 @@ def merge_widened(
         >>> out is None or (out.dtype, out.tolist()) == (torch.bfloat16, [0.5] * 8)
         True
     """
-    if not native.supports(base, [*finetuned, *tensors(h)], widened=True) or "native" in _failed:
+    if not native.supports(base, [*finetuned, *tensors(h)], widened=True):
+        return None
+    return _native(base, finetuned, alphas, h)
+
+
+def _native(
+    base: Tensor, finetuned: Sequence[Tensor], alphas: Sequence[float], h: Sequence[H]
+) -> Tensor | None:
+    """:func:`gradmerge.kernels.native.merge_tensor`, or ``None`` where it cannot be built (said
+    once, then not tried again)."""
+    if "native" in _failed:
         return None
     try:
         return native.merge_tensor(base, finetuned, alphas, h)
@@ -236,7 +240,7 @@ def _warn_failed(key: object, err: Exception, what: str) -> None:
         f"gradmerge could not compile its fused diagonal-merge kernel for {what} "
         f"({_failed[key]}); using the slower chunked path. Set {ENV}=off to skip the attempt.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
