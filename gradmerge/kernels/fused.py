@@ -210,7 +210,7 @@ def merge_widened(
     Example:
         >>> import torch
         >>> b, f = torch.zeros(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
-        >>> out = merge_widened(b, [f], [0.5], [1.0, 1.0])
+        >>> out = merge_widened(b, [f], [0.5], [1.0, 0.0])  # task arithmetic: θ = b + 0.5·(f − b)
         >>> out is None or (out.dtype, out.tolist()) == (torch.bfloat16, [0.5] * 8)
         True
     """

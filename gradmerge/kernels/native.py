@@ -26,6 +26,12 @@ share, a helper that wakes late or is preempted holds back one piece, not half t
 aligned block of 64 elements, then streamed out), which spares reading each output line before
 writing it.
 
+bfloat16 tensors (:data:`WIDENED`) are read and written as stored while the loop computes in
+float32: each value is widened in registers (exactly: a bfloat16 is the top half of a float32)
+and θ is rounded to nearest even as ``.to(torch.bfloat16)`` rounds it, so the result is bit for
+bit the float32 loop's on the widened tensors, rounded; a θ that rounds to ±Inf counts as
+uncertified, in the same loop (:data:`BF16_HELPERS`).
+
 Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
 ``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
 a name hashing the source, the compiler, its flags and the CPU; a folder that is not private to
