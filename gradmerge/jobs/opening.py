@@ -37,7 +37,7 @@ from gradmerge.errors import (
 from gradmerge.io import fingerprint as _weight_sample
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
-from gradmerge.jobs import methods, rules
+from gradmerge.jobs import methods, rules, widened
 from gradmerge.jobs.config import MergeConfig, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.job import Job
@@ -102,18 +102,39 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
         _check_common_space(config, plan, average)
 
+    widen = (  # bfloat16 in and out, float32 arithmetic: each unit's tensors as stored first
+        kernel is not None
+        and dtype == torch.float32
+        and device.type == "cpu"
+        and all(type(m) is type(base) for m in models)
+    )
+    declined: list[bool] = []  # the widened loop declined a unit: the job's pattern, or a fault
+
     def compute(unit: Unit, rows: slice | None = None) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
-        theta = _read(base, keys, device, dtype, rows)
-        fts = [_read(m, keys, device, dtype, rows) for m in models]
-        hs = [_restrict(c, keys, device, dtype, rows) for c in curvs]
-        prior = _term_precision(config.prior, prior_files, keys, device, dtype, rows)
-        unit_inputs = rules.MergeUnit(
-            theta,
-            fts,
-            hs,
+        if widen and not declined and _stored_as(widened.DTYPE, keys, plan, base, models):
+            done = widened.attempt(rule, unit_of(keys, rows, None))  # bfloat16 as stored
+            if done is not None:
+                return done
+            declined.append(True)  # one try per job: the float32 path from here on
+        unit_inputs = unit_of(keys, rows, dtype)
+        try:
+            return rule(unit_inputs)
+        except GradmergeError as err:
+            named = {f"curvatures[{t}]": h for t, h in enumerate(unit_inputs.curvatures)}
+            _raise_non_finite({**named, "prior": unit_inputs.prior}, err)
+            raise
+
+    def unit_of(
+        keys: Sequence[str], rows: slice | None, dtype: torch.dtype | None
+    ) -> rules.MergeUnit:
+        """The unit's inputs, read in ``dtype`` (``None``: as stored)."""
+        return rules.MergeUnit(
+            _read(base, keys, device, dtype, rows),
+            [_read(m, keys, device, dtype, rows) for m in models],
+            [_restrict(c, keys, device, dtype, rows) for c in curvs],
             alphas,
-            prior,
+            _term_precision(config.prior, prior_files, keys, device, dtype, rows),
             config.damping,
             kernel,
             solver=solver,
@@ -123,12 +144,6 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             average=average,
             embeddings=config.embeddings,
         )
-        try:
-            return rule(unit_inputs)
-        except GradmergeError as err:
-            named = {f"curvatures[{t}]": h for t, h in enumerate(hs)}
-            _raise_non_finite({**named, "prior": prior}, err)
-            raise
 
     rule = cast(rules.MergeRule, spec.rule)
     hint = spec.hint
@@ -305,7 +320,7 @@ def _term_precision(
     files: Mapping[str, CurvatureFile],
     keys: Sequence[str],
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     rows: slice | None = None,
 ) -> rules.Precision | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts; ``rows``: as
@@ -316,6 +331,21 @@ def _term_precision(
         c for f in files.values() if (c := _restrict(f, keys, device, dtype, rows)) is not None
     ]
     return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
+
+
+def _stored_as(
+    dtype: torch.dtype,
+    keys: Sequence[str],
+    plan: Plan,
+    base: Checkpoint,
+    models: Sequence[Checkpoint],
+) -> bool:
+    """Whether the unit's tensors are stored in ``dtype`` in the base and every model and are
+    written in it (its curvatures: :func:`gradmerge.jobs.widened.attempt` checks them)."""
+    return all(
+        plan.out_dtypes[k] == dtype and all(c.dtype(k) == dtype for c in [base, *models])
+        for k in keys
+    )
 
 
 def _raise_non_finite(curvatures: Mapping[str, object], err: GradmergeError) -> None:
@@ -353,7 +383,7 @@ def _restrict(
     file: CurvatureFile | None,
     keys: Sequence[str],
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     rows: slice | None = None,
 ) -> Curvature | None:
     """The unit's part of a curvature file (of ``rows`` of its one tensor only, when given), as
@@ -370,8 +400,9 @@ def _read(
     ckpt: Checkpoint,
     keys: Sequence[str],
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     rows: slice | None = None,
 ) -> dict[str, Tensor]:
-    """The unit's tensors in the compute dtype (``rows`` of them only, read and converted alone)."""
+    """The unit's tensors in ``dtype`` (``None``: as stored; ``rows`` of them only, read and
+    converted alone)."""
     return {k: ckpt.get(k, device=device, dtype=dtype, rows=rows) for k in keys}

@@ -175,13 +175,7 @@ def merge_tensor(
     :class:`~gradmerge.elementwise.matching.Affine` h is formed in the C loop; ``torch.compile``'s kernel
     takes it formed (``form()``)."""
     if native.supports(base, [*finetuned, *tensors(h)]):
-        if "native" in _failed:
-            return None
-        try:
-            return native.merge_tensor(base, finetuned, alphas, h)
-        except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
-            _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
-            return None
+        return _native(base, finetuned, alphas, h)
     formed = [x.form() if isinstance(x, Affine) else x for x in h]
     pattern = tuple(isinstance(x, Tensor) for x in formed)
     if not any(pattern) and _scalar_denominator(alphas, formed) <= 0:
@@ -200,6 +194,45 @@ def merge_tensor(
     return out if bool(torch.isfinite(total)) else None
 
 
+def merge_widened(
+    base: Tensor,
+    finetuned: Sequence[Tensor],
+    alphas: Sequence[float],
+    h: Sequence[H],
+) -> Tensor | None:
+    """Eq. 6 for one bfloat16 tensor computed in float32 by the C loop, θ written in bfloat16:
+    bit for bit :func:`merge_tensor` of the tensors widened to float32, then
+    ``.to(torch.bfloat16)``, without either conversion in memory. ``None`` where the loop does
+    not take these tensors (:func:`gradmerge.kernels.native.supports` with ``widened=True``),
+    cannot be built, or does not certify the result (as :func:`merge_tensor`, and a θ that
+    rounds to ±Inf in bfloat16): the caller then takes the float32 path, which names the fault.
+
+    Example:
+        >>> import torch
+        >>> b, f = torch.zeros(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+        >>> out = merge_widened(b, [f], [0.5], [1.0, 0.0])  # task arithmetic: θ = b + 0.5·(f − b)
+        >>> out is None or (out.dtype, out.tolist()) == (torch.bfloat16, [0.5] * 8)
+        True
+    """
+    if not native.supports(base, [*finetuned, *tensors(h)], widened=True):
+        return None
+    return _native(base, finetuned, alphas, h)
+
+
+def _native(
+    base: Tensor, finetuned: Sequence[Tensor], alphas: Sequence[float], h: Sequence[H]
+) -> Tensor | None:
+    """:func:`gradmerge.kernels.native.merge_tensor`, or ``None`` where it cannot be built (said
+    once, then not tried again)."""
+    if "native" in _failed:
+        return None
+    try:
+        return native.merge_tensor(base, finetuned, alphas, h)
+    except (RuntimeError, OSError) as err:  # no C compiler, a read-only file system, ...
+        _warn_failed("native", err, f"{base.dtype} on cpu (C compiler)")
+        return None
+
+
 def _warn_failed(key: object, err: Exception, what: str) -> None:
     """Remember that the kernel under ``key`` cannot be built, and say so once."""
     _failed[key] = f"{type(err).__name__}: {str(err).strip()[:300]}"
@@ -207,7 +240,7 @@ def _warn_failed(key: object, err: Exception, what: str) -> None:
         f"gradmerge could not compile its fused diagonal-merge kernel for {what} "
         f"({_failed[key]}); using the slower chunked path. Set {ENV}=off to skip the attempt.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

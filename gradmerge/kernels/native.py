@@ -26,6 +26,12 @@ share, a helper that wakes late or is preempted holds back one piece, not half t
 aligned block of 64 elements, then streamed out), which spares reading each output line before
 writing it.
 
+bfloat16 tensors (:data:`WIDENED`) are read and written as stored while the loop computes in
+float32: each value is widened in registers (exactly: a bfloat16 is the top half of a float32)
+and θ is rounded to nearest even as ``.to(torch.bfloat16)`` rounds it, so the result is bit for
+bit the float32 loop's on the widened tensors, rounded; a θ that rounds to ±Inf counts as
+uncertified, in the same loop (:data:`BF16_HELPERS`).
+
 Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
 ``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
 a name hashing the source, the compiler, its flags and the CPU; a folder that is not private to
@@ -108,6 +114,37 @@ PIECES_PER_THREAD = 4
 thread the machine's other jobs preempt holds back one piece, not its whole share."""
 
 DTYPES = {torch.float32: "float", torch.float64: "double"}
+WIDENED = {torch.bfloat16: "float"}
+"""Stored dtypes the loop reads and writes while computing in a wider C type: a bfloat16 is the
+top half of a float32, so it is widened exactly in registers, and θ is rounded back to nearest
+even as torch's ``.to(torch.bfloat16)`` rounds it (:data:`BF16_HELPERS`)."""
+
+BF16_HELPERS = (
+    "#include <string.h>",
+    "static inline float gm_load(uint16_t x) { /* exact: the top half of a float32 */",
+    "  const uint32_t u = (uint32_t)x << 16;",
+    "  float f;",
+    "  memcpy(&f, &u, sizeof f);",
+    "  return f;",
+    "}",
+    "static inline uint16_t gm_store(float f) { /* to nearest even, as torch rounds */",
+    "  uint32_t u;",
+    "  memcpy(&u, &f, sizeof u);",
+    "  if (f != f) return (uint16_t)0x7FC0;",
+    "  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);",
+    "}",
+    "#define GM_OVERFLOW(o) (((o) & 0x7F80u) == 0x7F80u) /* rounded to Inf (or NaN) */",
+)
+"""C lines of a loop over bfloat16 tensors: :func:`gm_load` widens a stored value, :func:`gm_store`
+rounds θ (a NaN gives the quiet NaN 0x7FC0; NaN results are refused anyway) and
+``GM_OVERFLOW`` tests the stored result, so a finite float32 θ that rounds to ±Inf is caught in
+the same loop, with no pass over the output."""
+
+PLAIN_HELPERS = (
+    "#define gm_load(x) (x)",
+    "#define gm_store(x) (x)",
+    "#define GM_OVERFLOW(o) 0 /* a stored θ is the computed one: its check covers it */",
+)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-fPIC")
 CACHE_ENV = "GRADMERGE_CACHE_DIR"
 
@@ -117,11 +154,12 @@ def kind(h: H) -> str:
     return "a" if isinstance(h, Affine) else "h" if isinstance(h, Tensor) else "d"
 
 
-def supports(base: Tensor, others: Sequence[Tensor]) -> bool:
-    """Whether the C loop handles these tensors: CPU, float32/float64, one dtype for all."""
+def supports(base: Tensor, others: Sequence[Tensor], *, widened: bool = False) -> bool:
+    """Whether the C loop handles these tensors: CPU, one dtype for all, float32/float64 (or,
+    ``widened``, a dtype of :data:`WIDENED`: the loop then computes in float32)."""
     return (
         base.device.type == "cpu"
-        and base.dtype in DTYPES
+        and base.dtype in (WIDENED if widened else DTYPES)
         and all(x.device.type == "cpu" and x.dtype == base.dtype for x in others)
     )
 
@@ -134,12 +172,18 @@ def merge_tensor(
 ) -> Tensor | None:
     """Eq. 6 for one tensor by the C loop, or ``None`` when the result is not certified (a
     NaN/Inf, H̄ ≤ 0 or h < 0 somewhere). Raises ``RuntimeError`` (or ``OSError``) when the loop
-    cannot be built; :func:`supports` must hold for ``base`` and ``finetuned`` + ``tensors(h)``."""
+    cannot be built; :func:`supports` must hold for ``base`` and ``finetuned`` + ``tensors(h)``.
+
+    Tensors of a :data:`WIDENED` dtype (bfloat16) are computed in float32 and θ is written in
+    their dtype: bit for bit ``merge_tensor`` of the tensors ``.float()`` followed by
+    ``.to(torch.bfloat16)``, with a θ that rounds to ±Inf there uncertified (``None``) too."""
     pattern = "".join(kind(x) for x in h)
     consts, scalar_den = _constants(alphas, h)
     if scalar_den is not None and scalar_den <= 0:
         return None  # H̄ = c·I with c ≤ 0: the chunked path raises
-    function = _function(pattern, DTYPES[base.dtype])
+    widened = base.dtype in WIDENED
+    ctype = WIDENED[base.dtype] if widened else DTYPES[base.dtype]
+    function = _function(pattern, ctype, "uint16_t" if widened else ctype)
     out = memory.empty(base.shape, like=base)
     flat = [x.reshape(-1).contiguous() for x in [out, base, *finetuned, *tensors(h)]]
     array = (ctypes.c_double * len(consts))(*consts)
@@ -204,27 +248,31 @@ def _constants(alphas: Sequence[float], h: Sequence[H]) -> tuple[list[float], fl
     return consts, None
 
 
-def source(pattern: str, ctype: str) -> str:
-    """C source of the loop for one pattern (``pattern[i]``: :func:`kind` of h_i).
+def source(pattern: str, ctype: str, stype: str | None = None) -> str:
+    """C source of the loop for one pattern (``pattern[i]``: :func:`kind` of h_i), computing in
+    ``ctype`` on tensors stored as ``stype`` (default ``ctype``; ``uint16_t``: bfloat16 bits,
+    widened on load and rounded on store, :data:`BF16_HELPERS`).
 
-    Signature: ``int64_t eq6(int64_t n, const double *c, T *out, const T *b, const T *f_1..f_T,
-    const T *h_i (tensors and Affine values only))`` with ``c`` as :func:`_constants` lists it;
+    Signature: ``int64_t eq6(int64_t n, const double *c, S *out, const S *b, const S *f_1..f_T,
+    const S *h_i (tensors and Affine values only))`` with ``c`` as :func:`_constants` lists it;
     returns the count of uncertified elements.
     """
+    stype = stype or ctype
     tasks = len(pattern) - 1
-    args = ["int64_t n", "const double *c", f"{ctype} *restrict out", f"const {ctype} *restrict b"]
-    args += [f"const {ctype} *restrict f{t}" for t in range(tasks)]
-    args += [f"const {ctype} *restrict h{i}" for i, p in enumerate(pattern) if p != "d"]
+    args = ["int64_t n", "const double *c", f"{stype} *restrict out", f"const {stype} *restrict b"]
+    args += [f"const {stype} *restrict f{t}" for t in range(tasks)]
+    args += [f"const {stype} *restrict h{i}" for i, p in enumerate(pattern) if p != "d"]
     k = tasks  # next constant
     prelude = [f"const {ctype} a{t} = ({ctype})c[{t}];" for t in range(tasks)]
     value, body = {}, []
     for i, p in enumerate(pattern):
         if p == "h":
-            value[i] = f"h{i}[i]"
+            body.append(f"const {ctype} v{i} = gm_load(h{i}[i]);")
+            value[i] = f"v{i}"
         elif p == "a":  # h_i = (c_i·scale_i) + δ_i, rounded as the operator algebra rounds it
             prelude.append(f"const {ctype} s{i} = ({ctype})c[{k}];")
             prelude.append(f"const {ctype} e{i} = ({ctype})c[{k + 1}];")
-            body.append(f"const {ctype} v{i} = ({ctype})(h{i}[i] * s{i}) + e{i};")
+            body.append(f"const {ctype} v{i} = ({ctype})(gm_load(h{i}[i]) * s{i}) + e{i};")
             value[i], k = f"v{i}", k + 2
         else:
             prelude.append(f"const {ctype} s{i} = ({ctype})c[{k}];")
@@ -248,16 +296,17 @@ def source(pattern: str, ctype: str) -> str:
             body.append(f"den = den + d{t};")
     if not vector:
         prelude.append(f"const {ctype} den = ({ctype})c[{k}];")
-    body.append(f"const {ctype} bi = b[i];")
+    body.append(f"const {ctype} bi = gm_load(b[i]);")
     body.append(f"{ctype} rhs = ({ctype})0;")
     for t in range(tasks):
-        body.append(f"{{ const {ctype} tau = f{t}[i] - bi;")
+        body.append(f"{{ const {ctype} tau = gm_load(f{t}[i]) - bi;")
         body.append(f"  const {ctype} p = tau * {value[0]};")
         body.append(f"  const {ctype} q = tau * {value[t + 1]};")
         body.append(f"  const {ctype} term = (p + q) * a{t};")
         body.append("  rhs = rhs + term; }")
     body.append(f"const {ctype} theta = bi + rhs / den;")
-    checks = ["(theta - theta != 0)"]
+    body.append(f"const {stype} o = gm_store(theta);")
+    checks = ["(theta - theta != 0)", "GM_OVERFLOW(o)"]
     if pattern != "d" * len(pattern):
         checks.append("(den <= 0)")
     checks += [f"({value[i]} < 0)" for i, p in enumerate(pattern) if p != "d"]
@@ -267,7 +316,7 @@ def source(pattern: str, ctype: str) -> str:
         return [
             f"for (int64_t i = {start}; i < {stop}; i++) {{",
             *(f"  {line}" for line in body),
-            f"  {store} = theta;",
+            f"  {store} = o;",
             "}",
         ]
 
@@ -279,16 +328,17 @@ def source(pattern: str, ctype: str) -> str:
         '#error "each operation must round to its type (FLT_EVAL_METHOD == 0)"',
         "#endif",
         *STREAM_HELPERS,
+        *(PLAIN_HELPERS if stype == ctype else BF16_HELPERS),
         f"int64_t eq6({', '.join(args)}) {{",
         *(f"  {line}" for line in prelude),
         "  int64_t bad = 0;",
         "  int64_t k = 0;  /* elements [0, k) are done */",
         "#if GM_STREAM",
-        f"  if (n >= {STREAM_MIN_NUMEL} && (uintptr_t)out % sizeof({ctype}) == 0) {{",
+        f"  if (n >= {STREAM_MIN_NUMEL} && (uintptr_t)out % sizeof({stype}) == 0) {{",
         f"    const int64_t head = (int64_t)((GM_ALIGN - (uintptr_t)out % GM_ALIGN) % GM_ALIGN)"
-        f" / (int64_t)sizeof({ctype});",
+        f" / (int64_t)sizeof({stype});",
         *(f"    {line}" for line in loop("0", "head", "out[i]")),
-        f"    _Alignas(GM_ALIGN) {ctype} tmp[GM_BLOCK];",
+        f"    _Alignas(GM_ALIGN) {stype} tmp[GM_BLOCK];",
         "    for (k = head; k + GM_BLOCK <= n; k += GM_BLOCK) {",
         *(f"      {line}" for line in loop("k", "k + GM_BLOCK", "tmp[i - k]")),
         "      gm_stream(out + k, tmp, sizeof tmp);",
@@ -304,9 +354,12 @@ def source(pattern: str, ctype: str) -> str:
 
 
 @functools.cache
-def _function(pattern: str, ctype: str) -> Callable[..., int]:
-    """The loaded C function of one pattern and type (built, or found in the cache)."""
-    library = ctypes.CDLL(str(_built(source(pattern, ctype))))  # CDLL: calls release the GIL
+def _function(pattern: str, ctype: str, stype: str | None = None) -> Callable[..., int]:
+    """The loaded C function of one pattern, compute and storage type (built, or found in the
+    cache)."""
+    library = ctypes.CDLL(
+        str(_built(source(pattern, ctype, stype or ctype)))
+    )  # CDLL: calls release the GIL
     function = library.eq6
     tensors = 2 + sum(p != "d" for p in pattern) + len(pattern) - 1
     function.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
