@@ -34,7 +34,7 @@ from gradmerge.errors import (
     NotPositiveDefiniteError,
     ResultOverflowError,
 )
-from gradmerge.io import fingerprint as _weight_sample
+from gradmerge.io import fingerprint
 from gradmerge.io.reader import Checkpoint
 from gradmerge.jobs import card
 from gradmerge.jobs.config import MergeConfig
@@ -311,8 +311,8 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         name: {
             "path": str(c.path),
             "files": [f.name for f in c.files],
-            "fingerprint_sha256": _weight_sample.content_hash(c.keys(), c.shape, c.dtype, c.rows),
-            "fingerprint_of": _weight_sample.CONTENT_HASH_OF,
+            "fingerprint_sha256": fingerprint.content_hash(c.keys(), c.shape, c.dtype, c.rows),
+            "fingerprint_of": fingerprint.CONTENT_HASH_OF,
             "header_sha256": c.fingerprint,
             "tensor_bytes": c.total_bytes,
         }

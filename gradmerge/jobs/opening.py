@@ -26,7 +26,7 @@ from gradmerge._devices import resolve_device
 from gradmerge.curvature import Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
-from gradmerge.elementwise import removal as _removal
+from gradmerge.elementwise import removal as elementwise_removal
 from gradmerge.errors import (
     ArgumentError,
     ConfigError,
@@ -34,7 +34,7 @@ from gradmerge.errors import (
     InputWarning,
     NonFiniteError,
 )
-from gradmerge.io import fingerprint as _weight_sample
+from gradmerge.io import fingerprint
 from gradmerge.io.lora import open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.jobs import methods, rules, widened
@@ -238,7 +238,7 @@ def open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
             _raise_non_finite(named, err)
             raise
         if report is not None and report.measured:  # the fused elementwise pass measured them
-            stats = _removal.RemovalStats(**report.measured)
+            stats = elementwise_removal.RemovalStats(**report.measured)
             step.step_sq += stats.step_sq
             step.reference_sq += stats.reference_sq
             assert model is not None
@@ -284,12 +284,12 @@ def _check_curvature_weights(
     if policy == "ignore":
         return
     for name, file, candidates in pairs:
-        stored = file.info.get(_weight_sample.META_KEY)
+        stored = file.info.get(fingerprint.META_KEY)
         keys = [k for k, _ in file.layout]
         usable = [(n, c) for n, c in candidates if all(k in c for k in keys)]
         if stored is None or not usable:
             continue
-        if any(_weight_sample.sample_hash_from(keys, c.shape, c.rows) == stored for _, c in usable):
+        if any(fingerprint.sample_hash_from(keys, c.shape, c.rows) == stored for _, c in usable):
             continue
         which = " or ".join(f"`{n}`" for n, _ in usable)
         message = (

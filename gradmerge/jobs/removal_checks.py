@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradmerge.elementwise import removal as _removal
+from gradmerge.elementwise import removal as elementwise_removal
 from gradmerge.errors import InputWarning, StepTooLargeError
 
 
@@ -103,7 +103,7 @@ class Rounding:
     eps: float = 0.0
     unmeasured: int = 0
 
-    def add(self, stats: _removal.RemovalStats, stored: Sequence[torch.dtype]) -> None:
+    def add(self, stats: elementwise_removal.RemovalStats, stored: Sequence[torch.dtype]) -> None:
         """Add one unit's measurements; ``stored``: the dtypes its inputs are stored in."""
         eps = max(torch.finfo(d).eps for d in (*stored, self.compute) if d.is_floating_point)
         self.eps = max(self.eps, eps)
