@@ -31,8 +31,6 @@ NOT_YET_RECORDS = {
     "gpt2-kfac-cpu-64tokens.json": "GPT-2-124M K-FAC estimation and merges (about an hour)",
     "gpt2-kfac-layers-cpu.json": "needs a gpt2_kfac --keep folder (hours)",
     "kernels-cpu.json": "GPT-2-124M and a Llama-7B block merged 20 times in fresh processes",
-    "out-of-core-3b-16layers.json": "26 GiB of inputs written, read and merged (about an hour)",
-    "out-of-core-3b-0layers.json": "6.3 GB of disk with 10 GB left free: the shared disk lacks it",
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
     "curvature-cpu-gpt2-124m.json": "GPT-2-124M estimation, about an hour at load",
     "kfac-4tasks-cpu.json": "needs a gpt2_kfac --keep folder of 4 tasks (hours)",
