@@ -49,7 +49,6 @@ NOT_YET_RECORDS = {
     "curvature-cpu.json": "fresh processes per method: over 15 min at load 13 under nice",
     "curvature-cpu-1thread.json": "fresh processes per method: over 15 min at load 13",
     "curvature-cpu-mlp-runs.json": "5 whole runs: over an hour at load 13 under nice",
-    "inspect-cpu.json": "GiB of files read by fresh processes: not rerun yet",
 }
 
 
