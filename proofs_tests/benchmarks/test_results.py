@@ -46,9 +46,6 @@ NOT_YET_RECORDS = {
     "text-data-cpu-1gb.json": "a 1 GB file, read and tokenised (the run never finished)",
     "text-data-cpu.json": "10⁶ lines and files to 30 MB: over an hour at load 13 under nice",
     "text-data-cpu-memory.json": "fresh processes per file size: over an hour at load 13",
-    "curvature-cpu.json": "fresh processes per method: over 15 min at load 13 under nice",
-    "curvature-cpu-1thread.json": "fresh processes per method: over 15 min at load 13",
-    "curvature-cpu-mlp-runs.json": "5 whole runs: over an hour at load 13 under nice",
 }
 
 
