@@ -6,6 +6,12 @@ first touch waits for the disk, and nothing is read while the unit's arithmetic 
 kernel to read the NEXT unit's ranges (``posix_fadvise(POSIX_FADV_WILLNEED)``, which starts the
 reads and returns) before computing the current one lets the disk and the CPU work at once. It
 is a hint: it changes no value, and where the call does not exist (not POSIX) it does nothing.
+
+The hints are given by one background thread, in the order they were asked for: a large range's
+``WILLNEED`` blocks its caller while the device's request queue is full, which on the caller's
+thread would stop the arithmetic until most of that range was read (the reads would no longer
+overlap it). The thread holds no tensor and changes no value; a hint still waiting when its file
+is closed is dropped.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -48,22 +56,64 @@ def data_offsets(path: Path) -> dict[str, tuple[int, int]]:
 
 
 class Readahead:
-    """Open files whose byte ranges are read ahead on request (:meth:`advise`)."""
+    """Open files whose byte ranges are read ahead on request (:meth:`advise`), by the module's
+    background thread."""
 
     def __init__(self, files: Sequence[Path]) -> None:
         self._fds = [os.open(f, os.O_RDONLY) for f in files] if _AVAILABLE else []
+        self._lock = threading.Lock()  # held while one of this object's hints is given
+        self._closing = False
 
     def advise(self, index: int, start: int, length: int) -> None:
-        """Start reading ``length`` bytes of file ``index`` from ``start`` into the page cache."""
-        if self._fds and length > 0:
-            # a file system that takes no advice raises: the reads then happen on use
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._fds[index], start, length, os.POSIX_FADV_WILLNEED)
+        """Ask for ``length`` bytes of file ``index`` from ``start`` to be read into the page
+        cache; returns at once (the hint is given by the background thread, in order)."""
+        if self._fds and length > 0 and not self._closing:
+            fd = self._fds[index]
+            _worker().put(lambda: self._give(fd, start, length))
+
+    def _give(self, fd: int, start: int, length: int) -> None:
+        with self._lock:
+            if not self._closing:  # a hint for a file being closed is dropped
+                # a file system that takes no advice raises: the reads then happen on use
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        for fd in self._fds:
+        self._closing = True  # no hint starts from now on ...
+        with self._lock:  # ... and the one being given on these files ends first
+            fds, self._fds = self._fds, []
+        for fd in fds:
             os.close(fd)
-        self._fds = []
+
+
+_queue: queue.SimpleQueue[Callable[[], None]] | None = None
+_pid = 0
+_started = threading.Lock()
+
+
+def _worker() -> queue.SimpleQueue[Callable[[], None]]:
+    """The queue of the thread that gives the hints (started on first use; a daemon, so that it
+    never keeps a process alive; a forked child starts its own)."""
+    global _queue, _pid
+    with _started:
+        if _queue is None or _pid != os.getpid():
+            _queue, _pid = queue.SimpleQueue(), os.getpid()
+            thread = threading.Thread(target=_run, args=(_queue,), name="gradmerge-readahead")
+            thread.daemon = True
+            thread.start()
+        return _queue
+
+
+def _run(tasks: queue.SimpleQueue[Callable[[], None]]) -> None:
+    while True:
+        tasks.get()()
+
+
+def settle(timeout: float | None = None) -> bool:
+    """Wait until every hint asked for so far was given or dropped; whether it was in time."""
+    done = threading.Event()
+    _worker().put(done.set)
+    return done.wait(timeout)
 
 
 _AVAILABLE = hasattr(os, "posix_fadvise")

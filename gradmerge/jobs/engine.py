@@ -58,6 +58,7 @@ from gradmerge._guard import Output
 from gradmerge._text import key_list
 from gradmerge.errors import PD_FIX, NotPositiveDefiniteError
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
+from gradmerge.jobs.background import Background
 from gradmerge.jobs.config import MergeConfig, RemoveConfig
 from gradmerge.jobs.job import Job
 from gradmerge.jobs.opening import open_job, open_merge, open_remove
@@ -76,6 +77,15 @@ __all__ = [
     "run_merge",
     "run_remove",
 ]
+
+WRITES_PENDING = 2
+"""How many steps' outputs may wait for the writing thread (:mod:`gradmerge.jobs.background`)
+before the pass waits for it: the memory held for outputs is bounded by this many steps'."""
+
+READAHEAD_STEPS = 2
+"""How many steps (units, or row blocks of one) ahead of the one computing the disk is asked to
+read (:meth:`Job.prefetch`): with one, the disk idles whenever a step computes longer than the
+next one takes to read; two keep it busy (at most two steps' inputs wait in the page cache)."""
 
 
 @dataclass(frozen=True)
@@ -217,16 +227,21 @@ def _execute(
     removed, left = remove_stale_stages(target)
     with (
         staged_output(target, overwrite=overwrite) as stage,
-        memory.recycling(),  # each output is written and dropped before the next is made
+        memory.recycling(),  # an output written and dropped gives its memory to a later one
+        Background(depth=1) as hashing,  # the inputs' fingerprints, beside the pass
+        Background(depth=WRITES_PENDING) as writing,  # outputs written while the next computes
     ):
+        fingerprints = hashing.submit(job.fingerprints)
         writer = ShardedWriter(stage, entries, config.max_shard_size)
         try:
             singular: list[tuple[Unit, NotPositiveDefiniteError]] = []
             steps = [(unit, rows) for unit in plan.units for rows in job.row_blocks(unit)]
             found: list[NotPositiveDefiniteError] = []  # the current unit's singular blocks
+            for step in steps[:READAHEAD_STEPS]:
+                job.prefetch(*step)
             for i, (unit, rows) in enumerate(steps):
-                if i + 1 < len(steps):  # the disk reads the next step while this one computes
-                    job.prefetch(*steps[i + 1])
+                if i + READAHEAD_STEPS < len(steps):  # the disk reads ahead while this computes
+                    job.prefetch(*steps[i + READAHEAD_STEPS])
                 try:
                     out = job.compute_unit(unit, rows)
                 except NotPositiveDefiniteError as err:
@@ -235,7 +250,7 @@ def _execute(
                     found.append(err)
                 else:
                     if not singular and not found:
-                        _write(writer, bar, out, rows, plan)
+                        writing.submit(_write, writer, bar, out, rows, plan)
                     del out
                 if found and (i + 1 == len(steps) or steps[i + 1][0] is not unit):
                     # the unit's block that needs the most damping speaks for it
@@ -243,8 +258,10 @@ def _execute(
                     found = []
             if singular:
                 raise _all_singular(job, singular)
+            writing.drain()
             shards = writer.finish()
         finally:
+            writing.close()  # no write runs while the shard is closed
             writer.abort()
             if bar is not None:
                 bar.close()
@@ -260,7 +277,7 @@ def _execute(
         seconds = time.perf_counter() - start
         bytes_read = job.bytes_read
         record = stage / f"gradmerge_{job.command}.json"
-        facts = job.record(config, shards, seconds)
+        facts = job.record(config, shards, seconds, fingerprints.result())
         record.write_text(json.dumps(facts, indent=2) + "\n")
         readme = job.write_card(stage, config, facts)
         names = [p.name for p in (*shards, *assets, record, readme)]

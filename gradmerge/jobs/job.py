@@ -196,9 +196,25 @@ class Job:
         """Copy the base's config/tokenizer files into ``folder`` (``dtype`` set in config.json)."""
         return _copy_assets(self.base, folder, dtype)
 
-    def record(self, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
-        """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints, output."""
-        return _record(self, config, shards, seconds)
+    def fingerprints(self) -> dict[str, str]:
+        """Each input checkpoint's content hash (:func:`gradmerge.io.fingerprint.content_hash`),
+        by input name: a few rows of every large tensor, read apart from the merge's pass."""
+        return {
+            name: fingerprint.content_hash(c.keys(), c.shape, c.dtype, c.rows)
+            for name, c in self.checkpoints.items()
+        }
+
+    def record(
+        self,
+        config: Options,
+        shards: list[Path],
+        seconds: float,
+        fingerprints: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """The ``gradmerge_<command>.json`` record: versions, config, inputs' fingerprints
+        (``fingerprints``, when :meth:`fingerprints` was computed already), output."""
+        hashes = self.fingerprints() if fingerprints is None else fingerprints
+        return _record(self, config, shards, seconds, hashes)
 
     def write_card(self, folder: Path, config: Options, record: Mapping[str, Any]) -> Path:
         """Write ``folder``/README.md, the model card made from ``record``
@@ -296,7 +312,9 @@ def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]
     return copied
 
 
-def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> dict[str, Any]:
+def _record(
+    job: Job, config: Options, shards: list[Path], seconds: float, hashes: Mapping[str, str]
+) -> dict[str, Any]:
     record: dict[str, Any] = {
         "gradmerge_version": __version__,
         "torch_version": torch.__version__,
@@ -311,7 +329,7 @@ def _record(job: Job, config: Options, shards: list[Path], seconds: float) -> di
         name: {
             "path": str(c.path),
             "files": [f.name for f in c.files],
-            "fingerprint_sha256": fingerprint.content_hash(c.keys(), c.shape, c.dtype, c.rows),
+            "fingerprint_sha256": hashes[name],
             "fingerprint_of": fingerprint.CONTENT_HASH_OF,
             "header_sha256": c.fingerprint,
             "tensor_bytes": c.total_bytes,

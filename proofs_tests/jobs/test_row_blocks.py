@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge._readahead import data_offsets, row_range
+from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.io import open_curvature
 from gradmerge.io.writer import ShardedWriter
 from gradmerge.jobs import MergeConfig, run_merge
@@ -185,9 +185,10 @@ def test_the_writer_takes_rows_in_order_only(tmp_path):
     assert load_file(w.finish()[0])["a"].tolist() == [[0, 0], [0, 0], [1, 1]]
 
 
-def test_read_ahead_ranges_are_the_bytes_the_next_step_reads(ws, tmp_path, monkeypatch):
-    """The engine's read-ahead hints (posix_fadvise WILLNEED) name, for every step but the
-    first, exactly the byte ranges of the tensors (rows) that step reads from every input."""
+def test_read_ahead_ranges_are_the_bytes_each_step_reads(ws, tmp_path, monkeypatch):
+    """The engine's read-ahead requests name, for every step, exactly the byte ranges of the
+    tensors (rows) that step reads from every input (the background thread then gives them as
+    posix_fadvise WILLNEED hints: the next test)."""
     path = ws / "c0.safetensors"
     offsets = data_offsets(path)
     raw = path.read_bytes()
@@ -196,14 +197,13 @@ def test_read_ahead_ranges_are_the_bytes_the_next_step_reads(ws, tmp_path, monke
     start, length = row_range(*offsets["diag/embed.weight"], SHAPES["embed.weight"], slice(4, 9))
     assert raw[start : start + length] == values.contiguous().view(torch.uint8).numpy().tobytes()
     advised: list[tuple[str, int, int]] = []
-    real = os.posix_fadvise
+    real = Readahead.advise
 
-    def record(fd, offset, length, advice):
-        if advice == os.POSIX_FADV_WILLNEED:
-            advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
-        return real(fd, offset, length, advice)
+    def record(self, index, offset, length):
+        advised.append((os.readlink(f"/proc/self/fd/{self._fds[index]}"), offset, length))
+        return real(self, index, offset, length)
 
-    monkeypatch.setattr(os, "posix_fadvise", record)
+    monkeypatch.setattr(Readahead, "advise", record)
     _run(ws, "gradient_matching", tmp_path / "out", monkeypatch, BLOCK_ROWS * 8 * 4)
     inputs = ["base", "ft0", "ft1", "ft2", "c0", "c1", "c2", "prior"]
     expected = []
@@ -218,4 +218,4 @@ def test_read_ahead_ranges_are_the_bytes_the_next_step_reads(ws, tmp_path, monke
                 begin, end = data_offsets(ws / f"{name}.safetensors")[tensor]
                 at, n = row_range(begin, end, shape, rows)
                 expected.append((str(ws / f"{name}.safetensors"), at, n))
-    assert sorted(advised) == sorted(expected[len(inputs) :])  # all but the first step's
+    assert sorted(advised) == sorted(expected)

@@ -1,0 +1,96 @@
+"""The read-ahead hints (gradmerge._readahead): given by one background thread, in order, without
+blocking the caller, and dropped for a closed file."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from gradmerge import _readahead
+from gradmerge._readahead import Readahead
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for p in paths:
+        p.write_bytes(bytes(1 << 16))
+    return paths
+
+
+@pytest.fixture
+def given(monkeypatch):
+    """(file, start, length, thread name) of every WILLNEED hint given."""
+    seen: list[tuple[str, int, int, str]] = []
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        seen.append((name, offset, length, threading.current_thread().name))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    return seen
+
+
+def test_hints_are_given_in_order_by_the_background_thread(files, given):
+    ahead = Readahead(files)
+    asked = [(1, 0, 4096), (0, 8192, 100), (1, 4096, 0), (0, 0, 65536)]  # a length 0 asks nothing
+    for index, start, length in asked:
+        ahead.advise(index, start, length)
+    assert _readahead.settle(10)
+    ahead.close()
+    assert given == [
+        ("b.bin", 0, 4096, "gradmerge-readahead"),
+        ("a.bin", 8192, 100, "gradmerge-readahead"),
+        ("a.bin", 0, 65536, "gradmerge-readahead"),
+    ]
+
+
+def test_advise_returns_while_a_hint_blocks_and_close_drops_the_waiting_ones(
+    files, given, monkeypatch
+):
+    release, entered = threading.Event(), threading.Event()
+    record = os.posix_fadvise
+
+    def slow(fd, offset, length, advice):
+        entered.set()
+        assert release.wait(10)
+        return record(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", slow)
+    ahead = Readahead(files)
+    ahead.advise(0, 0, 10)  # the thread blocks in this one
+    assert entered.wait(10)
+    ahead.advise(1, 0, 20)  # returns at once although the thread is busy
+    ahead.advise(0, 10, 30)
+    closer = threading.Thread(target=ahead.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # close waits for the hint being given on its files ...
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert _readahead.settle(10)
+    assert [g[:3] for g in given] == [("a.bin", 0, 10)]  # ... and drops the ones still waiting
+    ahead.advise(0, 0, 10)  # a closed object asks nothing
+    assert _readahead.settle(10)
+    assert len(given) == 1
+
+
+def test_a_file_system_that_refuses_advice_is_not_an_error(files, monkeypatch):
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    ahead = Readahead(files)
+    ahead.advise(0, 0, 10)
+    assert _readahead.settle(10)
+    ahead.advise(1, 0, 10)  # the thread survived the refusal
+    assert _readahead.settle(10)
+    ahead.close()
