@@ -41,9 +41,7 @@ NOT_YET_RECORDS = {
     "kfac-tolerance-cpu.json": "needs a gpt2_kfac --keep folder (hours)",
     "merge-cpu.json": "GPT-2-124M side by side with mergekit and a merge over half of RAM",
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
-    "realnet-cpu.json": "fine-tunes MiniLM-L6 on three domains, 3 seeds (35 min quiet)",
     "scale-cpu.json": "K-FAC layers at full size and the cost model (hours at load)",
-    "text-data-cpu-1gb.json": "a 1 GB file, read and tokenised (the run never finished)",
     "text-data-cpu.json": "10⁶ lines and files to 30 MB: over an hour at load 13 under nice",
     "text-data-cpu-memory.json": "fresh processes per file size: over an hour at load 13",
 }
