@@ -1,0 +1,82 @@
+"""The engine's background thread (gradmerge.jobs.background): calls in order, at most ``depth``
+pending, the first error raised on the caller's thread, nothing run after it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gradmerge.jobs.background import Background, Skipped
+
+
+def test_calls_run_in_order_on_one_other_thread():
+    seen: list[tuple[int, str]] = []
+    with Background(depth=3) as bg:
+        for i in range(20):
+            bg.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+        bg.drain()
+    assert [i for i, _ in seen] == list(range(20))
+    names = {name for _, name in seen}
+    assert len(names) == 1 and names != {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_at_most_depth_calls_are_pending(depth):
+    release = threading.Event()
+    started: list[int] = []
+
+    def blocked(i):
+        started.append(i)
+        assert release.wait(10)
+
+    bg = Background(depth=depth)
+    for i in range(depth):
+        bg.submit(blocked, i)  # returns at once: fewer than ``depth`` pending before each
+    waiter = threading.Thread(target=bg.submit, args=(blocked, depth))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # the next one waits for the oldest to finish
+    release.set()
+    waiter.join(10)
+    bg.drain()
+    bg.close()
+    assert started == list(range(depth + 1))
+
+
+def test_the_first_error_comes_back_and_nothing_runs_after_it():
+    ran: list[int] = []
+
+    def work(i):
+        if i == 2:
+            raise OSError(28, "No space left on device")
+        ran.append(i)
+
+    bg = Background(depth=8)
+    for i in range(6):
+        bg.submit(work, i)
+    with pytest.raises(OSError, match="No space left"):
+        bg.drain()
+    bg.close()
+    assert ran == [0, 1]
+    later = Background(depth=1)
+    later.submit(work, 2)
+    with pytest.raises(OSError):
+        later.submit(work, 3)  # the error surfaces at the next submit too
+    with pytest.raises(Skipped):  # and what was queued after it never runs
+        later.submit(work, 4).result()
+    later.close()
+    assert ran == [0, 1]
+
+
+def test_close_waits_for_pending_calls_without_raising_their_errors():
+    ran = []
+
+    def fail():
+        raise RuntimeError("ignored by close")
+
+    bg = Background(depth=4)
+    bg.submit(lambda: ran.append(1))
+    bg.submit(fail)
+    bg.close()
+    assert ran == [1]
