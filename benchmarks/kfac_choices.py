@@ -35,8 +35,8 @@ from gradmerge.solvers import kfac_cg
 from gradmerge.solvers.spec import SolverSpec
 
 CHOICES: dict[str, SolverSpec] = {
-    "working": SolverSpec(warm_start=False),
-    "warm": SolverSpec(warm_start=True),
+    "working": SolverSpec(arithmetic="working", warm_start=False),
+    "warm": SolverSpec(arithmetic="working", warm_start=True),
     "bfloat16": SolverSpec(arithmetic="bfloat16", warm_start=True),
     "approximate-0": SolverSpec(approximate=True, maxiter=0),
     "approximate-10": SolverSpec(approximate=True, maxiter=10),
