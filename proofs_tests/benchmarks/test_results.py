@@ -26,19 +26,11 @@ RESULTS = BENCHMARKS / "results"
 # results files still in an earlier layout, and why they are not regenerated yet
 NOT_YET_RECORDS = {
     # their scripts write records now; a rerun takes longer than a few minutes here
-    "gpt2-kfac-cpu.json": "GPT-2-124M K-FAC estimation and merges of 2 and 4 tasks (hours)",
-    "gpt2-kfac-cpu-4tasks.json": "GPT-2-124M K-FAC estimation and merges of 4 tasks (hours)",
-    "gpt2-kfac-cpu-64tokens.json": "GPT-2-124M K-FAC estimation and merges (about an hour)",
-    "gpt2-kfac-layers-cpu.json": "needs a gpt2_kfac --keep folder (hours)",
     "kernels-cpu.json": "GPT-2-124M and a Llama-7B block merged 20 times in fresh processes",
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
     "curvature-cpu-gpt2-124m.json": "GPT-2-124M estimation, about an hour at load",
-    "kfac-4tasks-cpu.json": "needs a gpt2_kfac --keep folder of 4 tasks (hours)",
-    "kfac-choices-cpu-2048tokens-cfc.json": "needs a gpt2_kfac --keep folder (hours)",
     "kfac-choices-cpu-2048tokens.json": "needs a gpt2_kfac --keep folder (hours)",
-    "kfac-choices-cpu-64tokens-1thread.json": "needs a gpt2_kfac --keep folder (hours)",
     "kfac-choices-cpu-64tokens.json": "needs a gpt2_kfac --keep folder (hours)",
-    "kfac-tolerance-cpu.json": "needs a gpt2_kfac --keep folder (hours)",
     "merge-cpu.json": "GPT-2-124M side by side with mergekit and a merge over half of RAM",
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
     "scale-cpu.json": "K-FAC layers at full size and the cost model (hours at load)",
