@@ -99,8 +99,9 @@ class SolverSpec:
         "certificate and `tol` are the same. `working`: the products in the factors' dtype. "
         "`auto`: `bfloat16` for float32 layers with both sides ≥ 256 where a timed bfloat16 "
         "GEMM is ≥ 1.5× faster than float32 (once per process; on CUDA: bfloat16 support), "
-        "else `working` — on GPT-2-124M, 2 tasks, 2 CPU cores with `avx512_bf16`: 361 s "
-        "against 523 s, same certificate (benchmarks/README.md).",
+        "else `working` — on GPT-2-124M's layers, 2 CPU cores with AMX: each product 4.5–5.7× "
+        "faster, each layer's solve 1.3–1.4× (more iterations), same certificate "
+        '(benchmarks/README.md, "Solver choices").',
         kind="choice",
         choices=ARITHMETIC_MODES,
     )

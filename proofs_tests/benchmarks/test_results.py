@@ -29,8 +29,6 @@ NOT_YET_RECORDS = {
     "kernels-cpu.json": "GPT-2-124M and a Llama-7B block merged 20 times in fresh processes",
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
     "curvature-cpu-gpt2-124m.json": "GPT-2-124M estimation, about an hour at load",
-    "kfac-choices-cpu-2048tokens.json": "needs a gpt2_kfac --keep folder (hours)",
-    "kfac-choices-cpu-64tokens.json": "needs a gpt2_kfac --keep folder (hours)",
     "merge-cpu.json": "GPT-2-124M side by side with mergekit and a merge over half of RAM",
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
     "scale-cpu.json": "K-FAC layers at full size and the cost model (hours at load)",
