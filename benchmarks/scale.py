@@ -314,8 +314,8 @@ def cg_iterations(config: Any, plan: Any) -> dict[str, int]:
     seen: dict[str, int] = {}
     original = KFAC.solve_info
 
-    def spy(self: KFAC, v: Any) -> Any:
-        out = original(self, v)
+    def spy(self: KFAC, v: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, v, *args, **kwargs)
         seen.update({name: part.iterations for name, part in out.parts.items()})
         return out
 
