@@ -31,7 +31,6 @@ NOT_YET_RECORDS = {
     "curvature-cpu-gpt2-124m.json": "GPT-2-124M estimation, about an hour at load",
     "merge-cpu.json": "GPT-2-124M side by side with mergekit and a merge over half of RAM",
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
-    "scale-cpu.json": "K-FAC layers at full size and the cost model (hours at load)",
     "text-data-cpu.json": "10⁶ lines and files to 30 MB: over an hour at load 13 under nice",
     "text-data-cpu-memory.json": "fresh processes per file size: over an hour at load 13",
 }
