@@ -28,7 +28,6 @@ NOT_YET_RECORDS = {
     # their scripts write records now; a rerun takes longer than a few minutes here
     "kernels-cpu.json": "GPT-2-124M and a Llama-7B block merged 20 times in fresh processes",
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
-    "curvature-cpu-gpt2-124m.json": "GPT-2-124M estimation, about an hour at load",
     "merge-cpu.json": "GPT-2-124M side by side with mergekit and a merge over half of RAM",
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
     "text-data-cpu.json": "10⁶ lines and files to 30 MB: over an hour at load 13 under nice",
