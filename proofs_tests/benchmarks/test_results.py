@@ -26,7 +26,6 @@ RESULTS = BENCHMARKS / "results"
 # results files still in an earlier layout, and why they are not regenerated yet
 NOT_YET_RECORDS = {
     # their scripts write records now; a rerun takes longer than a few minutes here
-    "kernels-cpu.json": "GPT-2-124M and a Llama-7B block merged 20 times in fresh processes",
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
     "merge-cpu.json": "GPT-2-124M side by side with mergekit and a merge over half of RAM",
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
