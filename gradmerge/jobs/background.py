@@ -4,10 +4,11 @@ while the next step computes, and reading the inputs' fingerprints beside the pa
 On a merge whose inputs come from disk the engine waits for pages most of the time; writing an
 output (copying it into the page cache, and waiting whenever the kernel throttles dirty pages)
 on the same thread would add that time to the wait. :class:`Background` runs callables on one
-thread in the order given (none after one that failed), keeps at most ``depth`` of them pending (the caller then waits for the
-oldest: the outputs held are bounded) and raises a callable's error on the caller's thread, at
-the next :meth:`Background.submit` or at :meth:`Background.drain`. Nothing it runs changes a value:
-the output file is the same bytes in the same order.
+thread in the order given (none after one that failed), keeps at most ``depth`` of them pending
+(the caller then waits for the oldest: the outputs held are bounded) and raises a callable's
+error on the caller's thread, at the next :meth:`Background.submit` or at
+:meth:`Background.drain`. Nothing it runs changes a value: the output file is the same bytes in
+the same order.
 
 Example:
     >>> done = []
