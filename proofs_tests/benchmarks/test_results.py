@@ -28,8 +28,6 @@ NOT_YET_RECORDS = {
     # their scripts write records now; a rerun takes longer than a few minutes here
     # hours of CPU each (GPT-2-124M estimation and merges, MiniLM fine-tuning, GiB-sized merges)
     "minilm-cpu.json": "fine-tunes MiniLM-L6 (about an hour at load)",
-    "text-data-cpu.json": "10⁶ lines and files to 30 MB: over an hour at load 13 under nice",
-    "text-data-cpu-memory.json": "fresh processes per file size: over an hour at load 13",
 }
 
 
