@@ -255,7 +255,9 @@ class Basis:
     bfloat16 products to :data:`LOW_RTOL` of ‖r‖ and adds e. A round that does not halve the
     residual (bfloat16's error times the system's conditioning near 1) hands the rest to
     working-precision CG from where it stands, so the result and its certificate are those of
-    the working-precision solve, reached with fewer working-precision products.
+    the working-precision solve, reached with fewer working-precision products. Where bfloat16's
+    rounding makes CG meet pᵀK̃p ≤ 0 (δ small against the terms), working-precision CG takes over
+    in the same way: only it may call the system not positive definite.
     """
 
     def __init__(
@@ -319,14 +321,20 @@ class Basis:
         r = bt - self._apply(y)
         norm, its = float(torch.linalg.norm(r)), 0
         while norm > target and its < maxiter:
-            e, k = _pcg(
-                self._apply_low,
-                r,
-                self.diagonal,
-                max(target, LOW_RTOL * norm),
-                maxiter - its,
-                self.name,
-            )
+            try:
+                e, k = _pcg(
+                    self._apply_low,
+                    r,
+                    self.diagonal,
+                    max(target, LOW_RTOL * norm),
+                    maxiter - its,
+                    self.name,
+                )
+            except NotPositiveDefiniteError:
+                # bfloat16's rounding of K̃p, not K, met pᵀK̃p ≤ 0 (δ small against the terms):
+                # working precision decides from here, and refuses only a K that is not PD
+                y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.name, y)
+                return y, its + k
             y, its = y + e, its + k
             r = bt - self._apply(y)
             last, norm = norm, float(torch.linalg.norm(r))

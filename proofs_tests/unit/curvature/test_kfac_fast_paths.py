@@ -81,6 +81,44 @@ def test_bfloat16_products_under_refinement_reach_the_certified_tolerance(
     assert "bfloat16" not in plain.method
 
 
+def _decaying_psd(seed: int, n: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rank, n, generator=gen) * torch.logspace(0, -3, n)
+    return x.T @ x
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bfloat16_rounding_that_meets_negative_curvature_hands_over_to_working_precision(seed):
+    """δ = 1e-4 of the terms' scale, rank-deficient factors over three decades: bfloat16's
+    rounding of K̃p meets pᵀK̃p ≤ 0 although K is positive definite (this refused MiniLM's K-FAC
+    merge by default); the solve must then finish in working precision, certified like it."""
+    n = 300
+    terms = [
+        (_decaying_psd(seed + 10 * k, n, 40), _decaying_psd(seed + 10 * k + 5, n, 40))
+        for k in range(2)
+    ]
+    scale = max(
+        float(torch.linalg.matrix_norm(a, 2) * torch.linalg.matrix_norm(g, 2)) for a, g in terms
+    )
+    b = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
+    basis = kfac_cg.Basis("m", 1e-4 * scale, terms, "bfloat16")
+    bt = basis.qg.T @ b @ basis.qa
+    with pytest.raises(gm.NotPositiveDefiniteError):  # the bfloat16 CG alone refuses K
+        kfac_cg._pcg(basis._apply_low, bt, basis.diagonal, 1e-6 * float(bt.norm()), 500, "m")
+    solved = kfac_cg.solve(
+        "m", 1e-4 * scale, terms, b, gm.SolverSpec(arithmetic="bfloat16"), reduce=False
+    )
+    plain = kfac_cg.solve(
+        "m", 1e-4 * scale, terms, b, gm.SolverSpec(arithmetic="working"), reduce=False
+    )
+    assert solved.residual <= 1e-5 and "bfloat16 products" in solved.method
+    wide = [(a.double(), g.double()) for a, g in terms]
+    x = solved.x.double()
+    true = b.double() - 1e-4 * scale * x - sum(g @ x @ a for a, g in wide)
+    assert float(true.norm() / b.double().norm()) <= 1e-5  # the certificate is the true residual
+    assert torch.allclose(solved.x, plain.x, rtol=1e-3, atol=1e-3 * float(plain.x.abs().max()))
+
+
 def test_bfloat16_solve_that_cannot_converge_still_raises():
     gen = torch.Generator().manual_seed(3)
     terms = [(_spd(gen, 7, 6.0, DT), _spd(gen, 6, 6.0, DT)) for _ in range(3)]
