@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 
+
 def _record(**changes):
     rec = R.Run("example", settings={"n": 3}, argv=["--n", "3"]).finish({"answer": 42})
     rec.update(changes)
