@@ -37,7 +37,8 @@ class Skipped(Exception):
 
 
 class Background:
-    """One background thread running callables in order, at most ``depth`` pending."""
+    """One background thread running callables in order, at most ``depth`` pending (``0``: each
+    call runs on the caller's thread, as if there were no background)."""
 
     def __init__(self, depth: int = 2) -> None:
         self.depth = depth
@@ -53,7 +54,11 @@ class Background:
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue ``fn(*args)``; first waits for the oldest pending call while ``depth`` are
-        pending (raising its error, if it failed)."""
+        pending (raising its error, if it failed). With ``depth=0``, run it here and now."""
+        if self.depth == 0:
+            done: Future[T] = Future()
+            done.set_result(self._run(fn, *args))
+            return done
         while len(self._pending) >= self.depth:
             self._pending.popleft().result()
         future = self._pool.submit(self._run, fn, *args)

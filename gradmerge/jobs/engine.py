@@ -80,7 +80,10 @@ __all__ = [
 
 WRITES_PENDING = 2
 """How many steps' outputs may wait for the writing thread (:mod:`gradmerge.jobs.background`)
-before the pass waits for it: the memory held for outputs is bounded by this many steps'."""
+before the pass waits for it: the memory held for outputs is bounded by this many steps'. An
+output's memory serves a later output of its size (:func:`gradmerge.kernels.memory.recycling`)
+once its write is done, so with writes pending the reuse depends on the thread's timing; ``0``
+writes on the pass's own thread (each output written and dropped before the next is made)."""
 
 READAHEAD_STEPS = 2
 """How many steps (units, or row blocks of one) ahead of the one computing the disk is asked to

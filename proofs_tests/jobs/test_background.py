@@ -80,3 +80,22 @@ def test_close_waits_for_pending_calls_without_raising_their_errors():
     bg.submit(fail)
     bg.close()
     assert ran == [1]
+
+
+def test_depth_zero_runs_each_call_on_the_callers_thread_and_still_stops_after_a_failure():
+    seen = []
+
+    def work(i):
+        if i == 1:
+            raise ValueError("bad")
+        seen.append((i, threading.current_thread().name))
+
+    bg = Background(depth=0)
+    assert bg.submit(work, 0).result() is None
+    with pytest.raises(ValueError, match="bad"):
+        bg.submit(work, 1)
+    with pytest.raises(Skipped):
+        bg.submit(work, 2)
+    bg.drain()
+    bg.close()
+    assert seen == [(0, threading.current_thread().name)]

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
 from gradmerge.curvature.diagonal import unchecked
-from gradmerge.jobs import MergeConfig, run_merge
+from gradmerge.jobs import MergeConfig, engine, run_merge
 from gradmerge.kernels import Fused, select
 from gradmerge.kernels import fused as _fused
 from gradmerge.kernels import memory as _memory
@@ -402,7 +402,8 @@ def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(
     enough to be mapped by ``_memory.empty`` (``recycled``: the engine reuses a mapping once the
     tensor on it is written, so a later output must never overwrite an earlier one)."""
     reused = []
-    if recycled:
+    if recycled:  # each output written before the next is made, so that reuse is certain
+        monkeypatch.setattr(engine, "WRITES_PENDING", 0)
         monkeypatch.setattr(_memory, "HUGE_FROM", 4096)
         reuse = _memory._reuse
         monkeypatch.setattr(_memory, "_reuse", lambda *a: reused.append(reuse(*a)) or reused[-1])
@@ -443,6 +444,11 @@ def test_streamed_merge_writes_the_same_bytes_with_and_without_the_kernel(
     in_memory = gm.gradient_matching(base, fts, hs, prior=h0(c), alphas=0.8)
     assert all(torch.equal(v, in_memory[k]) for k, v in load_file(on).items())
     assert any(m is not None for m in reused) is recycled
+    if recycled:  # with writes pending on the background thread: the same bytes
+        monkeypatch.setattr(engine, "WRITES_PENDING", 2)
+        with gm.fused_kernels("on"):
+            run_merge(config, tmp_path / "pending", progress=False)
+        assert (tmp_path / "pending" / "model.safetensors").read_bytes() == on.read_bytes()
 
 
 def test_outputs_are_recycled_only_once_no_tensor_refers_to_them(monkeypatch):
