@@ -333,15 +333,16 @@ class Basis:
             except NotPositiveDefiniteError:
                 # bfloat16's rounding of K̃p, not K, met pᵀK̃p ≤ 0 (δ small against the terms):
                 # working precision decides from here, and refuses only a K that is not PD
-                y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.name, y)
-                return y, its + k
+                break
             y, its = y + e, its + k
             r = bt - self._apply(y)
             last, norm = norm, float(torch.linalg.norm(r))
             if norm > last / 2:  # bfloat16 no longer gains: working precision from here
-                y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.name, y)
-                return y, its + k
-        return y, its
+                break
+        else:  # the target met (or the budget spent) by bfloat16 rounds alone
+            return y, its
+        y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.name, y)
+        return y, its + k
 
     def _apply(self, y: Tensor) -> Tensor:
         out = self.delta * y
