@@ -35,6 +35,10 @@ from benchmarks.record import RESULTS, Run, run_measured, write_result
 
 RESULT = RESULTS / "kfac-tolerance-cpu.json"
 GRADMERGE = str(Path(sys.executable).parent / "gradmerge")
+ARITHMETIC_ROWS = {"float32": "working", "bfloat16": "bfloat16"}
+"""Options that add rows whose Kronecker products run in one arithmetic, whatever ``auto`` would
+pick (the ``--tol`` rows take the default, ``auto``): option → ``solver: {arithmetic}``. The
+rows' names (``tol=1e-05, float32 products``) are those ``benchmarks.scale --calibrate`` reads."""
 
 
 def merge(folder: Path, name: str, config: dict[str, Any]) -> tuple[dict[str, Any], Path]:
@@ -117,14 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delta", type=float, default=6.0)
     parser.add_argument("--tol", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2])
     parser.add_argument("--approximate", type=int, nargs="*", default=[0], metavar="MAXITER")
-    parser.add_argument(
-        "--bfloat16",
-        type=float,
-        nargs="*",
-        default=[],
-        metavar="TOL",
-        help="also merge with solver: {tol: TOL, arithmetic: bfloat16}",
-    )
+    for name, arithmetic in ARITHMETIC_ROWS.items():
+        parser.add_argument(
+            f"--{name}",
+            type=float,
+            nargs="*",
+            default=[],
+            metavar="TOL",
+            help=f"also merge with solver: {{tol: TOL, arithmetic: {arithmetic}}}",
+        )
     parser.add_argument("--sequences", type=int, default=4, help="held-out sequences per task")
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--out", type=Path, default=RESULT)
@@ -141,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     settings = [(f"tol={tol:g}", {"tol": tol}) for tol in args.tol]
     settings += [
-        (f"tol={tol:g}, bfloat16 products", {"tol": tol, "arithmetic": "bfloat16"})
-        for tol in args.bfloat16
+        (f"tol={tol:g}, {name} products", {"tol": tol, "arithmetic": arithmetic})
+        for name, arithmetic in ARITHMETIC_ROWS.items()
+        for tol in getattr(args, name)
     ]
     settings += [
         (f"approximate maxiter={m}", {"approximate": True, "maxiter": m}) for m in args.approximate

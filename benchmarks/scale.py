@@ -733,8 +733,8 @@ def predict(fits: dict, ranks: list[dict]) -> dict:
             "curvature's scale; the counts are those measured on GPT-2-124M's real factors "
             "(results/gpt2-kfac-layers-cpu.json: 23 / 70 at δ = 1e-2 / 1e-4 of the layer's "
             "scale, bfloat16 products under float32 refinement; 176 at 1e-6 needed float64 and "
-            "costs about twice as much per iteration, not modelled); layers with a factor side above 16384 (kfac_max_factor_side) "
-            "are diagonal",
+            "costs about twice as much per iteration, not modelled); layers with a factor side "
+            "above 16384 (kfac_max_factor_side) are diagonal",
         }
         for label, its, refinements in KFAC_SCENARIOS:
             cpu = sum(kfac_layer_model(r, rates, its, refinements) for r in layers)

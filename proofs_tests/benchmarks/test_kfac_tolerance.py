@@ -22,8 +22,9 @@ def test_every_setting_merges_and_is_compared_with_the_reference(tmp_path):
         assert subprocess.run(cmd, capture_output=True, check=False).returncode == 0
     out = tmp_path / "tolerance.json"
     kfac_tolerance.main(
-        ["--keep", str(tmp_path), "--delta", "0.1", "--tol", "1e-5", "--bfloat16",
-         "1e-5", "--approximate", "0", "--sequences", "2", "--length", "16", "--out", str(out)]
+        ["--keep", str(tmp_path), "--delta", "0.1", "--tol", "1e-5", "--float32", "1e-5",
+         "--bfloat16", "1e-5", "--approximate", "0", "--sequences", "2", "--length", "16",
+         "--out", str(out)]
     )  # fmt: skip
     report = read_result(out)["results"]
     assert report["complete"]
@@ -31,13 +32,15 @@ def test_every_setting_merges_and_is_compared_with_the_reference(tmp_path):
     rows = {r["setting"]: r for r in report["rows"]}
     assert list(rows) == [
         "tol=1e-05",
+        "tol=1e-05, float32 products",
         "tol=1e-05, bfloat16 products",
         "approximate maxiter=0",
     ]
+    assert rows["tol=1e-05, float32 products"]["solver"] == {"tol": 1e-05, "arithmetic": "working"}
     assert all(r["returncode"] == 0 for r in rows.values())
     ref = rows["tol=1e-05"]
     assert ref["max_abs_logit_change"] == 0 and ref["top1_agreement"] == 1 and ref["kl_mean"] == 0
-    for name in ("tol=1e-05", "tol=1e-05, bfloat16 products"):
+    for name in ("tol=1e-05", "tol=1e-05, float32 products", "tol=1e-05, bfloat16 products"):
         assert 0 <= rows[name]["max_residual"] <= 1e-5
     assert rows["approximate maxiter=0"]["cg_iterations"] == 0
     for r in rows.values():
