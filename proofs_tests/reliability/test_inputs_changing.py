@@ -3,9 +3,9 @@
 A merge records the size and modification time of every input file before it opens them
 (:class:`gradmerge._guard.Snapshot`) and checks them again before the output folder is renamed
 into place: an input rewritten or appended to mid-merge is an :class:`InputChangedError` and
-OUT_DIR is not created. A shard truncated while memory-mapped kills the process (SIGBUS) before
-that check (docs/reliability.md states the limit); OUT_DIR is not created then either, which the
-last test shows with a killed process.
+OUT_DIR is not created. A shard truncated while memory-mapped, with parts still to read, kills
+the process (SIGBUS) before that check (docs/reliability.md states the limit); OUT_DIR is not
+created then either, which a killed process shows. Truncated after its last read, it is a change.
 """
 
 from __future__ import annotations
@@ -71,25 +71,54 @@ def test_an_input_changed_mid_merge_writes_nothing(folder, capsys, monkeypatch, 
     assert not out.exists()
 
 
-def test_a_shard_truncated_while_mapped_kills_the_run_and_out_is_not_created(folder):
-    """The limit docs/reliability.md states: reading a truncated memory-mapped shard raises
-    SIGBUS, which no check can turn into an error; the output still does not appear."""
-    save_file({"w": torch.ones(2**20), "v": torch.ones(2**20)}, folder / "ft.safetensors")
-    save_file({"w": torch.zeros(2**20), "v": torch.zeros(2**20)}, folder / "base.safetensors")
-    script = f"""
+TRUNCATING = """
 import sys, torch
 from gradmerge.io import writer
 original = writer.ShardedWriter.write
+calls = []
 def write(self, name, tensor):
-    open({str(folder / "ft.safetensors")!r}, "r+b").truncate(1024)  # the data are gone
+    calls.append(name)
+    if len(calls) == {at}:
+        open({shard!r}, "r+b").truncate(1024)  # the data are gone
     return original(self, name, tensor)
 writer.ShardedWriter.write = write
 from gradmerge.cli import main
-sys.exit(main(["merge", {str(folder / "m.yaml")!r}, {str(folder / "out")!r}, "--no-progress"]))
+sys.exit(main(["merge", {config!r}, {out!r}, "--no-progress"]))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+NAMES = [f"t{i}" for i in range(8)]
+
+
+def truncating_merge(folder, at):
+    """Run the CLI merge in a child process whose ``at``-th output write truncates the shard."""
+    save_file({n: torch.ones(2**20) for n in NAMES}, folder / "ft.safetensors")
+    save_file({n: torch.zeros(2**20) for n in NAMES}, folder / "base.safetensors")
+    script = TRUNCATING.format(
+        at=at,
+        shard=str(folder / "ft.safetensors"),
+        config=str(folder / "m.yaml"),
+        out=str(folder / "out"),
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+
+def test_a_shard_truncated_while_mapped_kills_the_run_and_out_is_not_created(folder):
+    """The limit docs/reliability.md states: reading a truncated memory-mapped shard raises
+    SIGBUS, which no check can turn into an error; the output still does not appear. The
+    truncation comes at the first write; outputs are written at most
+    ``engine.WRITES_PENDING`` steps behind the reads, so later steps still read the shard."""
+    done = truncating_merge(folder, at=1)
     assert done.returncode == -signal.SIGBUS, done.stderr  # killed: no error message is possible
     assert not (folder / "out").exists()
+
+
+def test_a_shard_truncated_after_its_last_read_is_a_change(folder):
+    """Outputs are written behind the reads: a truncation at the last write comes after every
+    read of the shard, so the process lives and the check before publishing names the change."""
+    done = truncating_merge(folder, at=len(NAMES))
+    assert done.returncode == 1, done.stderr
+    shard = folder / "ft.safetensors"
+    assert f"models[0].model {shard} changed while the run read it" in done.stderr
+    assert "-> 1,024 bytes" in done.stderr and not (folder / "out").exists()
 
 
 def test_the_configuration_edited_mid_merge_is_not_a_change(folder, capsys, monkeypatch):
