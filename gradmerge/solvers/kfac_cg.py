@@ -46,7 +46,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
+from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError, not_pd
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eigh, identity_multiple
 from gradmerge.solvers.spec import ArithmeticMode, SolverSpec
@@ -165,9 +165,7 @@ def solve(
         return LayerSolve(torch.zeros_like(b), "zero right-hand side", 0, 0.0)
     if not terms:  # δ·I alone
         if not delta > 0:
-            raise NotPositiveDefiniteError(
-                f"the K-FAC system of {name!r} is δ·I with δ = {delta:.3e}: add a prior δ > 0"
-            )
+            raise not_pd(f"the K-FAC system of {name!r}", f"δ·I with δ = {delta:.3e}")
         return LayerSolve(b / delta, "δ·I (exact)", 0, 0.0)
     basis = inverse(name, delta, terms, spec.arithmetic, reduce)
     target = tol * bnorm / 2  # CG aims below tol: the certified residual has room for round-off
@@ -263,7 +261,7 @@ class Basis:
     def __init__(
         self, name: str, delta: float, terms: list[Term], arithmetic: ArithmeticMode = "auto"
     ) -> None:
-        self.name, self.delta = name, delta
+        self.name, self.delta, self.terms = name, delta, terms
         self.low: list[Term] = []
         if len(terms) == 1:
             a0, g0 = terms[0]
@@ -292,12 +290,20 @@ class Basis:
                 self.low = [(a.bfloat16(), g.bfloat16()) for a, g in self.rotated]
                 self.method += ", bfloat16 products under refinement"
         low = float(self.diagonal.min())
-        if not low > 0:
-            raise NotPositiveDefiniteError(
-                f"the K-FAC system of {name!r} is not positive definite: its diagonal in the "
-                f"factors' eigenbasis has an entry {low:.3e}; add a prior δ > 0 "
-                "(`prior: {delta: ...}`)"
+        if not low > 0:  # each diagonal entry is a Rayleigh quotient of K
+            raise self.refusal(
+                f"its diagonal in the factors' eigenbasis has an entry {low:.3e}", low
             )
+
+    def refusal(self, detail: str, quotient: float) -> NotPositiveDefiniteError:
+        """The error for a Rayleigh quotient ``quotient`` ≤ 0 of K met at δ. K needs δ above
+        δ − quotient (necessary only: a quotient bounds λ_min from above, and CG's directions
+        bound it loosely); PSD factors rounded to the working dtype are indefinite by about
+        ε·Σ‖A_k‖‖G_k‖, which δ must also clear. The δ suggested passes both by 2×
+        (``--dry-run`` finds the least that works)."""
+        eps = torch.finfo(self.terms[0][0].dtype).eps
+        needed = max(self.delta - quotient, eps * _scale(self.terms))
+        return not_pd(f"the K-FAC system of {self.name!r}", detail, delta=2 * needed)
 
     def solve(
         self, b: Tensor, target: float, maxiter: int, x0: Tensor | None = None
@@ -311,7 +317,7 @@ class Basis:
         if self.low:
             y, its = self._mixed(bt, target, maxiter, y0)
         else:
-            y, its = _pcg(self._apply, bt, self.diagonal, target, maxiter, self.name, y0)
+            y, its = _pcg(self._apply, bt, self.diagonal, target, maxiter, self.refusal, y0)
         return self.qg @ y @ self.qa.T, its
 
     def _mixed(
@@ -328,7 +334,7 @@ class Basis:
                     self.diagonal,
                     max(target, LOW_RTOL * norm),
                     maxiter - its,
-                    self.name,
+                    self.refusal,
                 )
             except NotPositiveDefiniteError:
                 # bfloat16's rounding of K̃p, not K, met pᵀK̃p ≤ 0 (δ small against the terms):
@@ -341,7 +347,7 @@ class Basis:
                 break
         else:  # the target met (or the budget spent) by bfloat16 rounds alone
             return y, its
-        y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.name, y)
+        y, k = _pcg(self._apply, bt, self.diagonal, target, maxiter - its, self.refusal, y)
         return y, its + k
 
     def _apply(self, y: Tensor) -> Tensor:
@@ -533,11 +539,12 @@ def _pcg(
     diagonal: Tensor,
     target: float,
     maxiter: int,
-    name: str,
+    refuse: Callable[[str, float], NotPositiveDefiniteError],
     x0: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """Jacobi-preconditioned CG until the recursive residual is at most ``target`` (absolute),
-    from D⁻¹b or ``x0`` (:func:`_start`); the caller certifies the true residual."""
+    from D⁻¹b or ``x0`` (:func:`_start`); the caller certifies the true residual. Where CG
+    meets pᵀKp ≤ 0 it raises ``refuse(detail, pᵀKp/pᵀp)`` (:meth:`Basis.refusal`)."""
     x = _start(apply, b, diagonal, x0)
     r = b - apply(x)
     z = r / diagonal
@@ -548,10 +555,7 @@ def _pcg(
         q = apply(p)
         pq = float((p * q).sum())
         if not pq > 0:
-            raise NotPositiveDefiniteError(
-                f"the K-FAC system of {name!r} is not positive definite: CG met a direction "
-                f"with pᵀKp = {pq:.3e}; add a prior δ > 0 (`prior: {{delta: ...}}`)"
-            )
+            raise refuse(f"CG met a direction with pᵀKp = {pq:.3e}", pq / float((p * p).sum()))
         step = rz / pq
         x = x + step * p
         r = r - step * q

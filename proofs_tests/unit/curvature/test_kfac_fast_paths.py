@@ -103,8 +103,11 @@ def test_bfloat16_rounding_that_meets_negative_curvature_hands_over_to_working_p
     b = torch.randn(n, n, generator=torch.Generator().manual_seed(seed))
     basis = kfac_cg.Basis("m", 1e-4 * scale, terms, "bfloat16")
     bt = basis.qg.T @ b @ basis.qa
-    with pytest.raises(gm.NotPositiveDefiniteError):  # the bfloat16 CG alone refuses K
-        kfac_cg._pcg(basis._apply_low, bt, basis.diagonal, 1e-6 * float(bt.norm()), 500, "m")
+    with pytest.raises(gm.NotPositiveDefiniteError) as refused:  # the bfloat16 CG alone
+        kfac_cg._pcg(
+            basis._apply_low, bt, basis.diagonal, 1e-6 * float(bt.norm()), 500, basis.refusal
+        )
+    assert refused.value.suggested_delta > 1e-4 * scale  # a larger δ, never the one refused
     solved = kfac_cg.solve(
         "m", 1e-4 * scale, terms, b, gm.SolverSpec(arithmetic="bfloat16"), reduce=False
     )
@@ -117,6 +120,22 @@ def test_bfloat16_rounding_that_meets_negative_curvature_hands_over_to_working_p
     true = b.double() - 1e-4 * scale * x - sum(g @ x @ a for a, g in wide)
     assert float(true.norm() / b.double().norm()) <= 1e-5  # the certificate is the true residual
     assert torch.allclose(solved.x, plain.x, rtol=1e-3, atol=1e-3 * float(plain.x.abs().max()))
+
+
+@pytest.mark.parametrize("delta", [0.0, 1e-4, 9.9e-4])
+def test_an_indefinite_system_names_a_delta_past_its_rayleigh_quotient(delta):
+    """Factors rounded from PSD can be indefinite: A = diag(1, −1e-3), G = I gives K's
+    eigenvalue δ − 1e-3, so K needs δ > 1e-3. The refusal names a δ past that bound (and past
+    the terms' round-off), and the solve at the named δ succeeds, equal to the dense solve."""
+    a, g = torch.diag(torch.tensor([1.0, -1e-3], dtype=DT)), torch.eye(3, dtype=DT)
+    b = torch.ones(3, 2, dtype=DT)
+    with pytest.raises(gm.NotPositiveDefiniteError, match=r"has an entry -?\d") as refused:
+        kfac_cg.solve("m", delta, [(a, g)], b)
+    named = refused.value.suggested_delta
+    assert named > 1e-3 and f"δ ≥ {named:.1e}" in str(refused.value)
+    x = kfac_cg.solve("m", named, [(a, g)], b).x
+    dense = named * torch.eye(6, dtype=DT) + torch.kron(g, a)
+    torch.testing.assert_close(x.reshape(-1), torch.linalg.solve(dense, b.reshape(-1)))
 
 
 def test_bfloat16_solve_that_cannot_converge_still_raises():
