@@ -37,8 +37,8 @@ base, fine-tunes and curvatures) and ``task_arithmetic`` (reads base and fine-tu
 Targets (issue 31, item 7): peak RssAnon ≤ 1 GiB; merge wall ≤ 1.5× the read-once time.
 
 Disk: the free space is checked first; the run refuses to start if it would leave less than
-``--min-free-gb`` (10 GB) free, and removes everything it generated at the end, on failure and
-on SIGINT/SIGTERM (``--keep`` keeps the inputs).
+``--min-free-gb`` free (10 GB; 0.5 GB for ``--size tiny``, which writes a few MB), and removes
+everything it generated at the end, on failure and on SIGINT/SIGTERM (``--keep`` keeps the inputs).
 
     python -m benchmarks.out_of_core                       # 3B-class, writes results/out-of-core-cpu.json
     python -m benchmarks.out_of_core --size tiny --out /tmp/ooc.json   # seconds (the test's run)
@@ -540,10 +540,17 @@ def main(argv: list[str] | None = None) -> int:
         default=["gradient_matching", "task_arithmetic"],
     )
     parser.add_argument("--work", default=tempfile.gettempdir(), help="where the inputs go")
-    parser.add_argument("--min-free-gb", type=float, default=10.0)
+    parser.add_argument(
+        "--min-free-gb",
+        type=float,
+        default=None,
+        help="free space the run must leave (default 10 GB; 0.5 GB for --size tiny)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the generated inputs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.min_free_gb is None:
+        args.min_free_gb = 0.5 if args.size == "tiny" else 10.0
     full = args.size == "3b" and args.layers is None
     name = f"out-of-core-{args.size}{'' if args.layers is None else f'-{args.layers}layers'}.json"
     out = args.out or (RESULT if full else RESULT.with_name(name))

@@ -31,6 +31,8 @@ def test_the_tiny_run_measures_and_checks_both_merges(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = read_result(out)  # the suite's record
     assert record["benchmark"] == "out_of_core" and record["settings"]["size"] == "tiny"
+    # the tiny run writes a few MB: it asks for 0.5 GB left free, not the full run's 10 GB
+    assert record["settings"]["min_free_gb"] == 0.5
     report, machine = record["results"], record["machine"]
     shapes = SIZES["tiny"]
     assert report["parameters"] == shapes.parameters() and report["tasks"] == 3
