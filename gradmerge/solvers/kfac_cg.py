@@ -262,6 +262,7 @@ class Basis:
         self, name: str, delta: float, terms: list[Term], arithmetic: ArithmeticMode = "auto"
     ) -> None:
         self.name, self.delta, self.terms = name, delta, terms
+        self._round_off: float | None = None  # ε·Σ‖A_k‖‖G_k‖, computed at the first refusal
         self.low: list[Term] = []
         if len(terms) == 1:
             a0, g0 = terms[0]
@@ -301,8 +302,9 @@ class Basis:
         bound it loosely); PSD factors rounded to the working dtype are indefinite by about
         ε·Σ‖A_k‖‖G_k‖, which δ must also clear. The δ suggested passes both by 2×
         (``--dry-run`` finds the least that works)."""
-        eps = torch.finfo(self.terms[0][0].dtype).eps
-        needed = max(self.delta - quotient, eps * _scale(self.terms))
+        if self._round_off is None:  # once per basis: bfloat16 rounds may refuse at each solve
+            self._round_off = torch.finfo(self.terms[0][0].dtype).eps * _scale(self.terms)
+        needed = max(self.delta - quotient, self._round_off)
         return not_pd(f"the K-FAC system of {self.name!r}", detail, delta=2 * needed)
 
     def solve(

@@ -141,6 +141,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     ) == set(study.ADDED[:2])
     assert (tmp_path / "interference-cpu.png").stat().st_size > 10_000
     assert set(report["libraries"]) == {"transformers"}
+    shutil.rmtree(work)  # 2.4 GB of checkpoints; kept (by pytest) only when a check fails
 
 
 def test_recompute_and_markdown_of_a_report(tmp_path):

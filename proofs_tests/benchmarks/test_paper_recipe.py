@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,4 @@ def test_quick_run_of_the_recipe(tmp_path):
     for key in ("seeds", "summary", "comparisons"):
         assert combined["results"][key] == report[key]
     assert (both / "r.png").stat().st_size > 0
+    shutil.rmtree(tmp_path / "w")  # 1 GB of checkpoints; kept (by pytest) only when a check fails
