@@ -141,6 +141,8 @@ SIZES = {
     "3b": Shapes(128_256, 3072, 8192, 28, 24, 8, 128),  # Llama-3.2-3B's shapes
     "tiny": Shapes(512, 64, 172, 2, 4, 2, 16),
 }
+MIN_FREE_GB = {"3b": 10.0, "tiny": 0.5}
+"""Free space each size's run must leave, by default (``--min-free-gb`` overrides)."""
 
 
 # ----- building the inputs: one block of rows at a time ------------------------------------------
@@ -544,13 +546,15 @@ def main(argv: list[str] | None = None) -> int:
         "--min-free-gb",
         type=float,
         default=None,
-        help="free space the run must leave (default 10 GB; 0.5 GB for --size tiny)",
+        help="free space the run must leave (default: "
+        + ", ".join(f"{gb:g} GB for --size {size}" for size, gb in MIN_FREE_GB.items())
+        + ")",
     )
     parser.add_argument("--keep", action="store_true", help="keep the generated inputs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.min_free_gb is None:
-        args.min_free_gb = 0.5 if args.size == "tiny" else 10.0
+        args.min_free_gb = MIN_FREE_GB[args.size]
     full = args.size == "3b" and args.layers is None
     name = f"out-of-core-{args.size}{'' if args.layers is None else f'-{args.layers}layers'}.json"
     out = args.out or (RESULT if full else RESULT.with_name(name))

@@ -37,6 +37,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -262,7 +263,6 @@ class Basis:
         self, name: str, delta: float, terms: list[Term], arithmetic: ArithmeticMode = "auto"
     ) -> None:
         self.name, self.delta, self.terms = name, delta, terms
-        self._round_off: float | None = None  # ε·Σ‖A_k‖‖G_k‖, computed at the first refusal
         self.low: list[Term] = []
         if len(terms) == 1:
             a0, g0 = terms[0]
@@ -296,14 +296,17 @@ class Basis:
                 f"its diagonal in the factors' eigenbasis has an entry {low:.3e}", low
             )
 
+    @functools.cached_property
+    def _round_off(self) -> float:
+        """ε·Σ‖A_k‖‖G_k‖, once per basis (bfloat16 rounds may refuse at each solve)."""
+        return torch.finfo(self.terms[0][0].dtype).eps * _scale(self.terms)
+
     def refusal(self, detail: str, quotient: float) -> NotPositiveDefiniteError:
         """The error for a Rayleigh quotient ``quotient`` ≤ 0 of K met at δ. K needs δ above
         δ − quotient (necessary only: a quotient bounds λ_min from above, and CG's directions
         bound it loosely); PSD factors rounded to the working dtype are indefinite by about
         ε·Σ‖A_k‖‖G_k‖, which δ must also clear. The δ suggested passes both by 2×
         (``--dry-run`` finds the least that works)."""
-        if self._round_off is None:  # once per basis: bfloat16 rounds may refuse at each solve
-            self._round_off = torch.finfo(self.terms[0][0].dtype).eps * _scale(self.terms)
         needed = max(self.delta - quotient, self._round_off)
         return not_pd(f"the K-FAC system of {self.name!r}", detail, delta=2 * needed)
 
