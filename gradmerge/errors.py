@@ -41,6 +41,11 @@ class ArgumentError(GradmergeError, ValueError):
     """An argument of the right type but an unusable value (e.g. a wrong number of alphas)."""
 
 
+class ComparisonError(ArgumentError):
+    """A comparison of figures that measure different things (``gradmerge evaluate --compare``
+    of a causal LM's next-token accuracy with a classifier's per-example accuracy)."""
+
+
 class RemovedArgumentError(GradmergeError, TypeError):
     """A keyword argument gradmerge no longer takes (the package is 0.x); the message names what
     replaced it (e.g. ``KFAC(cg_tol=...)``: ``KFAC(solver=gm.SolverSpec(tol=...))``)."""

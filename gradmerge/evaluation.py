@@ -179,13 +179,15 @@ def evaluate(
             (``torch.bfloat16`` or ``torch.float16``; the weights stay as they are) and score its
             logits in float32: 3-4x faster on CPUs with AMX and on GPUs, at the price of
             bfloat16's rounding in the logits (a prediction within that rounding of a tie may
-            flip). ``None`` (default): the model's own dtype.
+            flip). ``None`` (default): the model's own dtype. Weights stored in the other 16-bit
+            dtype are refused (:func:`autocast_conflict`; ``gradmerge evaluate`` upcasts them).
 
     Returns:
         An :class:`Evaluation`.
 
     Raises:
-        ArgumentError: empty data; data in which no position is scored.
+        ArgumentError: empty data; data in which no position is scored; weights in the other
+            16-bit dtype than ``autocast``.
         StructureError: targets that do not fit the logits; batches mixing one target per
             example with per-position targets.
         NonFiniteError: a NaN/Inf loss (the batch is named): never a NaN mean.
@@ -197,6 +199,14 @@ def evaluate(
     if autocast not in (None, torch.bfloat16, torch.float16):
         raise ArgumentError(
             f"autocast: expected torch.bfloat16, torch.float16 or None, got {autocast}"
+        )
+    stored = autocast_conflict(model, autocast)
+    if stored is not None:
+        name, other = str(autocast).removeprefix("torch."), str(stored).removeprefix("torch.")
+        raise ArgumentError(
+            f"autocast={autocast}: the model's weights are {other}, which {name} autocast cannot "
+            f"run with (torch: 'mixed dtype'); autocast works on float32/float64 weights and on "
+            f"{name} ones: pass model.float() (exact) or autocast=torch.{other}"
         )
     for index, inputs, targets in batches(data, device=device):
         kind = (device or _device_of(model)).type
@@ -232,6 +242,31 @@ def evaluate(
             "check the labels (and --ignore-index)"
         )
     return result
+
+
+def autocast_conflict(model: nn.Module, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The 16-bit dtype of ``model``'s weights that ``torch.autocast`` in ``autocast`` cannot run
+    with, else ``None``.
+
+    Autocast casts the inputs of its low-precision ops (matmuls, linear layers) to ``autocast``
+    but leaves the other ops (layer norms, softmax) to run on what they get: with weights
+    stored in bfloat16 under float16 autocast (or the reverse), a layer norm meets float16
+    activations and bfloat16 weights, which torch refuses (``mixed dtype``). Weights in float32
+    or float64, or in ``autocast`` itself, work.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.LayerNorm(3).to(torch.bfloat16)
+        >>> autocast_conflict(layer, torch.float16), autocast_conflict(layer, torch.bfloat16)
+        (torch.bfloat16, None)
+    """
+    if autocast is None:
+        return None
+    other = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}.get(autocast)
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.dtype == other:
+            return other
+    return None
 
 
 def _device_of(model: nn.Module) -> torch.device:

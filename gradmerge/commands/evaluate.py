@@ -37,6 +37,7 @@ from gradmerge.commands._inputs import (
     progress,
     provenance,
 )
+from gradmerge.commands._same_inputs import same_inputs
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 
 FORMAT = "gradmerge-evaluate/2"
@@ -44,7 +45,8 @@ RESAMPLES = 2000
 LEVEL = 0.95
 USAGE = """\
 gradmerge evaluate MODEL [MODEL ...] DATA [options]
-       gradmerge evaluate MODEL [MODEL ...] --data DATA [DATA ...] [--compare REF] [options]"""
+       gradmerge evaluate MODEL [MODEL ...] --data DATA [DATA ...] [--compare REF [REF ...]]
+                          [options]"""
 DESCRIPTION = """\
 Each MODEL (a Hugging Face classifier or causal LM folder, a LoRA adapter folder, or an entry
 point) is scored on each DATA, read as gradmerge curvature reads it (text with the model's own
@@ -65,7 +67,16 @@ loss(REF), per DATA and pooled, with 95% paired-bootstrap intervals over the tes
 for the model and REF; the pooled figure is the MEAN OVER DATA of the per-DATA figures (every
 DATA counts alike, as merging papers average accuracy over tasks), resampled within each DATA
 (stratified). Percentile intervals, --resamples (default 2,000) draws seeded by --seed
-(default 0): the same seed gives the same intervals.
+(default 0): the same seed gives the same intervals. Several REFs (--compare A B) compare every
+other model with each, in one pass (each model scored once; every comparison on the same draws,
+as separate runs would give). Only like figures are compared: a classifier's accuracy per example
+with a causal LM's per token is refused (exit 2).
+
+A MODEL or DATA given twice under two spellings (d/a.jsonl, d/./a.jsonl, a symlink), and two DATA
+files holding the same bytes, are refused (exit 2): a test set counted twice narrows every
+interval. --autocast on a model stored in the other 16-bit dtype (bfloat16 weights, --autocast
+float16, or the reverse) upcasts its weights to float32 first (exact; said on stderr), as
+autocast of a float32 model then runs.
 
 Tables go to stdout; --out FILE writes the figures as JSON (atomically; --out -: JSON on stdout,
 the tables on stderr). --per-example adds each example's loss, correct count and prediction in
@@ -79,6 +90,8 @@ examples:
   # two merges on three tasks' test sets, each against task arithmetic, pooled over the tasks
   gradmerge evaluate merged/ta merged/gm --data a.jsonl b.jsonl c.jsonl --compare ta \\
       --out scores.json
+  # a tuned merge against task arithmetic and against the fine-tune, in one pass
+  gradmerge evaluate merged/ta merged/tuned runs/ft-a --data a.jsonl --compare ta ft-a
   # a causal LM on plain text (one example per line): next-token accuracy and loss per token
   gradmerge evaluate runs/ft-lm data/heldout.txt --max-length 512 --out -
 """
@@ -112,10 +125,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--compare",
+        nargs="+",
+        action="extend",
         default=None,
         metavar="REF",
-        help="one of the MODELs (its path as given, or its folder's name): every other model's "
-        "difference to it, per DATA and mean over DATA, with 95%% paired-bootstrap intervals",
+        help="one or several of the MODELs (each by its path as given, or its folder's name): "
+        "every other model's difference to each, per DATA and mean over DATA, with 95%% "
+        "paired-bootstrap intervals",
     )
     p.add_argument(
         "--resamples",
@@ -144,7 +160,8 @@ def add_parser(sub: Any) -> None:
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage); set
-    ``args.models``, ``args.datas`` and ``args.reference`` (REF's index, or ``None``)."""
+    ``args.models``, ``args.datas`` and ``args.references`` (the REFs' indices, empty without
+    ``--compare``)."""
     if args.datas is None:
         if len(args.paths) < 2:
             parser.error(
@@ -167,13 +184,20 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"{flag} {', '.join(repeated)} given twice; give each once")
     for data in args.datas:
         check_reading(parser, args, args.models, data)
-    args.reference = None
+    for role, values, contents in (("MODEL", args.models, False), ("DATA", args.datas, True)):
+        same = same_inputs(role, values, contents=contents)
+        if same is not None:
+            parser.error(same)
+    args.references = []
     if args.compare is None:
         for flag, value in (("--resamples", args.resamples), ("--seed", args.seed)):
             if value is not None:
                 parser.error(f"{flag} applies to --compare REF; give --compare")
     else:
-        args.reference = reference(parser, args.models, args.compare)
+        args.references = [reference(parser, args.models, ref) for ref in args.compare]
+        twice = sorted({i for i in args.references if args.references.count(i) > 1})
+        if twice:
+            parser.error(f"--compare names MODEL {args.models[twice[0]]} twice; give each REF once")
         if len(args.models) < 2:
             parser.error("--compare needs at least two MODELs: REF and a model to compare to it")
         if args.resamples is not None and args.resamples < 1:
@@ -225,41 +249,47 @@ def _name(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``gradmerge evaluate``: 0 on success, 1 on bad input (one line of stderr, nothing
-    written)."""
-    from gradmerge.errors import GradmergeError
+    written), 2 for a comparison of unlike figures (:class:`~gradmerge.errors.ComparisonError`,
+    an argument error found once the models are scored)."""
+    from gradmerge.errors import ComparisonError, GradmergeError
 
     try:
         return execute(args)
     except (GradmergeError, OSError) as err:
         print(f"gradmerge evaluate: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, ComparisonError) else 1
 
 
 def execute(args: argparse.Namespace) -> int:
-    """Score every MODEL on every DATA, compare them with REF, then print the tables and write
-    the JSON (only when all succeeded)."""
+    """Score every MODEL on every DATA (the REFs first, so that a comparison of unlike figures
+    stops at the first model that has them), compare them with each REF, then print the tables
+    and write the JSON (only when all succeeded)."""
     from gradmerge._devices import resolve_device
     from gradmerge.io.text_data import TextBatches
 
     device = resolve_device(args.device)
     results: dict[tuple[int, int], Evaluation] = {}
-    rows: list[dict[str, Any]] = []
-    for i, spec in enumerate(args.models):
+    scored: dict[tuple[int, int], dict[str, Any]] = {}
+    order = [*args.references, *(i for i in range(len(args.models)) if i not in args.references)]
+    for i in order:
+        spec = args.models[i]
         with _where(spec):
-            model = load_model(args, device, spec)
+            model = autocast_ready(args, load_model(args, device, spec), spec)
         for j, data_spec in enumerate(args.datas):
             start = time.perf_counter()
             with _where(spec, data_spec):
                 result, data = _score(args, device, model, spec, data_spec)
             results[i, j] = result
+            check_like(args, results, i, j)
             row: dict[str, Any] = {"model": spec, "data": data_spec}
             if isinstance(data, TextBatches):
                 row["task"] = data.task
             row.update(result.summary(per_example=args.per_example))
             row["seconds"] = round(time.perf_counter() - start, 3)
             row["provenance"] = provenance(args, device, data, model_spec=spec, data_spec=data_spec)
-            rows.append(row)
+            scored[i, j] = row
         del model  # one model in memory at a time
+    rows = [scored[i, j] for i in range(len(args.models)) for j in range(len(args.datas))]
     report: dict[str, Any] = {
         "format": FORMAT,
         "data": list(args.datas),
@@ -269,9 +299,11 @@ def execute(args: argparse.Namespace) -> int:
     tables = [_table(rows)]
     if len(args.datas) > 1:
         tables.append(_means_table(report["mean_over_data"], len(args.datas)))
-    if args.reference is not None:
-        report["comparison"] = compare(args, results)
-        tables.append(_comparison_table(report["comparison"], args.datas))
+    if args.references:
+        comparisons = [compare(args, results, ref) for ref in args.references]
+        # "comparison": the first REF's, as before several REFs were taken; "comparisons": each
+        report["comparison"], report["comparisons"] = comparisons[0], comparisons
+        tables += [_comparison_table(c, args.datas) for c in comparisons]
     text = "\n\n".join(tables)
     if args.out == "-":
         print(text, file=sys.stderr)
@@ -344,10 +376,69 @@ def _means(
     return out
 
 
-def compare(args: argparse.Namespace, results: dict[tuple[int, int], Evaluation]) -> dict[str, Any]:
-    """Every MODEL but REF against REF: accuracy and mean-loss differences per DATA and their
-    mean over DATA, with paired-bootstrap intervals (:func:`gradmerge.bootstrap.paired_bootstrap`,
-    the same draws for every model and both figures).
+def autocast_ready(args: argparse.Namespace, model: nn.Module, spec: str) -> nn.Module:
+    """``model``, upcast to float32 when ``--autocast`` asks for the other 16-bit dtype than its
+    weights' (:func:`gradmerge.evaluation.autocast_conflict`: bfloat16 weights under float16
+    autocast, or the reverse, which torch cannot run). The upcast is exact (every bfloat16 and
+    float16 value is a float32), so the scores are those of autocast on the float32 model: each
+    autocast op casts the weights to the autocast dtype, the others run in float32. Said on
+    stderr, with the memory it costs."""
+    from gradmerge.evaluation import autocast_conflict
+
+    dtype = AUTOCAST.get(args.autocast or "")
+    stored = autocast_conflict(model, dtype)
+    if stored is None:
+        return model
+    print(
+        f"MODEL {spec}: {str(stored).removeprefix('torch.')} weights under --autocast "
+        f"{args.autocast}: upcast to float32 (exact; twice the memory) and scored as autocast "
+        "scores a float32 model",
+        file=sys.stderr,
+    )
+    return model.float()
+
+
+def check_like(
+    args: argparse.Namespace, results: dict[tuple[int, int], Evaluation], i: int, j: int
+) -> None:
+    """Refuse a comparison of unlike figures as soon as MODEL ``i`` is scored on DATA ``j``: its
+    loss function and level (per example or per token) must be each REF's.
+
+    Raises:
+        ComparisonError: MODEL ``i`` and a REF measured different things on DATA ``j`` (a
+            causal LM's next-token accuracy and a classifier's per-example accuracy).
+    """
+    from gradmerge.errors import ComparisonError
+
+    for ref in args.references:
+        if ref == i or (ref, j) not in results:
+            continue
+        mine, theirs = _figure(results[i, j]), _figure(results[ref, j])
+        if mine != theirs:
+            raise ComparisonError(
+                f"--compare: MODEL {args.models[i]} is scored by {mine} on DATA {args.datas[j]} "
+                f"but REF {args.models[ref]} by {theirs}: their difference would mean nothing; "
+                "compare models of one kind (classifiers with classifiers, causal LMs with "
+                "causal LMs)"
+            )
+
+
+def _figure(result: Evaluation) -> str:
+    """What ``result``'s accuracy and loss measure, in words."""
+    if result.loss != "cross_entropy":
+        return f"{result.loss} per example (no accuracy)"
+    if result.token_level:
+        return "next-token accuracy and loss per token (a causal LM)"
+    return "accuracy and loss per example (a classifier)"
+
+
+def compare(
+    args: argparse.Namespace, results: dict[tuple[int, int], Evaluation], ref: int
+) -> dict[str, Any]:
+    """Every MODEL but REF (MODEL ``ref``) against it: accuracy and mean-loss differences per
+    DATA and their mean over DATA, with paired-bootstrap intervals
+    (:func:`gradmerge.bootstrap.paired_bootstrap`, the same draws for every model, both figures
+    and every REF: the same seed and DATA sizes give the same resampled examples).
 
     Raises:
         StructureError: a MODEL scored a different number of examples than REF on some DATA
@@ -356,7 +447,6 @@ def compare(args: argparse.Namespace, results: dict[tuple[int, int], Evaluation]
     from gradmerge.bootstrap import paired_bootstrap
     from gradmerge.errors import StructureError
 
-    ref = args.reference
     resamples = RESAMPLES if args.resamples is None else args.resamples
     seed = 0 if args.seed is None else args.seed
     datas = range(len(args.datas))

@@ -74,3 +74,63 @@ def test_the_evaluate_command_takes_autocast(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["evaluate", str(folder), str(data), "--autocast", "float64"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def _stored_in(folder, dtype, out):
+    """The BERT ``folder``'s model stored in ``dtype`` (with its tokenizer) at ``out``."""
+    import transformers
+
+    model = transformers.BertForSequenceClassification.from_pretrained(folder)
+    model.to(dtype).save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
+
+
+OTHER = [(torch.bfloat16, "float16"), (torch.float16, "bfloat16")]
+
+
+@pytest.mark.parametrize(("stored", "flag"), OTHER, ids=["bfloat16-weights", "float16-weights"])
+def test_autocast_in_the_other_16_bit_dtype_scores_the_upcast_model(tmp_path, capsys, stored,
+                                                                    flag):  # fmt: skip
+    """bfloat16 weights under float16 autocast (and the reverse) raised torch's 'mixed dtype'
+    from a layer norm. The command upcasts the weights to float32 (exact) and says so; the
+    scores are then those of autocast on that float32 model, and within the autocast dtype's
+    rounding of the float32 model's own scores."""
+    import transformers
+
+    from gradmerge.errors import ArgumentError
+    from proofs_tests.text_models import bert_classifier
+
+    folder = _stored_in(bert_classifier(tmp_path / "bert", seed=0), stored, tmp_path / "low")
+    data = tmp_path / "d.jsonl"
+    rows = [("the movie was very good", "positive"), ("a dull film", "negative"),
+            ("the cat sat on the mat", "neutral")] * 3  # fmt: skip
+    data.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows))
+    out = tmp_path / "r.json"
+    code = cli.main(["evaluate", str(folder), str(data), "--out", str(out), "--no-progress",
+                     "--per-example", "--autocast", flag])  # fmt: skip
+    assert code == 0
+    err = capsys.readouterr().err
+    assert f"{str(stored)[6:]} weights under --autocast {flag}: upcast to float32" in err
+    row = json.loads(out.read_text())["models"][0]
+    # the reference: the float32 model, scored as evaluate scores it (same batches, same order)
+    model = transformers.BertForSequenceClassification.from_pretrained(folder)
+    assert next(model.parameters()).dtype == stored
+    from gradmerge.io.sources import load_data
+
+    batches, order = load_data(str(data), model=model, tokenizer=str(folder)).by_length()
+    upcast = model.float().eval()
+    exact = evaluate(upcast, batches).in_order(order)
+    low = AUTOCAST_DTYPES[flag]
+    under = evaluate(upcast, batches, autocast=low).in_order(order)
+    assert row["per_example"]["loss"] == under.loss_per_example  # what the command computed
+    eps = torch.finfo(low).eps
+    for a, b in zip(row["per_example"]["loss"], exact.loss_per_example, strict=True):
+        assert a == pytest.approx(b, abs=40 * eps, rel=40 * eps)
+    # the library refuses the combination with one line naming what works
+    model = model.to(stored)
+    with pytest.raises(ArgumentError, match=r"autocast works on float32/float64 weights"):
+        evaluate(model, batches, autocast=low)
+
+
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
