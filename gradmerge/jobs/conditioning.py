@@ -20,9 +20,10 @@ uses (``prior: {delta: ...}``, ``damping:``, ``remaining: {delta: ...}``): for a
 system δ = 2·(floor − λ_min), at least 10⁻⁶·‖C‖. A computed unit that fails — a singular
 system, CG that does not converge within ``solver.maxiter``, a result that overflows the compute
 or the output dtype — is computed again at other values of that key (:func:`least_delta`): up
-from the configured one by factors of :data:`CLIMB`, starting at the δ the failure suggests
-(the error's own, :func:`_cg_delta` for CG, 10× the configured δ for an overflow), then bisected
-geometrically to a factor 2, so that the dry run names the least δ it found finite and
+starting at the δ the failure suggests (the error's own, :func:`_cg_delta` for CG, for an
+overflow 10× the configured δ but at least the round-off scale ε·‖H̄‖), up by factors of
+:data:`CLIMB` (squared at each failure) while it fails, down by factors of 4 (squared) from
+the first that works until one fails, then bisected geometrically to a factor 2, so that the dry run names the least δ it found finite and
 certified and the largest it found failing below it (or, when none up to far above the
 curvature's scale works, why). This assumes that a larger δ does not break a unit that a smaller
 one solved; every δ it names was computed. RegMean's
@@ -82,8 +83,9 @@ from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.merge import regmean_systems
 
 CLIMB = 100.0
-"""The factor between the δ tried while none works (:func:`least_delta`): from δ = 1e-12 to a
-pooler's 0.83, 7 tries, then 3 bisections to a factor 2 (each try one solve of that unit)."""
+"""The first factor between the δ tried while none works (:func:`least_delta`), squared at each
+further failure: from δ = 1e-12 to a pooler's 0.83 in 4 tries (1e-10, 1e-6, 1e2 works), then
+bisections to a factor 2 (each try one solve of that unit)."""
 
 SAMPLE = 4096
 """Values per unit kept for the δ comparison (a strided sample: memory stays bounded)."""
@@ -182,13 +184,15 @@ def _solved(
         return replace(check, needed=0.0, solved=True)
     current = _delta(config)
     if isinstance(err, NotPositiveDefiniteError):
-        guess = max(err.suggested_delta or 0.0, check.needed if not check.ok else 0.0)
+        # the solver's own bound (a Rayleigh quotient met, the factors' round-off) is the
+        # closest start; the λ_min check's generic 10⁻⁶·‖H̄‖ is often 100× above the answer
+        guess = err.suggested_delta or (check.needed if not check.ok else 0.0)
         if not guess > 0:
             guess = max(2 * (check.floor - check.min_eigenvalue), 1e-6 * _magnitude(system))
     elif isinstance(err, NotConvergedError):
         guess = _cg_delta(system, config)
-    else:
-        guess = 10 * current if current > 0 else 1e-6 * _magnitude(system)
+    else:  # an overflow: the search goes down too, so a high start costs a few solves only
+        guess = max(10 * current, torch.finfo(config.math_dtype).eps * _magnitude(system))
     least, below = least_delta(config, unit, guess, _magnitude(system))
     return replace(check, needed=least, below=below, solved=False, why=_reason(err))
 
@@ -201,27 +205,42 @@ def least_delta(
     the largest found failing below it; ``(inf, last tried)`` when none up to 10¹²·``magnitude``
     (far above the curvature's scale, where H̄ ≈ δ·I and nothing changes any more) does.
 
-    The configured value fails; the search tries ``guess`` (at least twice the configured
-    value), then :data:`CLIMB` times more until a value works, then bisects geometrically
-    between the largest failing and the least working value until they are within a factor 2
-    (from a configured 0, down by :data:`CLIMB` until a value fails first), and finally
-    rounds the least working value up to two significant digits (computed too), the figure
-    printed. Every value returned was computed as the real run computes the unit."""
+    The search starts where a value can work — ``guess``, from the failure itself (the solver's
+    suggested δ: the Rayleigh-quotient and round-off bound), at least twice the configured
+    value — not at the configured value, which may be any distance below (δ = 1e-30): the
+    solves it costs depend on how far ``guess`` is from the answer, not on where the
+    configuration started. While a value fails, the next is :data:`CLIMB` times larger, the
+    factor squared at each failure (100, 10⁴, 10⁸, ...: the answer at a distance R above
+    ``guess`` costs about log₂ log₁₀₀ R solves); once one works, values below it are tried
+    down by a factor 4, squared likewise, until one fails (the configured value, known to
+    fail, ends this early). Then the bracket is bisected geometrically until within a factor
+    2. Every value tried is rounded up to the two significant digits printed, so the least
+    working one is named as computed. From a ``guess`` within 4× above the answer that is 4
+    solves, within 250× 6-7, wherever the configured δ lies. Every value returned was computed
+    as the real run computes the unit (but a configured 0's bracket may end below the
+    smallest normal float64 uncomputed)."""
     lo = _delta(config)
-    hi = max(guess, 2 * lo, torch.finfo(torch.float64).tiny)
+    hi = _printed(max(guess, 2 * lo, torch.finfo(torch.float64).tiny))
     cap = max(1e12 * magnitude, CLIMB * hi)
+    step, climbed = CLIMB, False
     while not _works(config, unit, hi):
-        lo, hi = hi, CLIMB * hi
-        if hi > cap:
-            return math.inf, lo
-    while lo == 0.0:  # damping 0 configured: find a failing value below the working one
-        lower = hi / CLIMB
-        if lower < torch.finfo(torch.float64).tiny or not _works(config, unit, lower):
+        if hi >= cap:
+            return math.inf, hi
+        lo, hi, step, climbed = hi, _printed(min(step * hi, cap)), step * step, True
+    step = 4.0
+    while not climbed and hi > 2 * lo:  # find a failing value near the working one
+        if hi / step < torch.finfo(torch.float64).tiny:
+            lo = hi / step  # below every usable δ: taken as failing, uncomputed
+            break
+        lower = _printed(hi / step)
+        if lower <= lo:
+            break
+        if not _works(config, unit, lower):
             lo = lower
-        else:
-            hi = lower
+            break
+        hi, step = lower, step * step
     while hi > 2 * lo:
-        mid = math.sqrt(lo * hi)
+        mid = _printed(math.sqrt(lo * hi))  # within (lo, hi): at most 10% above the mean
         if _works(config, unit, mid):
             hi = mid
         else:
@@ -230,6 +249,12 @@ def least_delta(
     if printed != hi and _works(config, unit, printed):
         hi = printed
     return hi, lo
+
+
+def _printed(x: float) -> float:
+    """x rounded up to the two significant digits the dry run prints: every value the search
+    tries is one it can name without computing another."""
+    return float(f"{_round_up(x):.2g}")
 
 
 def _round_up(x: float) -> float:
