@@ -162,6 +162,12 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage); set
     ``args.models``, ``args.datas`` and ``args.references`` (the REFs' indices, empty without
     ``--compare``)."""
+    for ref in args.compare or ():
+        if Path(ref).is_file():  # --compare takes every argument after it
+            parser.error(
+                f"--compare {ref}: a file, not a MODEL (REF is one of the MODELs); --compare "
+                "takes every argument after it: give DATA before --compare, or as --data DATA..."
+            )
     if args.datas is None:
         if len(args.paths) < 2:
             parser.error(

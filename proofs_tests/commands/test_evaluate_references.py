@@ -72,3 +72,15 @@ def test_several_references_equal_separate_runs_and_score_each_model_once(
         assert others == [str(m) for m in models if m.name != ref]
     for ref in (models[2], models[0]):
         assert f"difference to REF {ref} " in table
+
+
+def test_data_after_the_references_is_named(folders, capsys):
+    """--compare takes every argument after it: DATA written after it is not taken for a REF
+    silently, nor reported as a MODEL folder given as DATA."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["evaluate", str(folders["bert0"]), str(folders["bert1"]), "--compare", "bert0",
+                  str(folders["reviews"])])  # fmt: skip
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--compare {folders['reviews']}: a file, not a MODEL" in err
+    assert "give DATA before --compare" in err
