@@ -59,9 +59,9 @@ def ws(tmp_path_factory) -> Path:
     bert_classifier(root / "ft", seed=1)
     _adapter(root / "adapter", "base")
     transformers.AutoTokenizer.from_pretrained(root / "base").save_pretrained(root / "tok")
-    for name in ("data.jsonl", "data2.jsonl"):
-        (root / name).write_text(
-            "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in ROWS)
+    for name, rows in (("data.jsonl", ROWS), ("data2.jsonl", ROWS[::-1])):  # other bytes:
+        (root / name).write_text(  # evaluate refuses two DATA holding the same
+            "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows)
         )
     argv = ["curvature", str(root / "ft"), str(root / "data.jsonl")]
     assert cli.main([*argv, str(root / "ft.curvature.safetensors"), "--no-progress"]) == 0
