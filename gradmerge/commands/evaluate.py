@@ -434,7 +434,7 @@ def _figure(result: Evaluation) -> str:
     if result.loss != "cross_entropy":
         return f"{result.loss} per example (no accuracy)"
     if result.token_level:
-        return "next-token accuracy and loss per token (a causal LM)"
+        return "next-token accuracy and loss per token (a causal LM, or labels per position)"
     return "accuracy and loss per example (a classifier)"
 
 
