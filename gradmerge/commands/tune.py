@@ -396,6 +396,7 @@ def execute(args: argparse.Namespace) -> int:
         "criterion": args.criterion,
         "data": [_resolved(d) for d in args.datas],
         "base_data": None if args.base_data is None else _resolved(args.base_data),
+        "max_length": None if args.max_length is None else task_lengths(args),
         **result.to_dict(config),
     }
     if args.validation or args.base_validation is not None:

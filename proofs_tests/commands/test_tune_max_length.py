@@ -111,6 +111,7 @@ def test_one_length_per_task_with_the_base_task_and_held_out_files(ws, tmp_path)
     held_out = ["--validation", ws / "a.val.jsonl", "--validation", ws / "b.val.jsonl"]
     flags = ["--base-data", ws / "base.jsonl", "--base-validation", ws / "base.val.jsonl"]
     report = _tune(ws, tmp_path / "t.json", "--max-length", "5,7,9", *map(str, held_out + flags))
+    assert report["max_length"] == [5, 7, 9]  # recorded: each task's, the base task's last
     lengths = {"a": 5, "b": 7, "base": 9}
     for point, scale in zip(report["points"], (0.0, 1.0), strict=True):
         model = _merged(ws, scale)
@@ -133,6 +134,8 @@ def test_one_length_per_task_with_the_base_task_and_held_out_files(ws, tmp_path)
 def test_one_length_for_every_data(ws, tmp_path):
     one = _tune(ws, tmp_path / "one.json", "--max-length", "7")
     each = _tune(ws, tmp_path / "each.json", "--max-length", "7,7")
+    assert one["max_length"] == each["max_length"] == [7, 7]
+    assert _tune(ws, tmp_path / "none.json")["max_length"] is None
     model = _merged(ws, 1.0)
     for t, name in enumerate(("a", "b")):
         want = _mean_loss(model, ws, TEXTS[name], 7)
