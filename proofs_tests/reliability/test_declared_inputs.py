@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 import typing
 from pathlib import Path
@@ -314,3 +315,33 @@ def test_a_remerge_still_writes_the_merge_of_the_tasks_that_stay(remerge, capsys
     assert cli.main(["remove", str(remerge / "r" / "by-path.yaml"), str(out), "--no-progress"]) == 0
     # task arithmetic of bert-b alone: base + (b − base) = b
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.arange(3.0) * 3)
+
+
+@pytest.mark.parametrize(("changed", "caught"), [("bert-a", False), ("bert-b", True)])
+def test_a_remerge_checks_what_it_reads_while_it_runs(
+    remerge, capsys, monkeypatch, changed, caught
+):
+    """The models a remerge leaves out are protected (above) but not read: one rewritten while it
+    runs does not stop it; a model it merges does (docs/reliability.md, inputs that change)."""
+    from gradmerge.io import writer
+
+    original, done = writer.ShardedWriter.write, []
+
+    def write_and_change(self, name, tensor):
+        if not done:  # after the inputs were opened, before the output is published
+            target = remerge / changed / "model.safetensors"
+            save_file({"w": torch.full((3,), 7.0)}, target)
+            os.utime(target, ns=(0, 10**9))
+            done.append(1)
+        return original(self, name, tensor)
+
+    monkeypatch.setattr(writer.ShardedWriter, "write", write_and_change)
+    out = remerge / "out"
+    code = cli.main(["remove", str(remerge / "r" / "remerge.yaml"), str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    if caught:
+        assert code == 1 and "merge.models[1].model" not in err and not out.exists()
+        assert f"models[0].model {remerge}/r/../cfg/../bert-b/model.safetensors changed" in err
+    else:
+        assert code == 0 and done, err
+        assert torch.equal(load_file(out / "model.safetensors")["w"], torch.arange(3.0) * 3)
