@@ -9,8 +9,10 @@ the configuration file and every path in it); :func:`check` applies the rules be
 and the writers below apply the rest while writing. The rules (docs/reliability.md states them
 as this module applies them):
 
-1. **No output overlaps an input.** An output may not *be* an input, *lie inside* one (a folder
-   the run reads) or *contain* one (a folder that holds something the run reads). Paths are
+1. **No output overlaps an input, nor another output.** An output may not *be* an input, *lie
+   inside* one (a folder the run reads) or *contain* one (a folder that holds something the
+   run reads); nor may two outputs of one run be, lie inside or contain each other (``tune
+   --out X --out-dir X`` would write one over the other at the end of its work). Paths are
    compared after resolving symlinks, ``..`` and relative parts, so a symlink to an input is
    that input. Refused with and without ``--overwrite``: :class:`~gradmerge.errors.
    OutputOverlapError`, ``"ROLE OUT is|lies inside|contains WHAT PATH: ..."``.
@@ -87,20 +89,31 @@ def check(outputs: Sequence[Output], inputs: Sequence[Input], *, overwrite: bool
     """Apply rules 1-3 of the module docstring to every output, before any work.
 
     Raises:
-        OutputOverlapError: an output is, lies inside or contains an input (even with
-            ``overwrite``).
+        OutputOverlapError: an output is, lies inside or contains an input or another output
+            (even with ``overwrite``).
         OutputExistsError: an output exists and not ``overwrite``.
         OutputWriteError: an output of the other kind is in the way, a parent is a file, or
             its folder cannot be written to.
+
+    Example:
+        >>> try:
+        ...     check([Output("--out", Path("x")), Output("--out-dir", Path("x"), "folder")], [],
+        ...           overwrite=True)
+        ... except OutputOverlapError as err:
+        ...     print(str(err).split(":")[0])
+        --out-dir x is --out x
     """
+    for i, output in enumerate(outputs):
+        refuse_overlap(output, [Input(o.role, o.path) for o in outputs[:i]], outputs=True)
     for output in outputs:
         refuse_overlap(output, inputs)
         refuse_existing(output, overwrite)
         refuse_unwritable(output)
 
 
-def refuse_overlap(output: Output, inputs: Sequence[Input]) -> None:
-    """Rule 1: :class:`OutputOverlapError` if ``output`` is, lies inside or contains an input."""
+def refuse_overlap(output: Output, inputs: Sequence[Input], *, outputs: bool = False) -> None:
+    """Rule 1: :class:`OutputOverlapError` if ``output`` is, lies inside or contains an input
+    (``outputs``: another output of the run, given as an :class:`Input`)."""
     out = output.path.resolve()
     for item in inputs:
         source = item.path.resolve()
@@ -115,6 +128,12 @@ def refuse_overlap(output: Output, inputs: Sequence[Input]) -> None:
         shown = str(item.path)
         if source != item.path.absolute():
             shown += f" (= {source})"
+        if outputs:
+            raise OutputOverlapError(
+                f"{output.role} {output.path} {relation} {item.role} {shown}: the run writes "
+                "both, so one would replace or land inside the other; give each output its own "
+                "path, outside the others"
+            )
         raise OutputOverlapError(
             f"{output.role} {output.path} {relation} {item.role} {shown}: writing it would "
             "replace, delete or add to an input of this run; choose a path outside every input"

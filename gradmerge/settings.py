@@ -40,10 +40,25 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Literal
 
 Kind = Literal[
-    "number", "integer", "flag", "choice", "strings", "path", "file", "size", "device", "mapping"
+    "number",
+    "integer",
+    "flag",
+    "choice",
+    "strings",
+    "path",
+    "file",
+    "selection",
+    "size",
+    "device",
+    "mapping",
 ]
 REQUIRED: Any = MISSING
 """The default of a setting that must be given."""
+PATH_KINDS: tuple[Kind, ...] = ("path", "file", "selection")
+"""The kinds whose values name files or folders: every path a setting of these kinds holds (and
+every one a ``mapping`` setting's own declarations hold) is an input of the run, which the output
+guard protects (:func:`gradmerge.jobs.inputs.path_inputs`; a setting whose type holds a ``Path``
+must be declared with one of them: ``proofs_tests/reliability/test_declared_inputs.py``)."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +69,9 @@ class Setting:
         doc: its meaning, for the docs' table (markdown).
         kind: ``number`` (finite; YAML's ``1e-6`` text read as the number), ``integer`` (a
             whole number), ``flag``, ``choice`` (one of ``choices``), ``strings`` (a list of
-            names or globs), ``path`` (a file or folder), ``file``, ``size`` (bytes or
-            ``"5GB"``), ``device`` or ``mapping`` (a nested configuration, read by its own
+            names or globs), ``path`` (a file or folder), ``file``, ``selection`` (a list of
+            another configuration's entries, each a 0-based index or a path), ``size`` (bytes
+            or ``"5GB"``), ``device`` or ``mapping`` (a nested configuration, read by its own
             declarations).
         what: a short name for messages, e.g. "the prior H_0"; "" for the key alone.
         choices, minimum, maximum, above, below: the allowed values (bounds inclusive for

@@ -61,11 +61,16 @@ def add_autocast_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_reading_arguments(p: argparse.ArgumentParser) -> None:
+def add_reading_arguments(
+    p: argparse.ArgumentParser, max_length: dict[str, Any] | None = None
+) -> None:
     """The flags that say how to read MODEL and DATA (``--batch-size``, the text flags,
     ``--max-examples``, ``--model-arg``/``--data-arg``, ``--device``, ``--loss``,
     ``--ignore-index``, ``--shift-labels``, ``--allow-new-weights``, ``--overwrite``,
-    ``--no-progress``)."""
+    ``--no-progress``).
+
+    ``max_length``: the ``type``, ``metavar`` and ``help`` of ``--max-length`` where a command
+    reads it otherwise (``tune``: one per DATA); default: one whole number."""
     p.add_argument("--loss", choices=["cross_entropy", "mse"], default="cross_entropy")
     p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
@@ -81,10 +86,15 @@ def add_reading_arguments(p: argparse.ArgumentParser) -> None:
     )
     text.add_argument(
         "--max-length",
-        type=int,
         default=None,
-        help="truncate longer sequences to this many tokens (default: none; longer than the "
-        "model's positions is an error)",
+        **(
+            max_length
+            or {
+                "type": int,
+                "help": "truncate longer sequences to this many tokens (default: none; longer "
+                "than the model's positions is an error)",
+            }
+        ),
     )
     text.add_argument(
         "--tokenizer", default=None, metavar="FOLDER", help="tokenizer folder (default: MODEL)"

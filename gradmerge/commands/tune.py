@@ -7,6 +7,7 @@ so that the help survives ``python -OO``); the grid and the criteria are :mod:`g
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from collections.abc import Iterable
@@ -71,16 +72,91 @@ examples:
 
 
 def grid(text: str) -> list[float]:
-    """A comma-separated list of numbers (``0.2,0.5,1``; ``1e-3`` notation allowed)."""
+    """A comma-separated list of finite numbers ≥ 0 (``0.2,0.5,1``; ``1e-3`` notation allowed),
+    the values every grid of tune takes (α's scale, δ, the prior's scale); else an argparse
+    error (exit 2), as for text that is no number.
+
+    Example:
+        >>> grid("0.5, 1e-3")
+        [0.5, 0.001]
+        >>> grid("-1")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: expected comma-separated finite numbers >= 0, e.g. 0.2,0.5,1.0; got '-1'
+    """
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         values = []
-    if not values:
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, e.g. 0.2,0.5,1.0; got {text!r}"
+            f"expected comma-separated finite numbers >= 0, e.g. 0.2,0.5,1.0; got {text!r}"
         )
     return values
+
+
+def lengths(text: str) -> list[int]:
+    """``--max-length``: one whole number ≥ 1 for every DATA, or a comma-separated list of them,
+    one per task (:func:`task_lengths`).
+
+    Example:
+        >>> lengths("64"), lengths("64,64,128")
+        ([64], [64, 64, 128])
+    """
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            "expected a whole number >= 1 for every DATA, or one per DATA separated by commas "
+            f"(then the base task's), e.g. 64 or 64,64,128; got {text!r}"
+        )
+    return values
+
+
+LENGTH_HELP = (
+    "truncate longer sequences to N tokens (default: none; longer than the model's positions is "
+    "an error): one N for every DATA, or one per task separated by commas, N_1,...,N_T in the "
+    "order of DATA and then the base task's when --base-data or --base-validation is given, "
+    "e.g. 64,64,128 for two tasks trained at 64 tokens and a base trained at 128; each "
+    "--validation file is cut as its task's DATA"
+)
+
+
+def task_lengths(args: argparse.Namespace) -> list[int | None]:
+    """The ``--max-length`` of each task: CONFIG's T tasks in the order of DATA, then the base
+    task's when ``--base-data`` or ``--base-validation`` is given (``None``: no truncation).
+
+    Raises:
+        ArgumentError: neither one value nor one per task.
+
+    Example:
+        >>> from argparse import Namespace
+        >>> task_lengths(Namespace(max_length=[64, 64, 128], datas=["a", "b"],
+        ...                        base_data="base", base_validation=None))
+        [64, 64, 128]
+        >>> task_lengths(Namespace(max_length=[64], datas=["a", "b"], base_data=None,
+        ...                        base_validation=None))
+        [64, 64]
+    """
+    from gradmerge.errors import ArgumentError
+
+    base = args.base_data is not None or args.base_validation is not None
+    count = len(args.datas) + base
+    given: list[int] | None = args.max_length
+    if given is None:
+        return [None] * count
+    if len(given) == 1:
+        return [given[0]] * count
+    if len(given) != count:
+        tasks = f"{len(args.datas)} DATA" + (" and the base task" if base else "")
+        order = "one per DATA in order" + (", then the base task's" if base else "")
+        raise ArgumentError(
+            f"--max-length gives {len(given)} values for {tasks}: give one for all, or {count} "
+            f"({order}), e.g. --max-length {','.join(['64'] * count)}"
+        )
+    return list(given)
 
 
 def add_parser(sub: Any) -> None:
@@ -158,20 +234,73 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--out-dir", default=None, metavar="DIR", help="write the chosen merged model to DIR"
     )
-    add_reading_arguments(p)
+    add_reading_arguments(
+        p, max_length={"type": lengths, "metavar": "N[,N...]", "help": LENGTH_HELP}
+    )
     add_autocast_argument(p)
     p.set_defaults(run=run, check=check, writes=writes)
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject unusable arguments before any work (argparse error: exit 2 with usage)."""
-    for spec in _inputs(args):
-        args.data = spec
-        check_reading(parser, args, [])
+    """Reject unusable arguments before any work (argparse error: exit 2 with usage): the
+    reading flags for each DATA (with its own ``--max-length``), and, once CONFIG reads, the
+    counts of DATA and ``--validation`` and the grid (:func:`validate`). A CONFIG that does not
+    read is left to the run, which names the key (exit 1)."""
+    from gradmerge.errors import ArgumentError, GradmergeError
+    from gradmerge.jobs.config import MergeConfig
+
+    if args.validation and len(args.validation) != len(args.datas):
+        parser.error(
+            f"{len(args.validation)} --validation DATA were given for {len(args.datas)} DATA: "
+            "give one per DATA (CONFIG's models), in order"
+        )
+    try:
+        per_task = task_lengths(args)
+    except ArgumentError as err:
+        parser.error(str(err))
+    for spec, length in _inputs_and_lengths(args, per_task):
+        check_reading(parser, argparse.Namespace(**{**vars(args), "max_length": length}), [], spec)
     if args.model_arg:
         parser.error("--model-arg does not apply: tune's models are CONFIG's merged folders")
     if not Path(args.config).is_file():
         parser.error(f"CONFIG {args.config} is not a file")
+    try:
+        with warnings.catch_warnings():  # the run reads CONFIG again, and warns then
+            warnings.simplefilter("ignore")
+            config = MergeConfig.from_yaml(args.config)
+    except GradmergeError:
+        return
+    try:
+        validate(args, config)
+    except ArgumentError as err:
+        parser.error(str(err))
+
+
+def validate(args: argparse.Namespace, config: Any) -> list[Any]:
+    """The grid's settings (:func:`gradmerge.jobs.tune.settings`), once the arguments fit CONFIG:
+    one DATA per model, one ``--validation`` per model (or none), a ``--max-length`` per task
+    or one for all.
+
+    Raises:
+        ArgumentError: a count that does not fit, or a grid that does not
+            (:func:`~gradmerge.jobs.tune.settings`: a value for a prior the method lacks, a
+            zero prior).
+    """
+    from gradmerge.errors import ArgumentError
+    from gradmerge.jobs.tune import settings
+
+    if len(args.datas) != len(config.models):
+        raise ArgumentError(
+            f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
+            "were given: give each model's training data, in the order of `models:`"
+        )
+    if args.validation and len(args.validation) != len(config.models):
+        raise ArgumentError(
+            f"CONFIG {args.config} merges {len(config.models)} models but "
+            f"{len(args.validation)} --validation DATA were given: one per model, in order"
+        )
+    task_lengths(args)
+    return settings(config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales)
 
 
 def writes(args: argparse.Namespace) -> Writes:
@@ -195,6 +324,16 @@ def _inputs(args: argparse.Namespace) -> list[str]:
     return [*args.datas, *args.validation, *extra]
 
 
+def _inputs_and_lengths(
+    args: argparse.Namespace, per_task: list[int | None]
+) -> list[tuple[str, int | None]]:
+    """Every DATA of :func:`_inputs` with its ``--max-length`` (its task's)."""
+    base = per_task[-1]
+    found = list(zip(args.datas, per_task, strict=False))
+    found += list(zip(args.validation, per_task, strict=False))
+    return found + [(spec, base) for spec in (args.base_data, args.base_validation) if spec]
+
+
 def run(args: argparse.Namespace) -> int:
     """``gradmerge tune``: 0 when a setting was chosen, 1 on bad input or when every point
     failed (one line of stderr each)."""
@@ -213,28 +352,16 @@ def execute(args: argparse.Namespace) -> int:
     from gradmerge._guard import write_json
     from gradmerge.errors import ArgumentError, SelectionWarning
     from gradmerge.jobs.config import MergeConfig
-    from gradmerge.jobs.tune import DIAGNOSTIC_ONLY, Point, settings, tune
+    from gradmerge.jobs.tune import DIAGNOSTIC_ONLY, Point, tune
 
     config = MergeConfig.from_yaml(args.config)
-    if len(args.datas) != len(config.models):
-        raise ArgumentError(
-            f"CONFIG {args.config} merges {len(config.models)} models but {len(args.datas)} DATA "
-            "were given: give each model's training data, in the order of `models:`"
-        )
+    points = validate(args, config)  # checked before any work by check(); here for library use
     if not (Path(config.base_model) / "config.json").is_file():
         raise ArgumentError(
             f"base_model {config.base_model} is not a Hugging Face folder (no config.json): tune "
             "scores each merged model as a Hugging Face model, and a merge's folder takes its "
             "config and tokenizer from the base; give the base as such a folder"
         )
-    if args.validation and len(args.validation) != len(config.models):
-        raise ArgumentError(
-            f"CONFIG {args.config} merges {len(config.models)} models but "
-            f"{len(args.validation)} --validation DATA were given: one per model, in order"
-        )
-    points = settings(
-        config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales
-    )
     if args.criterion in DIAGNOSTIC_ONLY:
         warnings.warn(DIAGNOSTIC_ONLY[args.criterion], SelectionWarning, stacklevel=1)
     scorer = Scorer(args, config, resolve_device(args.device))
@@ -269,6 +396,7 @@ def execute(args: argparse.Namespace) -> int:
         "criterion": args.criterion,
         "data": [_resolved(d) for d in args.datas],
         "base_data": None if args.base_data is None else _resolved(args.base_data),
+        "max_length": None if args.max_length is None else task_lengths(args),
         **result.to_dict(config),
     }
     if args.validation or args.base_validation is not None:
@@ -310,6 +438,7 @@ class Scorer:
             self.sources.append(str(config.base_model))
         if args.base_validation is not None:
             self.held_out.append((len(config.models), args.base_validation))
+        self.lengths = task_lengths(args)  # task t's --max-length (its --validation's too)
         self.data: list[Iterable[Any]] | None = None
         self.validation: list[Iterable[Any]] = []
         self.references: dict[int, dict[str, torch.Tensor]] = {}
@@ -401,8 +530,13 @@ class Scorer:
         args = self.args
         if model is None:
             model = sources.load_model(str(folder), allow_new_weights=args.allow_new_weights)
-        self.data = [self._load(model, folder, s, args.max_examples) for s in self.training]
-        self.validation = [self._load(model, folder, s, None) for _, s in self.held_out]
+        self.data = [
+            self._load(model, folder, s, args.max_examples, self.lengths[t])
+            for t, s in enumerate(self.training)
+        ]
+        self.validation = [
+            self._load(model, folder, s, None, self.lengths[t]) for t, s in self.held_out
+        ]
 
     def _use_head(self, t: int, model: torch.nn.Module) -> None:
         """Copy task t's head (the parameters matching ``--task-heads``, read from task t's own
@@ -428,7 +562,12 @@ class Scorer:
                 model.get_parameter(name).copy_(value)
 
     def _load(
-        self, model: torch.nn.Module, folder: Path, spec: str, max_examples: int | None
+        self,
+        model: torch.nn.Module,
+        folder: Path,
+        spec: str,
+        max_examples: int | None,
+        max_length: int | None,
     ) -> Iterable[Any]:
         from gradmerge.io import sources
         from gradmerge.io.text_data import TextBatches, TextOptions
@@ -447,7 +586,7 @@ class Scorer:
                 text_field=args.text_field,
                 text_pair_field=args.text_pair_field,
                 label_field=args.label_field,
-                max_length=args.max_length,
+                max_length=max_length,
             ),
         )
         if isinstance(data, TextBatches):

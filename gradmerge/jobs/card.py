@@ -79,6 +79,68 @@ def hub_name(path: str | Path) -> str:
     return path.stem if path.suffix == ".safetensors" else path.name
 
 
+_CONTROL = {i: f"\\x{i:02x}" for i in (*range(0x20), 0x7F)} | {
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\\t",
+}
+"""Control characters as escapes (a newline as the two characters ``\n``): one line stays one
+line."""
+_ACTIVE = re.compile(r"([\\`*_\[\]<>&~])")
+"""The characters that start inline Markdown: emphasis, code, links, HTML, entities,
+strikethrough (and the backslash that escapes them)."""
+
+
+def fence(text: str) -> str:
+    """A fence for a code block holding ``text``: backticks, one more than the longest run of
+    them in ``text`` and at least three, so that no line of ``text`` closes the block.
+
+    Example:
+        >>> fence("a: 1  # see ```x```"), fence("plain")
+        ('````', '```')
+    """
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def code(text: str) -> str:
+    r"""``text`` as an inline code span, whatever backticks it holds (delimited by a longer run,
+    padded with a space where it starts or ends with a backtick or a space), control characters
+    shown as escapes (``\n``).
+
+    Example:
+        >>> print(code("models[0].model"), code("a`b"), code("`x"), code("a\nb"))
+        `models[0].model` ``a`b`` `` `x `` `a\nb`
+    """
+    text = text.translate(_CONTROL)
+    ticks = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text[:1] in ("`", " ") or text[-1:] in ("`", " ") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
+def plain(text: str) -> str:
+    r"""``text`` as literal Markdown text: each character that starts inline Markdown escaped
+    by a backslash, control characters shown as escapes (``\n``).
+
+    Example:
+        >>> print(plain("ft_a*"), plain("a\nb"), plain("<b>"))
+        ft\_a\* a\nb \<b\>
+    """
+    return _ACTIVE.sub(r"\\\1", text).translate(_CONTROL)
+
+
+def row(*cells: str) -> str:
+    r"""One row of a GitHub-flavoured Markdown table of ``cells`` (Markdown: :func:`code`,
+    :func:`plain`), each pipe escaped as ``\|`` so that no cell splits: GFM reads ``\|`` as a
+    pipe of the cell's content, inside code spans too.
+
+    Example:
+        >>> print(row(code("a|b"), plain("c")))
+        | `a\|b` | c |
+    """
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
 def model_card(
     record: Mapping[str, Any],
     *,
@@ -133,17 +195,21 @@ def model_card(
         "| input | name | values (SHA-256) | header (SHA-256) |",
         "|---|---|---|---|",
         *(
-            f"| `{name}` | {hub_name(i['path'])} | `{i.get('fingerprint_sha256', '-')}` | "
-            f"`{i.get('header_sha256', '-')}` |"
+            row(
+                code(name),
+                plain(hub_name(i["path"])),
+                code(str(i.get("fingerprint_sha256", "-"))),
+                code(str(i.get("header_sha256", "-"))),
+            )
             for name, i in inputs.items()
         ),
         *_curvatures(record),
         "",
         "## Configuration",
         "",
-        "```yaml",
+        f"{fence(config_yaml)}yaml",
         config_yaml.rstrip("\n"),
-        "```",
+        fence(config_yaml),
         "",
         "## Certificates",
         "",
@@ -185,7 +251,7 @@ def _curvature_term(term: Mapping[str, Any]) -> str:
         return ""
     names = files if isinstance(files, list) else [files]
     return f" plus {term.get('scale', 1.0):g} × the curvature in " + ", ".join(
-        f"`{hub_name(f)}`" for f in names
+        code(hub_name(f)) for f in names
     )
 
 
@@ -202,8 +268,13 @@ def _curvatures(record: Mapping[str, Any]) -> list[str]:
     for name, c in curvatures.items():
         examples = (c.get("info") or {}).get("num_examples", "-")
         lines.append(
-            f"| `{name}` | {Path(c['path']).name} | {c.get('structure', '-')} | {examples} | "
-            f"`{c.get('layout_fingerprint_sha256', '-')}` |"
+            row(
+                code(name),
+                plain(Path(c["path"]).name),
+                plain(str(c.get("structure", "-"))),
+                plain(str(examples)),
+                code(str(c.get("layout_fingerprint_sha256", "-"))),
+            )
         )
     return lines
 
@@ -235,7 +306,7 @@ def _certificates(record: Mapping[str, Any]) -> list[str]:
             "",
         ]
         if failed:
-            shown = ", ".join(f"`{n}`" for n in failed[:10]) + (" ..." if len(failed) > 10 else "")
+            shown = ", ".join(code(n) for n in failed[:10]) + (" ..." if len(failed) > 10 else "")
             lines.append(
                 f"{len(failed)} approximate solves (`solver: {{approximate: true}}`) stopped "
                 f"above the tolerance: {shown}."
@@ -251,8 +322,12 @@ def _certificates(record: Mapping[str, Any]) -> list[str]:
             "|---|---|---|---|",
         ]
         lines += [
-            f"| `{name}` | {s.get('method')} | {s.get('iterations')} | "
-            f"{float(s.get('residual') or 0.0):.2e} |"
+            row(
+                code(name),
+                plain(str(s.get("method"))),
+                plain(str(s.get("iterations"))),
+                f"{float(s.get('residual') or 0.0):.2e}",
+            )
             for name, s in worst[:5]
         ]
     step = record.get("step")
@@ -296,4 +371,4 @@ def write(folder: Path, record: Mapping[str, Any], *, source: str | None, base: 
     return path
 
 
-__all__ = ["README", "hub_name", "model_card", "write"]
+__all__ = ["README", "code", "fence", "hub_name", "model_card", "plain", "row", "write"]

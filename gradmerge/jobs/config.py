@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 from gradmerge.errors import ArgumentError, ConfigError
 from gradmerge.jobs import methods
-from gradmerge.jobs.inputs import CurvatureTerm, ModelInput, warn_repeated
+from gradmerge.jobs.inputs import CurvatureTerm, ModelInput, path_inputs, warn_repeated
 from gradmerge.jobs.options import Options, ordered
 from gradmerge.jobs.setting_values import read_one
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
@@ -313,7 +313,7 @@ class Remerge:
         REQUIRED,
         "a non-empty list of the merge's models to leave out: 0-based indices into its "
         "`models` or their `model` paths (relative to this file).",
-        kind="mapping",
+        kind="selection",
         what="the merge's models to leave out",
         per_method=True,
     )
@@ -493,10 +493,15 @@ def remerge_config(
     merge_path = values["merge"]
     merged, merge_root = load_yaml(merge_path)
     cfg = MergeConfig.from_dict(merged, root=merge_root, source=merge_path)
-    listed = values["without"]
+    listed = tuple(
+        item
+        if isinstance(item, int) and not isinstance(item, bool)
+        else r.sub({"": item}, f"without[{i}]").path("", default=None)
+        for i, item in enumerate(values["without"])
+    )
     drop: set[int] = set()
     for i, item in enumerate(listed):
-        if isinstance(item, int) and not isinstance(item, bool):
+        if isinstance(item, int):
             if not 0 <= item < len(cfg.models):
                 raise ConfigError(
                     f"`without[{i}]` = {item} is not an index of the merge's {len(cfg.models)} "
@@ -504,15 +509,18 @@ def remerge_config(
                 )
             drop.add(item)
             continue
-        path = r.sub({"": item}, f"without[{i}]").path("", default=None)
-        matches = [j for j, m in enumerate(cfg.models) if m.model.resolve() == path.resolve()]
+        matches = [j for j, m in enumerate(cfg.models) if m.model.resolve() == item.resolve()]
         if not matches:
             raise ConfigError(
-                f"`without[{i}]` ({path}) is none of the merge's models: "
+                f"`without[{i}]` ({item}) is none of the merge's models: "
                 + ", ".join(str(m.model) for m in cfg.models)
             )
         drop.update(matches)
     kept = tuple(m for j, m in enumerate(cfg.models) if j not in drop)
     if not kept:
         raise ConfigError("`without` leaves no model to merge: the result would be the base model")
-    return replace(cfg, models=kept, source=source)
+    # what the run reads beyond the kept models: the paths of this file's declared keys (the
+    # merge's YAML, the models of `without`) and every path of that merge, the dropped included
+    read = Remerge(method=spec.name, merge=merge_path, without=listed)
+    also = path_inputs(read, "") + path_inputs(cfg, "merge")
+    return replace(cfg, models=kept, source=source, also_reads=tuple(also))

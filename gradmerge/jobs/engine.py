@@ -373,5 +373,7 @@ def check_output(
     """
     inputs = config.inputs()
     _guard.check([Output("OUT_DIR", Path(out_dir), "folder")], inputs, overwrite=overwrite)
-    # the files read while the merge runs (the configuration was read once, before)
-    return _guard.Snapshot.of([i for i in inputs if i.role != "CONFIG"])
+    # the files read while the merge runs: not the configuration (read once, before), nor what
+    # only the file it was made from names (a remerge's merge YAML and the models it leaves out)
+    once = {*config.also_reads}
+    return _guard.Snapshot.of([i for i in inputs if i.role != "CONFIG" and i not in once])

@@ -90,6 +90,10 @@ class CurvatureTerm:
         return self.curvature if isinstance(self.curvature, tuple) else (self.curvature,)
 
 
+NOT_KEYS = ("source", "also_reads")
+"""Fields of a configuration that are no YAML key: the file it was read from, and the inputs of
+the file it was made from (:attr:`gradmerge.jobs.options.Options.also_reads`)."""
+
 _SPEC_KEYS = ("start", "base_model", "model", "data")
 """Keys whose string values are MODEL/DATA specs (a path or an entry point; refine's YAML)."""
 
@@ -111,7 +115,7 @@ def path_inputs(value: Any, key: str) -> list[Input]:
         item, sub = getattr(value, f.name), f"{key}.{f.name}" if key else f.name
         if f.name == "model" and item is not None:
             found += spec_inputs(sub, item, base=getattr(value, "adapter_base", None))
-        elif f.name != "source":
+        elif f.name not in NOT_KEYS:
             found += path_inputs(item, sub)
     return found
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from gradmerge._guard import Input
-from gradmerge.jobs.inputs import path_inputs
+from gradmerge.jobs.inputs import NOT_KEYS, path_inputs
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.settings import Setting, declared, setting
 from gradmerge.solvers.spec import SolverSpec
@@ -88,7 +88,7 @@ class FromYaml:
         """
         source = getattr(self, "source", None)
         found = [Input("CONFIG", source)] if source is not None else []
-        return found + path_inputs(self, "")
+        return found + list(getattr(self, "also_reads", ())) + path_inputs(self, "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +151,11 @@ class Options(FromYaml):
         },
     )
     source: Path | None = field(default=None, compare=False)
+    also_reads: tuple[Input, ...] = field(default=(), compare=False, repr=False)
+    """Inputs that this configuration's own keys do not name: those of the file it was made
+    from (``method: remerge``: its ``merge`` YAML, every path in that, the models of
+    ``without``; :func:`gradmerge.jobs.config.remerge_config`). Listed by :meth:`inputs`, not
+    recorded."""
 
     @property
     def out_dtype(self) -> torch.dtype | None:
@@ -167,7 +172,7 @@ class Options(FromYaml):
         return {
             f.name: plain(getattr(self, f.name))
             for f in fields(self)
-            if f.name != "source" and not _unused(self, f.name)
+            if f.name not in NOT_KEYS and not _unused(self, f.name)
         }
 
 

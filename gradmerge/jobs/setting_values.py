@@ -31,7 +31,7 @@ def read_one(r: Reader, key: str, s: Setting, default: Any) -> Any:
         return r.size(key, default=default)
     if s.kind == "device":
         return r.device(key)
-    if s.kind == "mapping":
+    if s.kind in ("mapping", "selection"):
         return _NESTED[key](r, key, default)
     value = r._get(key, default)
     if value is None and default is None:
@@ -86,7 +86,7 @@ _NESTED = {
     "solver": _solver,
     "without": _without,
 }
-"""Readers of the settings that are mappings of their own."""
+"""Readers of the settings that are mappings (or lists) of their own."""
 
 
 def read_term(r: Reader, key: str, *, required: bool) -> CurvatureTerm | None:

@@ -294,23 +294,23 @@ def test_a_failing_point_is_reported_and_skipped(setup, tmp_path, capsys):
 
 BAD = [
     # (name, config method and extras, flags, exit code, message)
-    ("DATA count", ("task_arithmetic", {}), ["--alphas", "1"], "drop-data", 1, "merges 2 models"),
+    ("DATA count", ("task_arithmetic", {}), ["--alphas", "1"], "drop-data", 2, "merges 2 models"),
     ("deltas without a prior", ("task_arithmetic", {}), ["--alphas", "1", "--deltas", "1"], None,
-     1, "has no prior"),
+     2, "has no prior"),
     ("prior scales without a prior curvature", ("gradient_matching", {"prior": {"delta": 1.0}}),
-     ["--alphas", "1", "--prior-scales", "1"], None, 1, "has none"),
-    ("a negative alpha", ("task_arithmetic", {}), ["--alphas", "-1"], None, 1, ">= 0"),
+     ["--alphas", "1", "--prior-scales", "1"], None, 2, "has none"),
+    ("a negative alpha", ("task_arithmetic", {}), ["--alphas", "-1"], None, 2, ">= 0"),
     ("a zero prior", ("gradient_matching", {"prior": {"delta": 1.0}}),
-     ["--alphas", "1", "--deltas", "0"], None, 1, "makes the prior H_0 zero"),
+     ["--alphas", "1", "--deltas", "0"], None, 2, "makes the prior H_0 zero"),
     ("not a grid", ("task_arithmetic", {}), ["--alphas", "a,b"], None, 2, "comma-separated"),
     ("one --validation for two models", ("task_arithmetic", {}),
-     ["--alphas", "1", "--validation", "@a"], None, 1, "--validation DATA were given"),
+     ["--alphas", "1", "--validation", "@a"], None, 2, "--validation DATA were given"),
     ("--out-dir inside the base", ("task_arithmetic", {}),
      ["--alphas", "1", "--out-dir", "@base/tuned"], None, 2, "lies inside base_model"),
     ("a base that is no model folder", ("task_arithmetic", {"base_model": "base/model.safetensors"}),
      ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
-    ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "."], None, 2,
-     "exists; pass --overwrite"),
+    ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "@dir"], None,
+     2, "exists; pass --overwrite"),
     ("a --base-data that does not exist", ("task_arithmetic", {}),
      ["--alphas", "1", "--base-data", "no-base.jsonl"], None, 2, "no-base.jsonl does not exist"),
 ]  # fmt: skip
@@ -322,7 +322,12 @@ BAD = [
 def test_bad_input(setup, tmp_path, capsys, name, method, flags, variant, code, message):
     config = _config(setup, "bad.yaml", method[0], **method[1])
     datas = [str(setup / "a.jsonl")] + ([] if variant == "drop-data" else [str(setup / "b.jsonl")])
-    paths = {".": tmp_path, "@a": setup / "a.jsonl", "@base/tuned": setup / "base" / "tuned"}
+    (tmp_path / "dir").mkdir()
+    paths = {
+        "@dir": tmp_path / "dir",
+        "@a": setup / "a.jsonl",
+        "@base/tuned": setup / "base" / "tuned",
+    }
     flags = [str(paths[f]) if f in paths else f for f in flags]
     argv = ["tune", str(config), *datas, *flags, "--no-progress", "--out", str(tmp_path / "o.json")]
     if code == 2:
