@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -122,6 +122,9 @@ class Job:
     """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
     example: str = "e.g. 1.0e-6"
     rowwise: bool = False
+    unchanged: Callable[[Unit], bool] = field(default=lambda unit: False)
+    """Whether every model's task vector is exactly zero on a merged unit (read as stored): the
+    unit is then copied from the base, and ``--dry-run`` checks no system of it."""
     zero_blocks: dict[str, int] = field(default_factory=dict)
     """Merged tensors whose task vectors all read as exactly zero, copied from the base: how many
     of their steps (the whole tensor, or blocks of rows) were (filled by ``compute``)."""

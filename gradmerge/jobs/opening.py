@@ -195,6 +195,7 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         if delta > 0
         else Job.example,
         rowwise=spec.rowwise and all(type(m) is type(base) for m in models),
+        unchanged=lambda unit: _all_zero(unit.keys, *read(unit.keys, None, None), base, models),
         zero_blocks=found,
     )
 

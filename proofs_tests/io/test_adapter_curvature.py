@@ -254,6 +254,10 @@ def test_regmean_of_adapters_copies_the_untouched_pooler_whose_gram_is_singular(
                 assert k in record["output"]["untouched"]["names"]
             query = "bert.encoder.layer.0.attention.self.query.weight"
             assert not torch.equal(merged[query], theta0[query])
+    # --dry-run checks the systems of the merged units only: the pooler's is not one
+    for inputs in ("adapters", "full"):
+        dry = ["merge", str(root / f"regmean-whole-{inputs}.yaml"), str(root / "dry"), "--dry-run"]
+        assert cli.main(dry) == 0 and not (root / "dry").exists()
     # the same merge with the adapters materialised reads the zero task vectors and copies
     a, b = (
         load_file(str(root / f"regmean-whole-{x}" / "model.safetensors"))
