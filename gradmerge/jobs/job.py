@@ -128,6 +128,8 @@ class Job:
     zero_blocks: dict[str, int] = field(default_factory=dict)
     """Merged tensors whose task vectors all read as exactly zero, copied from the base: how many
     of their steps (the whole tensor, or blocks of rows) were (filled by ``compute``)."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """How many steps of each merged tensor :meth:`compute_unit` computed."""
 
     @property
     def untouched(self) -> list[str]:
@@ -138,9 +140,16 @@ class Job:
             for u in self.plan.units
             if u.merged
             for k in u.keys
-            if self.zero_blocks.get(k, 0) == len(self.row_blocks(u))
+            if 0 < self.steps.get(k, 0) == self.zero_blocks.get(k, 0)
         ]
         return [*self.plan.untouched, *found]
+
+    def add_counts(self, zero_blocks: Mapping[str, int], steps: Mapping[str, int]) -> None:
+        """Add another worker's :attr:`zero_blocks` and :attr:`steps` (the ranks of a
+        distributed merge, each computing its own units), so that the record names them all."""
+        for mine, theirs in ((self.zero_blocks, zero_blocks), (self.steps, steps)):
+            for k, n in theirs.items():
+                mine[k] = mine.get(k, 0) + n
 
     @property
     def max_residual(self) -> float:
@@ -200,6 +209,8 @@ class Job:
             if unit.untouched and any(k in self.plan.checked for k in unit.keys):
                 _check_untouched(self, unit)
             return _copy_unit(self, unit)
+        for k in unit.keys:
+            self.steps[k] = self.steps.get(k, 0) + 1
         out, report = _run_unit(self, unit, rows)
         if report is not None:
             for name, part in (report.parts or {key_list(unit.keys, 3): report}).items():

@@ -330,11 +330,17 @@ METHODS = {
 }
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_copies_a_tensor_no_model_changes(method, tmp_path):
+def test_every_method_copies_a_tensor_no_model_changes(method, blocks, tmp_path, monkeypatch):
     """Full checkpoints where no model changes `frozen.weight`, whose curvature is zero (Fisher
     averaging's Σ α_t H_t is singular there): copied from the base, bit for bit, by every
-    method, and named in the record; `w` is merged."""
+    method, and named in the record; `w` is merged. ``blocks``: the elementwise methods merge
+    each tensor a block of rows at a time, and each block is copied."""
+    from gradmerge.jobs import job as job_module
+
+    if blocks:
+        monkeypatch.setattr(job_module, "ROW_BLOCK_BYTES", 16)
     g = torch.Generator().manual_seed(1)
     base = {"w": torch.randn(4, 6, generator=g), "frozen.weight": torch.randn(5, 3, generator=g)}
     save_file(base, tmp_path / "base.safetensors")
