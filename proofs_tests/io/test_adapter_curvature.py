@@ -369,3 +369,14 @@ def test_every_method_copies_a_tensor_no_model_changes(method, blocks, tmp_path,
     assert not torch.equal(out["w"], base["w"])
     record = json.loads((report.out_dir / "gradmerge_merge.json").read_text())
     assert record["output"]["untouched"]["names"] == ["frozen.weight"]
+
+
+def test_whole_model_applies_to_adapters_only(adapters, tmp_path, capsys):
+    _, base, _, data = adapters
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(
+            ["curvature", str(base), str(data), str(tmp_path / "c.safetensors"), "--whole-model"]
+        )
+    assert exit_.value.code == 2
+    assert "--whole-model applies to a LoRA adapter MODEL" in capsys.readouterr().err
+    assert not (tmp_path / "c.safetensors").exists()
