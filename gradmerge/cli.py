@@ -8,6 +8,7 @@ gradmerge inspect CURVATURE|CONFIG  exact scale of curvature files or a merge's 
 gradmerge merge CONFIG OUT_DIR      merge checkpoints (Eq. 6 and special cases), streaming
 gradmerge remove CONFIG OUT_DIR     remove data from a model (Eq. 13, Koh & Liang), streaming
 gradmerge refine CONFIG OUT_DIR     refine a merge on the tasks' data (gm.refine, Sec. 1.5)
+gradmerge materialize ADAPTER OUT   a LoRA adapter as a full model folder, for other tools
 gradmerge evaluate MODEL... DATA    accuracy and mean loss of models on labelled data (JSON)
 gradmerge evaluate MODEL... --data DATA... --compare REF   several files; differences to REF with
                                     paired-bootstrap intervals, per file and mean over files
@@ -30,6 +31,7 @@ from gradmerge.commands import (
     evaluate,
     gradient,
     inspect,
+    materialize,
     merge,
     refine,
     remove,
@@ -49,6 +51,7 @@ COMMANDS = [
     merge,
     remove,
     refine,
+    materialize,
     evaluate,
     tune,
     demo,

@@ -53,6 +53,12 @@ cut into batches of --batch-size rows; its labels are the targets of each positi
 Positions whose attention_mask is 0 are ignored.
 
 The model is put in evaluation mode (no dropout), so the estimate is that of the weights given.
+
+A LoRA adapter MODEL (a PEFT folder) is estimated at its materialised weights W + s·B·A, over
+the parameters the adapter changes only: its target modules (weight and bias: K-FAC couples
+them in one layer) and its modules_to_save. Everywhere else its task vector is zero and no
+curvature can change a merge (gradmerge merge copies the base there), so nothing is spent on
+it; the file records restricted = adapter. --whole-model estimates over every parameter.
 """
 
 EXAMPLES = """\
@@ -145,6 +151,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-params", type=int, default=20_000, help="largest model --structure full takes"
     )
+    p.add_argument(
+        "--whole-model",
+        action="store_true",
+        help="a LoRA adapter MODEL: estimate over every parameter of the materialised model; "
+        "default: only over the parameters the adapter changes (its target modules and "
+        "modules_to_save), which is all a merge needs",
+    )
     add_distributed_options(p)  # --distributed, --timeout, --expected-examples, --backend
     p.set_defaults(run=run, check=check)
 
@@ -178,6 +191,48 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(str(err))
     check_distributed(parser, args)
     check_sources(parser, args)
+    if args.whole_model and not _is_adapter(args.model):
+        parser.error("--whole-model applies to a LoRA adapter MODEL; MODEL is not one")
+
+
+def _is_adapter(spec: str) -> bool:
+    """Whether MODEL ``spec`` is a PEFT LoRA adapter folder."""
+    from gradmerge.io.lora import is_adapter
+
+    return is_adapter(spec) and not (":" in spec and not os.path.isdir(spec))
+
+
+RESTRICTED = "adapter"
+"""``C.meta["restricted"]`` of a curvature estimated over the parameters an adapter changes."""
+
+
+def restrict_to_adapter(args: argparse.Namespace, model: torch.nn.Module) -> list[str] | None:
+    """For a LoRA adapter MODEL (and not ``--whole-model``): freeze every parameter but those the
+    adapter changes (:func:`gradmerge.io.lora.adapted_parameters`), so that every estimator
+    covers those only (each covers the trainable parameters); their names, else ``None``.
+
+    The estimate over them equals the whole model's restricted to them: a diagonal entry is a
+    sum over examples of a squared gradient component, a K-FAC layer's A and G are its inputs'
+    and output gradients' statistics, and none depends on which other parameters are trainable.
+    """
+    if getattr(args, "whole_model", False) or not _is_adapter(args.model):
+        return None
+    from pathlib import Path
+
+    from gradmerge.io.lora import adapted_parameters
+
+    names = adapted_parameters(Path(args.model), [n for n, _ in model.named_parameters()])
+    keep = set(names)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in keep)
+    return names
+
+
+def _restricted_meta(names: list[str] | None) -> dict[str, str]:
+    """What the file records about a restriction to an adapter's parameters."""
+    if names is None:
+        return {}
+    return {"restricted": RESTRICTED, "restricted_parameters": str(len(names))}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +257,15 @@ def execute(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     device = resolve_device(args.device)
     model, data = load(args, device, announce=True)
+    restricted = restrict_to_adapter(args, model)
+    if restricted is not None:
+        total = sum(p.numel() for _, p in model.named_parameters())
+        kept = sum(p.numel() for _, p in model.named_parameters() if p.requires_grad)
+        print(
+            f"{args.model}: a LoRA adapter: over the {len(restricted)} tensors it changes "
+            f"({kept:,} of {total:,} parameters; --whole-model for all)",
+            file=sys.stderr,
+        )
     passes = PASSES.get(args.structure, ())
     if len(passes) > 1:
         print(
@@ -212,6 +276,7 @@ def execute(args: argparse.Namespace) -> int:
     batches = data if args.no_progress else progress(data, label, passes)
     curvature = estimate_with(model, batches, estimate_options(args))
     curvature.meta.update(provenance(args, device, data))
+    curvature.meta.update(_restricted_meta(restricted))
     path = curvature.save(args.out)
     covered = sum(
         int(torch.Size(shape).numel()) for _, shape in curvature.layout or ()
@@ -306,6 +371,7 @@ def run_distributed(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     try:
         model, loaded = load(args, device, announce=rank == 0)
+        restricted = restrict_to_adapter(args, model)
         data: Any = shard(loaded)
         if rank == 0 and not args.no_progress:
             label = f"curvature {args.structure} {args.fisher} (rank 0)"
@@ -318,6 +384,7 @@ def run_distributed(args: argparse.Namespace) -> int:
             expected_examples=args.expected_examples,
         )
         curvature.meta.update(provenance(args, device, loaded))
+        curvature.meta.update(_restricted_meta(restricted))
         save_on_rank0(curvature, args.out, args.timeout)
     except DistributedError as err:
         print(f"gradmerge.distributed: rank {rank}: error: {err}", file=sys.stderr)

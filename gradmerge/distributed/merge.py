@@ -305,6 +305,8 @@ def _write(job: Job, units: list[Unit], folder: Path, max_shard_size: int) -> di
         "bytes_written": writer.bytes_written,
         "bytes_read": bytes_read,
         "step": (job.step.step_sq, job.step.reference_sq) if job.step is not None else None,
+        "zero_blocks": dict(job.zero_blocks),
+        "steps": dict(job.steps),
     }
 
 
@@ -341,6 +343,9 @@ def _finish(
         (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         files.append(INDEX_NAME)
     assets = job.copy_assets(stage, config.dtype)
+    for rank, w in enumerate(written):  # the tensors each other rank found untouched
+        if rank != 0:
+            job.add_counts(w["zero_blocks"], w["steps"])
     record = job.record(config, [stage / n for n in shards], time.perf_counter() - start)
     record["distributed"] = {
         "ranks": world_size,

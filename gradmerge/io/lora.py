@@ -50,7 +50,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,6 +251,58 @@ def _weights(folder: Path) -> dict[str, Tensor]:
     )
 
 
+def changed_tensors(folder: Path) -> frozenset[str]:
+    """The names (the base's state-dict names) of the tensors the adapter in ``folder`` changes:
+    the weight of every LoRA target and every tensor of ``modules_to_save``. Every other tensor
+    of θ_t = θ_0 + s·B·A is the base's, so its task vector θ_t − θ_0 is exactly zero.
+
+    Raises:
+        FileFormatError, StructureError: as :func:`read_adapter`.
+    """
+    updates, saved = read_adapter(folder)
+    return frozenset(updates) | frozenset(saved)
+
+
+def adapted_parameters(folder: Path, names: Iterable[str]) -> list[str]:
+    """The parameters (among ``names``, a model's ``named_parameters`` names) whose curvature an
+    adapter's merge needs: every parameter of a LoRA target module — its weight, which the adapter
+    changes, and its bias, which it does not but which K-FAC couples with the weight in one
+    layer ([W | b] ⊗, the bias as the last input column) — and every tensor of
+    ``modules_to_save``. What ``gradmerge curvature`` estimates for an adapter MODEL (unless
+    ``--whole-model``): every other parameter has a zero task vector and no coupling to these, so
+    no curvature there can change a merge (the merge copies the base there).
+
+    Example:
+        >>> import json, tempfile, torch
+        >>> from safetensors.torch import save_file
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = (Path(d) / CONFIG).write_text(json.dumps(
+        ...         {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["fc"]}))
+        ...     save_file({"base_model.model.fc.lora_A.weight": torch.ones(1, 3),
+        ...                "base_model.model.fc.lora_B.weight": torch.ones(2, 1),
+        ...                "base_model.model.head.weight": torch.ones(2, 2)},
+        ...               f"{d}/adapter_model.safetensors")
+        ...     adapted_parameters(Path(d), ["emb.weight", "fc.weight", "fc.bias", "head.weight"])
+        ['fc.weight', 'fc.bias', 'head.weight']
+
+    Raises:
+        FileFormatError, StructureError: as :func:`read_adapter`.
+        StructureError: a changed tensor that is not among ``names`` (the adapter was trained on
+            another model, or changes a buffer).
+    """
+    updates, saved = read_adapter(folder)
+    names = list(names)
+    known = set(names)
+    missing = sorted(k for k in [*updates, *saved] if k not in known)
+    if missing:
+        raise StructureError(
+            f"{folder}: the adapter changes {key_list(missing, limit=3)}, which the model has no "
+            "parameter of: the adapter was trained on another model"
+        )
+    modules = {k.rpartition(".")[0] for k in updates}
+    return [n for n in names if n in saved or n.rpartition(".")[0] in modules]
+
+
 def merged_state_dict(folder: Path, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the base model's tensors) with the adapter in ``folder`` applied: what
     ``gradmerge curvature`` loads into the base model for an adapter MODEL.
@@ -310,6 +362,8 @@ class LoraCheckpoint(Checkpoint):
         self.fingerprint = digest.hexdigest()
         """SHA-256 of the base's fingerprint and the adapter's bytes."""
         self.bytes_read = 0
+        self.changed = frozenset(self.updates) | frozenset(self.saved)
+        """The tensors θ_t changes (:func:`changed_tensors`); every other one is the base's."""
 
     def _check(self, key: str, shape: tuple[int, ...], what: str) -> None:
         if key not in self.base:

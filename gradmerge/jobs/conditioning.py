@@ -140,7 +140,8 @@ def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
     if isinstance(config, MergeConfig) and config.method == "regmean":
         with ExitStack() as stack:
             job = open_job(config, stack)
-            return _regmean_checks(config, job.curvatures, job.plan.units)
+            units = [u for u in job.plan.units if u.merged and not job.unchanged(u)]
+            return _regmean_checks(config, job.curvatures, units)
     spec = methods.get(config.method)
     if spec.system is None:
         return []
@@ -158,11 +159,11 @@ def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
 
 def _merged_units(config: MergeConfig | RemoveConfig) -> Iterator[tuple[Job, Unit]]:
     """The opened job and every merged unit of its plan, in order (the inputs stay open while
-    the iteration runs)."""
+    the iteration runs), but those every model leaves at the base (copied: nothing solved)."""
     with ExitStack() as stack:
         job = open_job(config, stack)
         for unit in job.plan.units:
-            if unit.merged:
+            if unit.merged and not job.unchanged(unit):
                 yield job, unit
 
 

@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,6 +33,7 @@ from gradmerge.errors import (
     NotConvergedError,
     NotPositiveDefiniteError,
     ResultOverflowError,
+    StructureError,
 )
 from gradmerge.io import fingerprint
 from gradmerge.io.reader import Checkpoint
@@ -121,6 +122,34 @@ class Job:
     """Per solved block, how its system was solved (filled by :meth:`compute_unit`)."""
     example: str = "e.g. 1.0e-6"
     rowwise: bool = False
+    unchanged: Callable[[Unit], bool] = field(default=lambda unit: False)
+    """Whether every model's task vector is exactly zero on a merged unit (read as stored): the
+    unit is then copied from the base, and ``--dry-run`` checks no system of it."""
+    zero_blocks: dict[str, int] = field(default_factory=dict)
+    """Merged tensors whose task vectors all read as exactly zero, copied from the base: how many
+    of their steps (the whole tensor, or blocks of rows) were (filled by ``compute``)."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """How many steps of each merged tensor :meth:`compute_unit` computed."""
+
+    @property
+    def untouched(self) -> list[str]:
+        """Every tensor copied from the base because no model changes it: the plan's (known from
+        the inputs' headers, or checked as read) and those found as read (all of their steps)."""
+        found = [
+            k
+            for u in self.plan.units
+            if u.merged
+            for k in u.keys
+            if 0 < self.steps.get(k, 0) == self.zero_blocks.get(k, 0)
+        ]
+        return [*self.plan.untouched, *found]
+
+    def add_counts(self, zero_blocks: Mapping[str, int], steps: Mapping[str, int]) -> None:
+        """Add another worker's :attr:`zero_blocks` and :attr:`steps` (the ranks of a
+        distributed merge, each computing its own units), so that the record names them all."""
+        for mine, theirs in ((self.zero_blocks, zero_blocks), (self.steps, steps)):
+            for k, n in theirs.items():
+                mine[k] = mine.get(k, 0) + n
 
     @property
     def max_residual(self) -> float:
@@ -177,7 +206,11 @@ class Job:
             GradmergeError: any other error of the rule, naming the unit.
         """
         if not unit.merged:
+            if unit.untouched and any(k in self.plan.checked for k in unit.keys):
+                _check_untouched(self, unit)
             return _copy_unit(self, unit)
+        for k in unit.keys:
+            self.steps[k] = self.steps.get(k, 0) + 1
         out, report = _run_unit(self, unit, rows)
         if report is not None:
             for name, part in (report.parts or {key_list(unit.keys, 3): report}).items():
@@ -289,6 +322,22 @@ def _run_unit(
     return out, report
 
 
+def _check_untouched(job: Job, unit: Unit) -> None:
+    """Refuse a unit the plan copies because the curvatures restricted to adapters leave it out,
+    where a model's tensor differs from the base's (its task vector is not zero there)."""
+    for name, ckpt in job.checkpoints.items():
+        if name == "base_model":
+            continue
+        for k in unit.keys:
+            if not torch.equal(ckpt.get(k), job.base.get(k)):
+                raise StructureError(
+                    f"{name} ({ckpt.path}) changes {k!r}, which the curvatures restricted to a "
+                    "LoRA adapter's parameters leave out: a curvature is needed wherever a model "
+                    "changes the base. Estimate them with `gradmerge curvature ... "
+                    "--whole-model`, or merge the adapter folders themselves"
+                )
+
+
 def _copy_unit(job: Job, unit: Unit) -> dict[str, Tensor]:
     return {k: job.base.get(k, dtype=job.plan.out_dtypes[k]) for k in unit.keys}
 
@@ -310,6 +359,19 @@ def _copy_assets(base: Checkpoint, stage: Path, dtype: str | None) -> list[Path]
                 dst.write_text(json.dumps(cfg, indent=2) + "\n")
         copied.append(dst)
     return copied
+
+
+def _untouched_record(job: Job) -> dict[str, Any]:
+    """The record's account of the tensors copied from the base because every model's task
+    vector is exactly zero there (among ``copied_from_base``, or found among the merged)."""
+    names = job.untouched
+    return {
+        "tensors": len(names),
+        "names": names,
+        "rule": "every model's task vector is exactly zero on these tensors (and no curvature "
+        "couples them to others): each method's result there is the base, copied before any "
+        "curvature is read or system solved",
+    }
 
 
 def _record(
@@ -353,6 +415,7 @@ def _record(
         "tensors": len(plan.shapes),
         "merged": len(plan.merged),
         "copied_from_base": len(plan.copied),
+        "untouched": _untouched_record(job),
         "units": len(plan.units),
         "largest_unit": list(plan.largest_unit.keys),
     }

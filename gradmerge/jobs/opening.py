@@ -35,7 +35,7 @@ from gradmerge.errors import (
     NonFiniteError,
 )
 from gradmerge.io import fingerprint
-from gradmerge.io.lora import open_model
+from gradmerge.io.lora import LoraCheckpoint, open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 from gradmerge.jobs import methods, rules, widened
 from gradmerge.jobs.config import MergeConfig, RemoveConfig
@@ -79,6 +79,7 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
     files.update(prior_files)
     spec = methods.get(config.method)
+    untouched, touched = known_changes(base, models)
     plan = build_plan(
         base,
         [(f"models[{i}].model", m) for i, m in enumerate(models)],
@@ -87,6 +88,8 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         passthrough=config.passthrough,
         out_dtype=config.out_dtype,
         allow_mixed_dtypes=config.allow_mixed_dtypes,
+        untouched=untouched,
+        touched=touched,
     )
     pairs = [
         (f"models[{i}].curvature", c, [(f"models[{i}].model", models[i]), ("base_model", base)])
@@ -109,15 +112,26 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         and all(type(m) is type(base) for m in models)
     )
     declined: list[bool] = []  # the widened loop declined a unit: the job's pattern, or a fault
+    found: dict[str, int] = {}  # merged tensors whose task vectors all read as zero: their blocks
 
     def compute(unit: Unit, rows: slice | None = None) -> tuple[dict[str, Tensor], Solution | None]:
         keys = unit.keys
-        if widen and not declined and _stored_as(widened.DTYPE, keys, plan, base, models):
-            done = widened.attempt(rule, unit_of(keys, rows, None))  # bfloat16 as stored
+        stored = widen and not declined and _stored_as(widened.DTYPE, keys, plan, base, models)
+        theta, thetas = read(keys, rows, None if stored else dtype)
+        if _all_zero(keys, theta, thetas, base, models):  # before any curvature read or solve
+            for k in keys:
+                found[k] = found.get(k, 0) + 1
+            return {
+                k: v if v.dtype == base.dtype(k) else base.get(k, device=device, rows=rows)
+                for k, v in theta.items()
+            }, None
+        if stored:
+            done = widened.attempt(rule, unit_of(keys, rows, None, theta, thetas))  # as stored
             if done is not None:
                 return done
             declined.append(True)  # one try per job: the float32 path from here on
-        unit_inputs = unit_of(keys, rows, dtype)
+            theta, thetas = read(keys, rows, dtype)
+        unit_inputs = unit_of(keys, rows, dtype, theta, thetas)
         try:
             return rule(unit_inputs)
         except GradmergeError as err:
@@ -125,13 +139,25 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             _raise_non_finite({**named, "prior": unit_inputs.prior}, err)
             raise
 
-    def unit_of(
+    def read(
         keys: Sequence[str], rows: slice | None, dtype: torch.dtype | None
+    ) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+        """θ_LLM's and every θ_t's tensors of the unit, in ``dtype`` (``None``: as stored)."""
+        return _read(base, keys, device, dtype, rows), [
+            _read(m, keys, device, dtype, rows) for m in models
+        ]
+
+    def unit_of(
+        keys: Sequence[str],
+        rows: slice | None,
+        dtype: torch.dtype | None,
+        theta: dict[str, Tensor],
+        thetas: list[dict[str, Tensor]],
     ) -> rules.MergeUnit:
-        """The unit's inputs, read in ``dtype`` (``None``: as stored)."""
+        """The unit's inputs, its curvatures read in ``dtype`` (``None``: as stored)."""
         return rules.MergeUnit(
-            _read(base, keys, device, dtype, rows),
-            [_read(m, keys, device, dtype, rows) for m in models],
+            theta,
+            thetas,
             [_restrict(c, keys, device, dtype, rows) for c in curvs],
             alphas,
             _term_precision(config.prior, prior_files, keys, device, dtype, rows),
@@ -169,7 +195,42 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         if delta > 0
         else Job.example,
         rowwise=spec.rowwise and all(type(m) is type(base) for m in models),
+        unchanged=lambda unit: _all_zero(unit.keys, *read(unit.keys, None, None), base, models),
+        zero_blocks=found,
     )
+
+
+def known_changes(base: Checkpoint, models: Sequence[Checkpoint]) -> tuple[set[str], set[str]]:
+    """What the models' headers tell of their task vectors: (the tensors every model leaves at
+    the base, the tensors some model changes). Only a LoRA adapter over ``base`` tells
+    (:attr:`LoraCheckpoint.changed`); with any other model nothing is known to be untouched."""
+    touched: set[str] = set()
+    for m in models:
+        if isinstance(m, LoraCheckpoint) and m.base is base:
+            touched |= m.changed
+    every = all(isinstance(m, LoraCheckpoint) and m.base is base for m in models)
+    untouched = {k for k in base if k not in touched} if every and models else set()
+    return untouched, touched
+
+
+def _all_zero(
+    keys: Sequence[str],
+    theta: Mapping[str, Tensor],
+    thetas: Sequence[Mapping[str, Tensor]],
+    base: Checkpoint,
+    models: Sequence[Checkpoint],
+) -> bool:
+    """Whether every model's task vector is exactly zero on the unit ``keys``: each θ_t's tensors
+    (``thetas``, as read) equal θ_LLM's (``theta``). A LoRA adapter over ``base`` that changes
+    one of them is known not to be, without a comparison; one that changes none, to be."""
+    for model, values in zip(models, thetas, strict=True):
+        if isinstance(model, LoraCheckpoint) and model.base is base:
+            if any(k in model.changed for k in keys):
+                return False
+            continue
+        if not all(torch.equal(values[k], theta[k]) for k in keys):
+            return False
+    return True
 
 
 def _check_common_space(config: MergeConfig, plan: Plan, average: frozenset[str]) -> None:

@@ -7,6 +7,27 @@ model makes the whole model one unit), the union of what the curvatures of all i
 Non-float tensors (buffers such as ``position_ids``) and ``passthrough`` tensors are copied from
 the base, one per unit. Units follow the base's storage order, so inputs are read sequentially.
 
+*Untouched* units are copied from the base too, by every method: a coupling group where every
+model's task vector θ_t − θ_LLM is exactly zero. Where that is known from the inputs' headers —
+a LoRA adapter changes only its target weights and ``modules_to_save``
+(:attr:`gradmerge.io.lora.LoraCheckpoint.changed`) — the plan copies the group and no curvature
+is needed for it (an adapter's curvature, estimated over what it changes, covers none of it). A
+group that only a curvature file *restricted* to an adapter's parameters
+(``C.meta["restricted"] == "adapter"``, written by ``gradmerge curvature``) leaves uncovered,
+with models whose task vectors are not known from headers (full checkpoints), is copied after
+checking, as it is read, that every model equals the base there (:attr:`Plan.checked`). Any
+other group is merged; the engine still copies a merged unit whose task vectors all read as
+exactly zero (:class:`gradmerge.jobs.job.Job`), before any solve.
+
+Why copying is exact: where every τ_t = 0 on a group g that no curvature couples to another
+group, Eq. 6's right-hand side Σ_t α_t (H_0 + H_t) τ_t is zero on g, H̄ is block diagonal
+across g, so θ_g = θ_LLM,g + H̄_gg⁻¹·0 = θ_LLM,g for any H̄_gg that is positive definite
+(whatever the curvatures there are, a missing one included); where H̄_gg is singular Eq. 6 has
+no unique value and θ_LLM,g is its minimum-norm one (the limit δ → 0 of a δ·I prior). Task
+arithmetic (H_t = 0), Fisher averaging and RegMean (every θ_t = θ_LLM: an average of equal
+values) and TSV-M, Iso-C and Iso-CTS (θ_LLM + a function of the τ_t that is zero at zero) give
+θ_LLM,g as well.
+
 Everything here is decided from the files' headers and curvature metadata: a plan reads no
 tensor, and every mismatch between inputs is reported before any output is written.
 """
@@ -16,7 +37,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,10 +56,12 @@ merges the K-FAC layers and averages the rest; ``none``: task arithmetic)."""
 
 @dataclass(frozen=True)
 class Unit:
-    """Tensors processed together: a coupling group (``merged``) or one tensor copied from the base."""
+    """Tensors processed together: a coupling group (``merged``), one tensor copied from the base,
+    or an ``untouched`` group copied from the base because no model changes it."""
 
     keys: tuple[str, ...]
     merged: bool
+    untouched: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,14 @@ class Plan:
     units: tuple[Unit, ...]
     shapes: dict[str, tuple[int, ...]]
     out_dtypes: dict[str, torch.dtype]
+    checked: frozenset[str] = frozenset()
+    """Untouched tensors to check as they are read: every model must equal the base there (a
+    curvature restricted to an adapter's parameters leaves them out)."""
+
+    @property
+    def untouched(self) -> list[str]:
+        """Names of the tensors copied from the base because no model changes them."""
+        return [k for u in self.units if u.untouched for k in u.keys]
 
     @property
     def merged(self) -> list[str]:
@@ -56,7 +87,8 @@ class Plan:
 
     @property
     def copied(self) -> list[str]:
-        """Names of the tensors copied from the base (non-float and passthrough tensors)."""
+        """Names of the tensors copied from the base (non-float, passthrough and untouched
+        tensors)."""
         return [k for u in self.units if not u.merged for k in u.keys]
 
     @property
@@ -79,6 +111,9 @@ def build_plan(
     out_dtype: torch.dtype | None = None,
     allow_mixed_dtypes: bool = False,
     gradient: tuple[str, Checkpoint] | None = None,
+    untouched: Collection[str] = (),
+    touched: Collection[str] = (),
+    copy_untouched: bool = True,
 ) -> Plan:
     """Check that the inputs fit together and group the tensors into units.
 
@@ -92,10 +127,17 @@ def build_plan(
         out_dtype: the output dtype of float tensors (``None``: the base's).
         allow_mixed_dtypes: accept float tensors whose dtype differs between inputs.
         gradient: (role, checkpoint) of a gradient file, which must hold every merged tensor.
+        untouched: tensors every model is known (from its header: a LoRA adapter) to leave at
+            the base; a coupling group of them only is copied, and needs no curvature.
+        touched: tensors some model is known to change (an adapter's targets and saved
+            modules); every other tensor is unknown until read (full checkpoints).
+        copy_untouched: copy a group that curvatures restricted to adapters leave out, checking
+            it as it is read (a merge); ``False``: refuse it, as any uncovered tensor (a removal).
 
     Raises:
         StructureError: missing or extra tensors, other shapes, curvatures that do not cover a
-            merged tensor or that couple it with a passthrough tensor (each names the tensor).
+            merged tensor (one some model changes, or may change) or that couple it with a
+            passthrough tensor (each names the tensor).
         DTypeError: a tensor whose dtype differs between inputs.
         ConfigError: a passthrough glob that matches no tensor.
 
@@ -124,6 +166,7 @@ def build_plan(
     shapes = {k: base.shape(k) for k in keys}
     merged_set = set(merged)
     groups: list[tuple[str, ...]] = [(k,) for k in merged]
+    layouts: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, cf in curvatures:
         layout = dict(cf.layout)
         for k, s in layout.items():
@@ -142,16 +185,7 @@ def build_plan(
                     f"{name} ({cf.path}) covers {k!r}, which is {base.dtype(k)} in the base: "
                     "only floating-point tensors are merged"
                 )
-        if coverage == "all":
-            missing = [k for k in merged if k not in layout]
-            if missing:
-                raise StructureError(
-                    f"{name} ({cf.path}) has no curvature for "
-                    f"{first_and_more(missing, 'tensor(s)')}. Estimate the curvature over every "
-                    "parameter (structure='kfac' adds a diagonal block for what K-FAC does not "
-                    "cover), or list the tensor under `passthrough:` to copy it from the base "
-                    "unmerged."
-                )
+        layouts[name] = {k: tuple(s) for k, s in layout.items()}
         coupled = list(cf.kfac_layers().values()) if coverage == "kfac" else cf.couplings()
         for group in coupled:
             inside = [k for k in group if k in merged_set]
@@ -167,19 +201,75 @@ def build_plan(
     if coverage == "kfac":
         _check_same_layers(curvatures)
 
+    known_untouched, known_touched = set(untouched), set(touched)
+    checked: set[str] = set()
+    kinds: dict[str, str] = {}  # the first key of a group → "merged", "untouched"
+    refused: dict[str, list[str]] = {}  # a curvature's name → the merged tensors it lacks
+    files = dict(curvatures)
+    joined = join_groups(groups)
+    for group in joined:
+        if all(k in known_untouched for k in group):
+            kinds[group[0]] = "untouched"
+            continue
+        kinds[group[0]] = "merged"
+        lacking = (
+            [(name, cf, k) for name, cf in curvatures for k in group if k not in layouts[name]]
+            if coverage == "all"
+            else []
+        )
+        if not lacking:
+            continue
+        needed = [
+            (n, k)
+            for n, f, k in lacking
+            if f.info.get("restricted") != "adapter"
+            or not copy_untouched
+            or k in known_untouched
+            or any(g in known_touched for g in group)
+        ]
+        if not needed:  # left out by curvatures restricted to adapters; models not known
+            kinds[group[0]] = "untouched"
+            checked.update(group)
+            continue
+        for n, k in needed:
+            refused.setdefault(n, []).append(k)
+    if refused:
+        name, missing = next(iter(refused.items()))
+        cf = files[name]
+        if cf.info.get("restricted") == "adapter":
+            raise StructureError(
+                f"{name} ({cf.path}) was estimated over the parameters its LoRA adapter changes "
+                f"only, and has no curvature for {first_and_more(missing, 'tensor(s)')}, which "
+                "another model changes (or which a curvature couples with what it changes): "
+                "every model's curvature must cover what any model changes. Estimate it again "
+                "with `gradmerge curvature ... --whole-model`, or merge adapters of the same "
+                "target modules"
+            )
+        raise StructureError(
+            f"{name} ({cf.path}) has no curvature for "
+            f"{first_and_more(missing, 'tensor(s)')}. Estimate the curvature over every "
+            "parameter (structure='kfac' adds a diagonal block for what K-FAC does not "
+            "cover), or list the tensor under `passthrough:` to copy it from the base "
+            "unmerged."
+        )
+
     position = {k: i for i, k in enumerate(keys)}
     units: list[Unit] = []
-    first_of = {g[0]: g for g in join_groups(groups)}
+    first_of = {g[0]: g for g in joined}
     for k in keys:
         if k in first_of:
-            units.append(Unit(tuple(sorted(first_of[k], key=position.__getitem__)), True))
+            ordered = tuple(sorted(first_of[k], key=position.__getitem__))
+            if kinds[k] == "untouched":
+                units.append(Unit(ordered, False, untouched=True))
+            else:
+                units.append(Unit(ordered, True))
         elif k not in merged_set:
             units.append(Unit((k,), False))
     out_dtypes = {
         k: (out_dtype or base.dtype(k)) if base.dtype(k).is_floating_point else base.dtype(k)
         for k in keys
     }
-    return Plan(tuple(units), shapes, out_dtypes)
+    return Plan(tuple(units), shapes, out_dtypes, frozenset(checked))
 
 
 def _check_same_tensors(

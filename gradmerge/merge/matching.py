@@ -134,6 +134,16 @@ def gradient_matching(
     H_t, and otherwise a first-order correction of task arithmetic for the gradient mismatch of
     Eq. 2.
 
+    Where no model changed anything it returns the base, whatever the curvatures there: on a
+    block g of parameters where every task vector τ_t = θ_t − θ_LLM is zero and that no
+    curvature couples to the rest, the right-hand side Σ_t α_t (H_0 + H_t) τ_t is zero on g and
+    H̄ is block diagonal across g, so θ_g = θ_LLM,g + H̄_gg⁻¹·0 = θ_LLM,g for any positive
+    definite H̄_gg (always so with a δ·I prior, δ > 0); in floating point too, since every
+    product with τ_g is an exact zero. This is why a LoRA adapter's curvature is needed only over
+    the parameters it changes, and why the streaming merge copies such blocks from the base
+    before any solve (:mod:`gradmerge.jobs.plan`), which also settles a singular H̄_gg (θ_LLM,g
+    is then Eq. 6's minimum-norm solution, the limit δ → 0 of a δ·I prior).
+
     Args:
         base: θ_LLM.
         finetuned: θ_1, …, θ_T, each with the keys and shapes of ``base``.

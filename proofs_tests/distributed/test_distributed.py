@@ -344,6 +344,8 @@ def test_distributed_merge_equals_the_single_process_merge(main_job, workspace, 
     split = record["distributed"]["units_per_rank"]
     assert record["distributed"]["ranks"] == 2 and sum(split) == single.units and min(split) > 0
     assert not list(out.parent.glob(f".{name}.gradmerge-*"))  # no staging folder left
+    alone = json.loads((single.out_dir / f"gradmerge_{command}.json").read_text())
+    assert record["output"]["untouched"] == alone["output"]["untouched"]  # every rank's counted
     if command == "remove":  # the step, summed over the ranks, is the single process's
         alone = json.loads((single.out_dir / "gradmerge_remove.json").read_text())["step"]
         assert record["step"]["ratio"] == pytest.approx(alone["ratio"], rel=1e-12)

@@ -149,6 +149,8 @@ def test_curvature_of_an_adapter_equals_that_of_the_merged_model(bert, tmp_path)
         argv = [str(model), str(tmp_path / "d.jsonl"), str(tmp_path / f"{kind}.safetensors")]
         if kind == "full":
             argv += ["--tokenizer", str(base)]
+        else:  # over the whole materialised model (the default is its adapted parameters)
+            argv += ["--whole-model"]
         assert cli.main(["curvature", *argv, "--no-progress"]) == 0
     a, b = (load_file(str(tmp_path / f"{k}.safetensors")) for k in ("adapter", "full"))
     for key, value in b.items():

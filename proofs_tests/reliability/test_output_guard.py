@@ -264,6 +264,18 @@ CASES: dict[str, Case] = {
             "symlink": (lambda ws: _link(ws, ws / "merge.yaml"), "is", "CONFIG"),
         },
     ),
+    "materialize": Case(
+        lambda ws, out: ["materialize", str(ws / "adapter"), str(out)],
+        "OUT",
+        "folder",
+        {
+            "is": (lambda ws: ws / "adapter", "is", "ADAPTER"),
+            "inside": (lambda ws: ws / "adapter" / "full", "lies inside", "ADAPTER"),
+            "contains": (lambda ws: ws, "contains", "ADAPTER"),
+            "symlink": (lambda ws: _link(ws, ws / "adapter"), "is", "ADAPTER"),
+            "adapter base": (lambda ws: ws / "base", "is", "the base of LoRA adapter ADAPTER"),
+        },
+    ),
     "demo": Case(lambda ws, out: ["demo", "--quick", "--device", "cpu", "--out", str(out)],
                  "--out", "folder"),
     # the torchrun forms: the same declarations, applied by their own main before any rank works
