@@ -68,6 +68,13 @@ RUN_IMPORTS = {
 """What each working command's run imports beyond torch (before it reads any file)."""
 
 
+def _where(tree: Path | None) -> str:
+    """The working folder of a probe: the tree itself (``python -c`` and ``-m`` put the working
+    folder first on ``sys.path``, so that from a checkout its own package would shadow the tree
+    named on ``PYTHONPATH``); the filesystem root for torch alone."""
+    return str(tree) if tree is not None else os.sep
+
+
 def _env(tree: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -79,7 +86,12 @@ def _env(tree: Path | None) -> dict[str, str]:
 def _one(module: str, tree: Path | None, before: str = "") -> dict[str, Any]:
     code = PROBE.format(module=module, optional=OPTIONAL, before=before)
     out = subprocess.run(
-        [sys.executable, "-c", code], env=_env(tree), capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        env=_env(tree),
+        cwd=_where(tree),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -92,7 +104,10 @@ def _command(argv: tuple[str, ...], tree: Path | None) -> dict[str, Any]:
 
     start, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "gradmerge", *argv], env=_env(tree), capture_output=True
+        [sys.executable, "-m", "gradmerge", *argv],
+        env=_env(tree),
+        cwd=_where(tree),
+        capture_output=True,
     )  # not checked: the tree before may refuse --version (exit 2); the time is what counts
     end = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (end.ru_utime - start.ru_utime) + (end.ru_stime - start.ru_stime)

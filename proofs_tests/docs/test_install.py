@@ -80,10 +80,10 @@ def test_every_install_line_and_the_missing_extra_command_resolve(tmp_path):
     assert ours["download_info"]["url"] == ROOT.as_uri()  # this checkout, not an index
 
 
-def test_a_wrong_extra_or_version_is_caught(tmp_path):
-    """The check is not vacuous: a package not at hand fails, and so does an extra that does not
-    exist (pip only warns about it)."""
+def test_a_wrong_extra_or_package_is_caught(tmp_path):
+    """The check is not vacuous: an extra that does not exist fails (pip only warns about it),
+    and so does a package not at hand (``gradmerge`` itself is installed here, so another name)."""
     with pytest.raises(AssertionError, match="does not provide the extra"):
         _resolve([".[no-such-extra]"], tmp_path)
     with pytest.raises(AssertionError, match="No matching distribution"):
-        _resolve(["torch==0.0.1"], tmp_path)
+        _resolve(["gradmerge-no-such-package"], tmp_path)
