@@ -184,11 +184,11 @@ def estimate_options(args: argparse.Namespace) -> EstimateOptions:
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage); the
     estimator's options are checked by :class:`gradmerge.EstimateOptions`, whose message names
-    the option (``mc_samples`` for ``--mc-samples``)."""
+    the option as Python does (``mc_samples``), said here as the flag (``--mc-samples``)."""
     try:
         estimate_options(args)
     except ArgumentError as err:
-        parser.error(str(err))
+        parser.error(as_flags(str(err)))
     check_distributed(parser, args)
     check_sources(parser, args)
 
@@ -238,6 +238,35 @@ def execute(args: argparse.Namespace) -> int:
         f"a sum over {curvature.meta['num_examples']} examples ({time.perf_counter() - start:.1f} s)"
     )
     return 0
+
+
+OPTION_FLAGS = (
+    *("structure", "fisher", "loss", "mc_samples", "seed", "ignore_index", "kfac_approx"),
+    *("max_params", "kfac_max_factor_side"),
+)
+"""The estimator's options that are flags of ``gradmerge curvature`` (``--mc-samples``, ...)."""
+
+
+def as_flags(message: str) -> str:
+    """An :class:`~gradmerge.EstimateOptions` message in the command line's words: an option's
+    name becomes its flag, ``name='value'`` the flag and its value, an int an integer.
+
+    Example:
+        >>> as_flags("mc_samples=2 only applies to fisher='mc'; leave it at 1")
+        '--mc-samples 2 only applies to --fisher mc; leave it at 1'
+    """
+    import re
+
+    names = "|".join(OPTION_FLAGS)
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        text = "--" + name.replace("_", "-")
+        return f"{text} {value.strip(chr(39) + chr(34))}" if value else text
+
+    message = re.sub(rf"\b({names})\b(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+))?", flag, message)
+    message = re.sub(r"\bpositive int\b", "positive integer", message)
+    return message.replace("None for", "none for")
 
 
 # ----- --distributed (under torchrun) -------------------------------------------------------

@@ -182,3 +182,15 @@ def _forms(value: object) -> set[str]:
     if isinstance(value, (list, tuple)):
         forms.add(" ".join(map(str, value)))
     return forms
+
+
+def test_estimator_option_errors_say_the_flag(capsys):
+    """EstimateOptions names its options as Python does; the command line says the flags."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["curvature", "m", "d", "o", "--mc-samples", "0"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == (
+        "gradmerge curvature: error: --mc-samples must be a positive integer (labels drawn per "
+        "example for --fisher mc), got 0"
+    )
