@@ -1,8 +1,14 @@
-# One-command workflows. `make demo`, `make verify` and `make test` set up .venv on first use
-# (gradmerge with every extra: testbed, demo, hf, and the test tools).
+# One-command workflows. Each target sets up .venv with what it needs on first use, and says at
+# which step it is (pip prints what it collects and installs; nothing is silenced):
+#   make demo     torch (the CPU wheel), then gradmerge with its [demo] extra: nothing else
+#   make verify   + the [testbed] extra (sympy)
+#   make test, make lint   + every extra, the test tools and the oracles (pyproject's [test])
+# Each step leaves a stamp file in .venv, so `make demo` then `make test` installs only what is
+# missing, and a fresh clone runs any target on its own.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check
 # The CPU wheel of torch lies on disk on these machines; pin it so no multi-GB CUDA build is fetched.
 TORCH ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
@@ -11,32 +17,51 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # torch only (proofs_tests/oracles/test_fusion_bench.py), its package import Lightning, Hydra, ...
 ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 fusion-bench==0.2.33
 
-.PHONY: setup demo verify test lint format clean
+.PHONY: setup setup-demo setup-testbed demo verify test lint format clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.test        ## everything: what `make test` and `make lint` use
+setup-demo: $(VENV)/.demo
+setup-testbed: $(VENV)/.testbed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.torch:
+	@echo "==> [set-up 1] a virtual environment in $(VENV), then $(TORCH) (the CPU wheel)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q $(FIND_LINKS) "$(TORCH)"
-	$(BIN)/pip install -q $(FIND_LINKS) -e ".[test,testbed,demo,hf]"
-	$(BIN)/pip install -q $(FIND_LINKS) --no-deps $(ORACLES)
+	$(PIP) install $(FIND_LINKS) "$(TORCH)"
 	touch $@
 
-demo: setup  ## the main job: merge and un-merge models on real data (runs/demo/: table, JSON, plots)
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	@echo "==> [set-up 2] gradmerge with the demo's extra: scikit-learn, matplotlib, scipy"
+	$(PIP) install $(FIND_LINKS) -e ".[demo]"
+	touch $@
+
+$(VENV)/.testbed: $(VENV)/.torch pyproject.toml
+	@echo "==> [set-up 2] gradmerge with the testbed's extra: sympy"
+	$(PIP) install $(FIND_LINKS) -e ".[testbed]"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
+	@echo "==> [set-up 2] gradmerge with every extra and the test tools (pyproject's [test])"
+	$(PIP) install $(FIND_LINKS) -e ".[test,testbed,demo,hf]"
+	@echo "==> [set-up 3] the test oracles, without their declared dependencies: $(ORACLES)"
+	$(PIP) install $(FIND_LINKS) --no-deps $(ORACLES)
+	touch $@ $(VENV)/.demo $(VENV)/.testbed
+
+demo: $(VENV)/.demo  ## the main job: merge and un-merge models on real data (runs/demo/: table, JSON, plots)
+	@echo "==> gradmerge demo --overwrite"
 	$(BIN)/gradmerge demo --overwrite
 
-verify: setup  ## check every derivation of the appendix
+verify: $(VENV)/.testbed  ## check every derivation of the appendix
 	$(BIN)/gradmerge verify
 
-test: setup  ## the whole test suite
+test: $(VENV)/.test  ## the whole test suite
 	$(BIN)/pytest proofs_tests/
 
-lint: setup  ## ruff (lint + format) and mypy on the public package
+lint: $(VENV)/.test  ## ruff (lint + format) and mypy on the public package
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-format: setup
+format: $(VENV)/.test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 

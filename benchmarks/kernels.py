@@ -1,7 +1,7 @@
 """Does the generated C loop earn its place? End-to-end streamed diagonal merges, C loop against
 ``torch.compile``, interleaved.
 
-Issue 20 item 4: the fast diagonal path of the streaming engine (``gradmerge.kernels``) builds a C
+The question: the fast diagonal path of the streaming engine (``gradmerge.kernels``) builds a C
 loop with the system compiler (``gradmerge.kernels.native``) for CPU float32/float64 tensors, and
 uses ``torch.compile`` (inductor) everywhere else. If ``torch.compile`` comes within 10% end to
 end, the maintained JIT should be preferred and the generator deleted. Two variants of the same
@@ -29,7 +29,7 @@ Both variants' outputs are compared byte for byte. Results go to
 ``os.getloadavg()`` before and after each run; each workload names the run that measured it
 (``run``: command, commit, start, machine), as ``--update`` keeps the workloads not run now.
 
-A third workload, ``in_memory`` (issue 30 item 3), asks whether the documented function is fast as
+A third workload, ``in_memory``, asks whether the documented function is fast as
 called: ``gm.gradient_matching`` on ``--tasks`` diagonal tasks × ``--parameters`` float32
 parameters held in memory (four tensors, prior δ = 1e-3), in four variants in the same process —
 ``reference`` (``kernel=None``: the chunked pass, which compiles nothing), ``default`` (no

@@ -1171,7 +1171,7 @@ def main() -> None:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 4's target: diagonal merge throughput ≥ 0.7 of the roofline on CPU; issue 14's:
+    """The targets: diagonal merge throughput ≥ 0.7 of the roofline on CPU, and
     ≥ 0.5 of the roofline at GPT-2-sized tensors (16 × 2M floats, 4 tasks), in memory and
     streamed, with the default settings."""
     sections = {

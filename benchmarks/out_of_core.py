@@ -34,7 +34,7 @@ base, fine-tunes and curvatures) and ``task_arithmetic`` (reads base and fine-tu
    machine the disk's speed drifts, so the wall is given against both reads. The load average
    is recorded at each phase (each merge's ``load_average``).
 
-Targets (issue 31, item 7): peak RssAnon ≤ 1 GiB; merge wall ≤ 1.5× the read-once time.
+Targets: peak RssAnon ≤ 1 GiB; merge wall ≤ 1.5× the read-once time.
 
 Disk: the free space is checked first; the run refuses to start if it would leave less than
 ``--min-free-gb`` free (10 GB; 0.5 GB for ``--size tiny``, which writes a few MB), and removes

@@ -1,6 +1,6 @@
 """Text DATA at scale: tokenising time and peak memory against the size of the file.
 
-Two sections (issue 21, item 2), on a tiny BERT classifier with a word-level tokenizer
+Two sections, on a tiny BERT classifier with a word-level tokenizer
 (``proofs_tests/text_models.py``), so that reading and tokenising dominate:
 
 - ``tokenise``: a JSONL file of ``--lines`` short reviews (default 10⁶). Timed: the checking pass

@@ -3,7 +3,7 @@
 At the package's top because io, the demo and the theory testbed each check their extra through
 it (no one package is its main user).
 
-``pip install gradmerge`` brings what the merge core, curvature estimation on tensors or entry
+``pip install .`` in a clone brings what the merge core, curvature estimation on tensors or entry
 points and the checkpoint commands need (torch, numpy, safetensors, pyyaml, tqdm). Three features
 need more, each declared as an extra of ``pyproject.toml``:
 
@@ -27,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import shlex
+from pathlib import Path
 
 from gradmerge.errors import MissingExtraError
 
@@ -64,7 +66,25 @@ def require(extra: str, feature: str) -> None:
         raise MissingExtraError(
             f"{feature} needs the optional dependencies of gradmerge's '{extra}' extra, and "
             f"{', '.join(missing)} cannot be imported; install them with "
-            f"pip install 'gradmerge[{extra}]'",
+            f"{install_command(extra)}",
             extra=extra,
             missing=tuple(missing),
         )
+
+
+def install_command(extra: str) -> str:
+    """The ``pip install`` command that brings ``extra``, in the form that works: gradmerge is
+    not on the package index, so it names the source folder gradmerge runs from (an editable
+    install or a clone on ``sys.path``: ``pip install '/path/to/gradmerge[hf]'``), or, for a
+    copy installed from a wheel, ``.`` in a clone of the repository. The README's Install
+    section uses the same form (``pip install '.[hf]'``); both are resolved by the docs tests.
+
+    Example:
+        >>> install_command("hf").startswith("pip install ") and "[hf]" in install_command("hf")
+        True
+    """
+    root = Path(__file__).resolve().parent.parent
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file() and 'name = "gradmerge"' in pyproject.read_text(encoding="utf-8"):
+        return f"pip install {shlex.quote(f'{root}[{extra}]')}"
+    return f"pip install '.[{extra}]' in a clone of gradmerge's repository"

@@ -85,8 +85,17 @@ class Output:
     kind: Literal["file", "folder"] = "file"
 
 
-def check(outputs: Sequence[Output], inputs: Sequence[Input], *, overwrite: bool) -> None:
+def check(
+    outputs: Sequence[Output],
+    inputs: Sequence[Input],
+    *,
+    overwrite: bool,
+    how: str = "overwrite=True",
+) -> None:
     """Apply rules 1-3 of the module docstring to every output, before any work.
+
+    ``how``: how the caller asks to replace an output, for the messages: ``overwrite=True`` in
+    Python, ``--overwrite`` on the command line (:func:`gradmerge.commands._writes.guard`).
 
     Raises:
         OutputOverlapError: an output is, lies inside or contains an input or another output
@@ -107,7 +116,7 @@ def check(outputs: Sequence[Output], inputs: Sequence[Input], *, overwrite: bool
         refuse_overlap(output, [Input(o.role, o.path) for o in outputs[:i]], outputs=True)
     for output in outputs:
         refuse_overlap(output, inputs)
-        refuse_existing(output, overwrite)
+        refuse_existing(output, overwrite, how)
         refuse_unwritable(output)
 
 
@@ -140,25 +149,25 @@ def refuse_overlap(output: Output, inputs: Sequence[Input], *, outputs: bool = F
         )
 
 
-def refuse_existing(output: Output, overwrite: bool) -> None:
-    """Rule 2: an existing output of the other kind, or any without ``overwrite``."""
+def refuse_existing(output: Output, overwrite: bool, how: str = "overwrite=True") -> None:
+    """Rule 2: an existing output of the other kind, or any without ``overwrite`` (``how``: how
+    the caller asks for it, named in the message)."""
     path = output.path
     if not path.exists():
         return
     if output.kind == "file" and path.is_dir():
         raise OutputWriteError(
             f"{output.role} {path} is a folder; give a file name (a new file, or one to replace "
-            "with --overwrite)"
+            f"with {how})"
         )
     if output.kind == "folder" and not path.is_dir():
         raise OutputWriteError(
             f"{output.role} {path} is a file; give a folder name (a new folder, or one to "
-            "replace with --overwrite)"
+            f"replace with {how})"
         )
     if not overwrite:
         raise OutputExistsError(
-            f"{output.role} {path} exists; pass --overwrite (overwrite=True) to replace it, or "
-            "choose another path"
+            f"{output.role} {path} exists; pass {how} to replace it, or choose another path"
         )
 
 

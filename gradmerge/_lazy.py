@@ -1,6 +1,7 @@
 """Public names of a package imported on first access (PEP 562), so that importing it stays light.
 
-At the package's top because two facades use it: ``gradmerge`` itself and ``gradmerge.jobs``.
+At the package's top because three facades use it: ``gradmerge`` itself, ``gradmerge.jobs`` and
+``gradmerge.io``.
 
 Example:
     >>> import sys, types

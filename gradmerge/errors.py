@@ -78,7 +78,7 @@ class NotConvergedError(GradmergeError, RuntimeError):
 
 class MissingExtraError(GradmergeError, ImportError):
     """A feature whose optional dependencies are not installed. The message names the extra that
-    brings them (``pip install 'gradmerge[demo]'``); ``extra`` and ``missing`` (the modules that
+    brings them (``pip install '.[demo]'`` in a clone); ``extra`` and ``missing`` (the modules that
     failed to import) say the same to code."""
 
     def __init__(self, message: str, *, extra: str, missing: tuple[str, ...]) -> None:

@@ -14,16 +14,15 @@ import json
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
-from gradmerge.io import sources
-from gradmerge.io.lora import is_adapter
-from gradmerge.io.text_data import TextBatches, TextOptions
+from gradmerge.io.forms import FORMS as FORMS
+
+if TYPE_CHECKING:  # imported where used: building the parser and printing help needs no torch
+    import torch
+    from torch import nn
 
 MODEL_HELP = (
     "Hugging Face folder (or LoRA adapter folder) or module:function (an entry point RUNS that "
@@ -44,8 +43,15 @@ def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
     p.set_defaults(writes=source_writes)
 
 
-AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-"""``--autocast`` of the commands that score models (evaluate, tune)."""
+AUTOCAST = ("bfloat16", "float16")
+"""``--autocast`` of the commands that score models (evaluate, tune): names of torch dtypes."""
+
+
+def autocast_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of ``--autocast NAME`` (``None``: no autocast)."""
+    import torch
+
+    return getattr(torch, name) if name else None
 
 
 def add_autocast_argument(p: argparse.ArgumentParser) -> None:
@@ -53,7 +59,7 @@ def add_autocast_argument(p: argparse.ArgumentParser) -> None:
     ``torch.autocast`` (:func:`gradmerge.evaluation.evaluate`)."""
     p.add_argument(
         "--autocast",
-        choices=sorted(AUTOCAST),
+        choices=AUTOCAST,
         default=None,
         help="score with the forward pass under torch.autocast in this dtype (weights unchanged, "
         "logits scored in float32): 3-4x faster on CPUs with AMX and on GPUs; default: the "
@@ -71,7 +77,13 @@ def add_reading_arguments(
 
     ``max_length``: the ``type``, ``metavar`` and ``help`` of ``--max-length`` where a command
     reads it otherwise (``tune``: one per DATA); default: one whole number."""
-    p.add_argument("--loss", choices=["cross_entropy", "mse"], default="cross_entropy")
+    p.add_argument(
+        "--loss",
+        choices=["cross_entropy", "mse"],
+        default="cross_entropy",
+        help="the loss whose curvature or gradient is taken: cross_entropy (classifiers, "
+        "language models) or mse (regression); default: cross_entropy",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
     text.add_argument("--text-field", default="text", help="field of the text (default: text)")
@@ -104,7 +116,7 @@ def add_reading_arguments(
         type=int,
         default=None,
         help="use the first N examples of DATA (an entry point: default at most "
-        f"{sources.MAX_ENTRY_POINT_EXAMPLES:,}, beyond which it stops with an error)",
+        "10,000,000, beyond which it stops with an error)",
     )
     p.add_argument(
         "--model-arg",
@@ -122,8 +134,16 @@ def add_reading_arguments(
         help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable); the "
         "entry point is imported and called: it runs code, like a Python import",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--ignore-index", type=int, default=-100, help="label of ignored positions")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the model runs: auto (a GPU if there is one, else the CPU), cpu or cuda; "
+        "default: auto",
+    )
+    p.add_argument(
+        "--ignore-index", type=int, default=-100, help="label of ignored positions (default: -100)"
+    )
     p.add_argument(
         "--shift-labels",
         action="store_true",
@@ -171,10 +191,13 @@ def check_reading(
     kind, and DATA's kind (:func:`gradmerge.io.sources.model_kind`, ``data_kind``).
 
     ``data``: the DATA to check instead of ``args.data`` (commands taking several)."""
+    from gradmerge.io import sources
+    from gradmerge.io.lora import is_adapter
+
     data = args.data if data is None else data
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not _cuda():
         parser.error("--device cuda, but no CUDA device is available; use --device cpu")
     try:
         model_kinds = [(model, sources.model_kind(model)) for model in models]
@@ -214,6 +237,12 @@ def check_reading(
     return model_kinds, data_kind
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def load(
     args: argparse.Namespace, device: torch.device, *, announce: bool
 ) -> tuple[nn.Module, Iterable[Any]]:
@@ -225,6 +254,8 @@ def load(
 
 def load_model(args: argparse.Namespace, device: torch.device, spec: str) -> nn.Module:
     """MODEL ``spec`` on ``device``, in evaluation mode, read as the flags say."""
+    from gradmerge.io import sources
+
     model_arguments = dict(map(sources.parse_argument, args.model_arg))
     model = sources.load_model(
         spec,
@@ -241,6 +272,9 @@ def load_data(
     """DATA ``data_spec``'s batches for ``model`` (MODEL ``spec``: text is tokenised with its
     tokenizer); with ``announce``, what was read (text: examples, tokens, truncation) and a
     warning about unshifted labels, on stderr."""
+    from gradmerge.io import sources
+    from gradmerge.io.text_data import TextBatches, TextOptions
+
     base = _adapter_base(args, spec)
     data = sources.load_data(
         data_spec,
@@ -264,6 +298,8 @@ def _adapter_base(args: argparse.Namespace, spec: str) -> str | None:
     """``--adapter-base`` for MODEL ``spec`` when it is a LoRA adapter folder, else ``None``."""
     if args.adapter_base is None or (":" in spec and not Path(spec).is_dir()):
         return None
+    from gradmerge.io.lora import is_adapter
+
     return str(args.adapter_base) if is_adapter(spec) else None
 
 
@@ -279,6 +315,8 @@ def _text_options(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
 
 def _text_flags(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
     """(flag, value, default) of the flags that apply to text DATA only."""
+    from gradmerge.io.text_data import TextOptions
+
     defaults = TextOptions()
     flags = [(flag, value, getattr(defaults, key)) for key, flag, value in _text_options(args)]
     return [*flags, ("--tokenizer", args.tokenizer, None)]
@@ -298,6 +336,9 @@ def provenance(
 
     ``model_spec``, ``data_spec``: the MODEL and DATA instead of ``args.model`` and ``args.data``
     (commands taking several)."""
+    from gradmerge.io import sources
+    from gradmerge.io.text_data import TextBatches
+
     spec = args.model if model_spec is None else model_spec
     meta = sources.provenance(
         spec,
@@ -350,6 +391,8 @@ class _Passes:
 def _examples(data: Iterable[Any]) -> int | None:
     """How many examples ``data`` holds, when it knows (tensor and text files; an entry point's
     ``--max-examples``, at most)."""
+    from gradmerge.io.text_data import TextBatches
+
     if isinstance(data, TextBatches):
         return data.examples
     rows = getattr(data, "rows", None)

@@ -57,7 +57,8 @@ def guard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except GradmergeError:
         return
     try:
-        check(writes.outputs, writes.inputs, overwrite=bool(getattr(args, "overwrite", False)))
+        overwrite = bool(getattr(args, "overwrite", False))
+        check(writes.outputs, writes.inputs, overwrite=overwrite, how="--overwrite")
     except GradmergeError as err:
         parser.error(str(err))
 

@@ -11,34 +11,27 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from gradmerge._devices import resolve_device
 from gradmerge.commands._inputs import (
+    FORMS,
     add_source_arguments,
     check_sources,
     load,
     progress,
     provenance,
 )
-from gradmerge.distributed.errors import DistributedError
-from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
-from gradmerge.distributed.estimate import estimate_with as distributed_estimate
-from gradmerge.distributed.launch import init_from_env, rank_device, save_on_rank0
-from gradmerge.distributed.shard import shard
 from gradmerge.errors import ArgumentError
-from gradmerge.estimate import estimate_with
-from gradmerge.estimate.options import (
-    MAX_FACTOR_SIDE,
-    EstimateOptions,
-    Fisher,
-    KFACApprox,
-    Structure,
-)
-from gradmerge.io import sources
+
+if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
+    from gradmerge.estimate.options import EstimateOptions
+
+# the choices of gradmerge.estimate.options (Structure, Fisher, KFACApprox, MAX_FACTOR_SIDE),
+# written out so that building the parser imports no torch; a test checks they are the same
+STRUCTURES = ("diag", "kfac", "full")
+FISHERS = ("empirical", "mc", "ggn", "hessian")
+KFAC_APPROXES = ("expand", "reduce")
+MAX_FACTOR_SIDE = 16384
 
 DESCRIPTION = """\
 H_t = Σ_i ∇²ℓ_i (or its Fisher/GGN), a SUM over the examples of DATA, at the weights of MODEL
@@ -126,17 +119,32 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES + "\n" + DISTRIBUTED_EPILOG,
     )
     add_source_arguments(p, "curvature file to write (.safetensors)")
-    p.add_argument("--structure", choices=[s.value for s in Structure], default="diag")
+    p.add_argument(
+        "--structure",
+        choices=STRUCTURES,
+        default="diag",
+        help="diag (one number per parameter), kfac (Kronecker factors per Linear, Conv2d, "
+        "Embedding layer; a diagonal block elsewhere) or full (a dense matrix, small models "
+        "only: --max-params); default: diag",
+    )
     p.add_argument(
         "--fisher",
-        choices=[f.value for f in Fisher],
+        choices=FISHERS,
         default="empirical",
         help="empirical (observed labels), mc (sampled labels), ggn (exact GGN), "
         "hessian (--structure full only); default: empirical",
     )
-    p.add_argument("--mc-samples", type=int, default=1, help="labels drawn per example (mc)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws")
-    p.add_argument("--kfac-approx", choices=[a.value for a in KFACApprox], default="expand")
+    p.add_argument(
+        "--mc-samples", type=int, default=1, help="labels drawn per example (mc; default: 1)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws (default: 0)")
+    p.add_argument(
+        "--kfac-approx",
+        choices=KFAC_APPROXES,
+        default="expand",
+        help="--structure kfac, weight sharing over sequence positions: expand (each position "
+        "an example of the layer) or reduce (positions summed first); default: expand",
+    )
     p.add_argument(
         "--kfac-max-factor-side",
         "--kfac-max-side",  # the flag's first name: an alias, still accepted
@@ -149,7 +157,10 @@ def add_parser(sub: Any) -> None:
         f"'none': no limit; default: {MAX_FACTOR_SIDE}",
     )
     p.add_argument(
-        "--max-params", type=int, default=20_000, help="largest model --structure full takes"
+        "--max-params",
+        type=int,
+        default=20_000,
+        help="largest model --structure full takes (default: 20000)",
     )
     p.add_argument(
         "--whole-model",
@@ -168,6 +179,8 @@ def estimate_options(args: argparse.Namespace) -> EstimateOptions:
     Raises:
         ArgumentError: flags the options refuse (:class:`gradmerge.EstimateOptions`).
     """
+    from gradmerge.estimate.options import EstimateOptions
+
     return EstimateOptions(
         structure=args.structure,
         fisher=args.fisher,
@@ -184,11 +197,11 @@ def estimate_options(args: argparse.Namespace) -> EstimateOptions:
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject unusable arguments before any work (argparse error: exit 2 with usage); the
     estimator's options are checked by :class:`gradmerge.EstimateOptions`, whose message names
-    the option (``mc_samples`` for ``--mc-samples``)."""
+    the option as Python does (``mc_samples``), said here as the flag (``--mc-samples``)."""
     try:
         estimate_options(args)
     except ArgumentError as err:
-        parser.error(str(err))
+        parser.error(as_flags(str(err)))
     check_distributed(parser, args)
     check_sources(parser, args)
     if args.whole_model and not _is_adapter(args.model):
@@ -253,6 +266,10 @@ def execute(args: argparse.Namespace) -> int:
     :mod:`gradmerge.errors` on bad input (see :mod:`gradmerge.io.sources`)."""
     if getattr(args, "distributed", False):  # under torchrun: gradmerge.distributed's path
         return run_distributed(args)
+    import torch
+
+    from gradmerge._devices import resolve_device
+    from gradmerge.estimate import estimate_with
 
     start = time.perf_counter()
     device = resolve_device(args.device)
@@ -286,6 +303,35 @@ def execute(args: argparse.Namespace) -> int:
         f"a sum over {curvature.meta['num_examples']} examples ({time.perf_counter() - start:.1f} s)"
     )
     return 0
+
+
+OPTION_FLAGS = (
+    *("structure", "fisher", "loss", "mc_samples", "seed", "ignore_index", "kfac_approx"),
+    *("max_params", "kfac_max_factor_side"),
+)
+"""The estimator's options that are flags of ``gradmerge curvature`` (``--mc-samples``, ...)."""
+
+
+def as_flags(message: str) -> str:
+    """An :class:`~gradmerge.EstimateOptions` message in the command line's words: an option's
+    name becomes its flag, ``name='value'`` the flag and its value, an int an integer.
+
+    Example:
+        >>> as_flags("mc_samples=2 only applies to fisher='mc'; leave it at 1")
+        '--mc-samples 2 only applies to --fisher mc; leave it at 1'
+    """
+    import re
+
+    names = "|".join(OPTION_FLAGS)
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        text = "--" + name.replace("_", "-")
+        return f"{text} {value.strip(chr(39) + chr(34))}" if value else text
+
+    message = re.sub(rf"\b({names})\b(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+))?", flag, message)
+    message = re.sub(r"\bpositive int\b", "positive integer", message)
+    return message.replace("None for", "none for")
 
 
 # ----- --distributed (under torchrun) -------------------------------------------------------
@@ -328,7 +374,8 @@ def add_distributed_options(p: argparse.ArgumentParser) -> None:
         "--backend",
         choices=["auto", "gloo", "nccl"],
         default="auto",
-        help="collective backend of the sums (--distributed; default: gloo on CPU, NCCL on CUDA)",
+        help="collective backend of the sums (--distributed): gloo, nccl, or auto (default): gloo on "
+        "CPU, NCCL on CUDA",
     )
 
 
@@ -349,6 +396,8 @@ def check_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace)
         return
     if args.timeout is not None and not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    import torch.distributed as dist
+
     if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         parser.error(
             "--distributed runs under torchrun (RANK/WORLD_SIZE are not set), e.g. "
@@ -363,6 +412,14 @@ def run_distributed(args: argparse.Namespace) -> int:
     What ``gradmerge curvature --distributed`` and ``-m gradmerge.commands.distributed curvature`` run;
     ``args`` are that parser's (:func:`add_distributed_options` included).
     """
+    import torch.distributed as dist
+
+    from gradmerge.distributed.errors import DistributedError
+    from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
+    from gradmerge.distributed.estimate import estimate_with as distributed_estimate
+    from gradmerge.distributed.launch import init_from_env, rank_device, save_on_rank0
+    from gradmerge.distributed.shard import shard
+
     start = time.perf_counter()
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT.total_seconds()
@@ -404,4 +461,4 @@ def run_distributed(args: argparse.Namespace) -> int:
 # ----- helpers --------------------------------------------------------------------------------
 def _help_text() -> str:
     """The command's description, then the forms of MODEL and DATA."""
-    return DESCRIPTION + "\n" + sources.FORMS
+    return DESCRIPTION + "\n" + FORMS

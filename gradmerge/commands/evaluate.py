@@ -26,11 +26,11 @@ if TYPE_CHECKING:
     from gradmerge.evaluation import Evaluation
 
 from gradmerge.commands._inputs import (
-    AUTOCAST,
     DATA_HELP,
     MODEL_HELP,
     add_autocast_argument,
     add_reading_arguments,
+    autocast_dtype,
     check_reading,
     load_data,
     load_model,
@@ -345,7 +345,7 @@ def _score(
         loss=args.loss,
         ignore_index=args.ignore_index,
         device=device,
-        autocast=AUTOCAST.get(args.autocast or ""),
+        autocast=autocast_dtype(args.autocast),
     )
     return (result if order is None else result.in_order(order)), data
 

@@ -12,12 +12,8 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
-from gradmerge._devices import resolve_device
 from gradmerge.commands._inputs import (
     add_source_arguments,
     check_sources,
@@ -25,6 +21,9 @@ from gradmerge.commands._inputs import (
     progress,
     provenance,
 )
+
+if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
+    from torch import Tensor
 
 FORMAT = "gradmerge-gradient/1"
 DESCRIPTION = """\
@@ -79,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Load, differentiate, save atomically; print one summary line."""
+    import torch
+
     import gradmerge as gm
+    from gradmerge._devices import resolve_device
     from gradmerge.errors import NonFiniteError
 
     start = time.perf_counter()

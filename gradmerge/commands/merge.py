@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradmerge.jobs.methods import help_table, names
-
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
 
@@ -42,20 +40,21 @@ examples:
 
 def epilog() -> str:
     """The help's text, its method names, keys and method table from the registry and the
-    settings' declarations (:mod:`gradmerge.jobs.config`)."""
+    settings' declarations (:mod:`gradmerge.jobs.config`), as :mod:`gradmerge.commands._job_help`
+    holds them (no torch)."""
     import textwrap
 
-    from gradmerge.jobs.config import help_keys
+    from gradmerge.commands._job_help import TEXTS
 
     keys = textwrap.fill(
-        f"Every key ({help_keys('merge')}) is described once, with examples, in docs/config.md "
+        f"Every key ({TEXTS['merge_keys']}) is described once, with examples, in docs/config.md "
         "of the gradmerge repository.",
         width=98,
     )
     return (
-        EPILOG.replace("{method_names}", " | ".join(names("merge")))
+        EPILOG.replace("{method_names}", TEXTS["merge_method_names"])
         .replace("{keys}", keys)
-        .replace("{methods}", help_table("merge"))
+        .replace("{methods}", TEXTS["merge_methods"])
     )
 
 

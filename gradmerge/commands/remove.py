@@ -72,16 +72,16 @@ examples:
 
 
 def epilog() -> str:
-    """The help's text, the shared options' keys from their declarations."""
+    """The help's text, the shared options' keys from their declarations
+    (:mod:`gradmerge.commands._job_help` holds them: no torch)."""
     import textwrap
 
-    from gradmerge.jobs.options import Options
-    from gradmerge.settings import declared
+    from gradmerge.commands._job_help import TEXTS
 
     return EPILOG.replace(
         "{options}",
         textwrap.fill(
-            f"Both also take the options of merges ({', '.join(declared(Options))}); every key "
+            f"Both also take the options of merges ({TEXTS['remove_options']}); every key "
             "is described once, with examples, in docs/config.md of the gradmerge repository.",
             width=96,
             initial_indent="  ",

@@ -12,19 +12,23 @@ import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gradmerge.commands._inputs import (
-    AUTOCAST,
     DATA_HELP,
     add_autocast_argument,
     add_reading_arguments,
+    autocast_dtype,
     check_reading,
 )
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
-from gradmerge.jobs.tune import CRITERIA
+
+if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
+    import torch
+
+CRITERIA = ("loss", "mismatch")
+"""gradmerge.jobs.tune.CRITERIA, written out so that the parser imports no torch (a test checks
+they are the same)."""
 
 FORMAT = "gradmerge-tune/1"
 DESCRIPTION = """\
@@ -514,7 +518,7 @@ class Scorer:
             loss=args.loss,
             ignore_index=args.ignore_index,
             device=self.device,
-            autocast=AUTOCAST.get(args.autocast or ""),
+            autocast=autocast_dtype(args.autocast),
         )
 
     def read(self, folder: Path, model: torch.nn.Module | None = None) -> None:
@@ -557,6 +561,8 @@ class Scorer:
                     "merged model; give globs of its head's names, e.g. 'classifier.*'"
                 )
             self.heads[t] = fine_tuned_weights(self.sources[t], like, self.args.allow_new_weights)
+        import torch
+
         with torch.no_grad():
             for name, value in self.heads[t].items():
                 model.get_parameter(name).copy_(value)

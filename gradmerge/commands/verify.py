@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 
 def add_parser(sub: Any) -> None:
     """Register ``gradmerge verify``."""
@@ -91,6 +89,8 @@ def _studies(studies: Any, problems: int) -> dict:
     print(
         f"  Eq. 13 is closer than Koh & Liang on {removal['eq13_closer']} of {removal['problems']}"
     )
+    import numpy as np
+
     med = {m: float(np.median([o[m] for o in orders])) for m in orders[0]}
     print(
         "\nOrder of the error in the task-vector size (H_0 → λH_0, fitted over λ = 30c..300c, "

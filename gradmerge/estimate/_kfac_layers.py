@@ -174,9 +174,9 @@ def select_layers(
     if too_large:
         warnings.warn(
             f"K-FAC gives no Kronecker factors to {', '.join(too_large)}: a factor side above "
-            f"the limit of {kfac_max_factor_side}; gm.estimate_curvature covers their parameters "
-            "with a diagonal block. To keep them on K-FAC, raise the limit "
-            "(gm.estimate_curvature's kfac_max_factor_side; None for no limit).",
+            f"the limit of {kfac_max_factor_side}; a diagonal block covers their parameters. To "
+            "keep them on K-FAC, raise the limit (--kfac-max-factor-side N, 'none' for no limit; "
+            "in Python, kfac_max_factor_side).",
             stacklevel=3,
         )
     return layers

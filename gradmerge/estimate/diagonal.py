@@ -207,7 +207,7 @@ def _select(model: nn.Module, params: Sequence[str] | None) -> dict[str, nn.Para
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not trainable:
         raise ArgumentError(
-            "the model has no trainable parameters (requires_grad=True): nothing to estimate"
+            "the model has no trainable parameters (none requires a gradient): nothing to estimate"
         )
     params = check_params(params)
     if params is None:

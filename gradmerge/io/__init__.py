@@ -11,7 +11,10 @@
   :mod:`~gradmerge.io.models` (Hugging Face folders, adapters), :mod:`~gradmerge.io.data` (tensor
   files, bounded entry points), :mod:`~gradmerge.io.entry_points` (``module:function``) and
   :mod:`~gradmerge.io.text_data` (JSONL/CSV/TXT text, tokenised);
-- :mod:`~gradmerge.io.fingerprint` — fingerprints of a checkpoint's weight values.
+- :mod:`~gradmerge.io.fingerprint` — fingerprints of a checkpoint's weight values;
+- :mod:`~gradmerge.io.forms` — the forms of MODEL and DATA, for the commands' help.
+
+The names above load on first access, so that the command line's help imports no torch.
 
 This layer imports no job (:mod:`gradmerge.jobs`) and no estimator (:mod:`gradmerge.estimate`).
 
@@ -20,7 +23,24 @@ Example:
     >>> ckpt = open_checkpoint("model.safetensors")                   # doctest: +SKIP
 """
 
-from gradmerge.io.reader import Checkpoint, open_checkpoint
-from gradmerge.io.writer import ShardedWriter, staged_output
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gradmerge._lazy import lazy_names
+
+if TYPE_CHECKING:  # loaded on first access (PEP 562), so that gradmerge.io.forms needs no torch
+    from gradmerge.io.reader import Checkpoint, open_checkpoint
+    from gradmerge.io.writer import ShardedWriter, staged_output
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "open_checkpoint": "gradmerge.io.reader",
+        "Checkpoint": "gradmerge.io.reader",
+        "ShardedWriter": "gradmerge.io.writer",
+        "staged_output": "gradmerge.io.writer",
+    },
+)
 
 __all__ = ["open_checkpoint", "Checkpoint", "ShardedWriter", "staged_output"]

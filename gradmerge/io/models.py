@@ -105,7 +105,7 @@ def hugging_face_model(folder: Path, *, allow_new_weights: bool = False) -> nn.M
     Raises:
         FileFormatError: no ``config.json``, no class, no safetensors weights; weights missing,
             unexpected or of another shape (named, with the fix).
-        MissingExtraError: transformers is not installed (``pip install 'gradmerge[hf]'``).
+        MissingExtraError: transformers is not installed (``pip install '.[hf]'`` in a clone).
     """
     require("hf", f"the Hugging Face model folder {folder}")
     import transformers

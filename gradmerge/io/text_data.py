@@ -203,7 +203,7 @@ def load_tokenizer(folder: str) -> Any:
     Raises:
         ArgumentError: ``folder`` is not a folder, or holds no tokenizer files.
         MissingExtraError: transformers or tokenizers is not installed
-            (``pip install 'gradmerge[hf]'``).
+            (``pip install '.[hf]'`` in a clone).
     """
     if not Path(folder).is_dir():
         raise ArgumentError(

@@ -149,8 +149,8 @@ def test_the_command_prints_each_warning_on_one_line(setup, tmp_path):  # noqa: 
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "warning" in line]
     assert [line.split(": ")[1] for line in lines] == ["warning", "warning"], done.stderr
-    assert lines[0].startswith("gradmerge: warning: --criterion mismatch is a diagnostic")
-    assert lines[1].startswith("gradmerge: warning: the chosen setting is at the")
+    assert lines[0].startswith("gradmerge tune: warning: --criterion mismatch is a diagnostic")
+    assert lines[1].startswith("gradmerge tune: warning: the chosen setting is at the")
     assert ".py:" not in done.stderr and "warnings.warn" not in done.stderr
 
 

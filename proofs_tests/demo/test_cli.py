@@ -83,7 +83,7 @@ def test_existing_out_needs_overwrite(tmp_path, capsys, no_study):
         cli.main(["demo", "--quick", "--out", str(out)])
     assert exit_info.value.code == 2
     assert "--overwrite" in capsys.readouterr().err
-    with pytest.raises(gm.OutputExistsError, match="exists; pass --overwrite"):
+    with pytest.raises(gm.OutputExistsError, match="exists; pass overwrite=True"):
         run_demo(out, quick=True, log=None)
     assert (out / "old.txt").read_text() == "old"
 

@@ -162,7 +162,7 @@ def test_existing_output_is_refused_and_replaced_only_when_asked(ws, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match="pass overwrite=True to replace it"):
         run_merge(_gm_config(ws), out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
     run_merge(_gm_config(ws), out, overwrite=True, progress=False)

@@ -1,4 +1,4 @@
-"""The optional extras: ``pip install gradmerge`` (torch, numpy, safetensors, pyyaml, tqdm) imports
+"""The optional extras: ``pip install .`` (torch, numpy, safetensors, pyyaml, tqdm) imports
 and merges, in memory and through the command line; the testbed (sympy), the demo (scikit-learn,
 matplotlib, scipy) and Hugging Face folders and text (transformers, tokenizers) each raise a
 :class:`gradmerge.MissingExtraError` naming the extra to install when its modules are missing.
@@ -23,6 +23,9 @@ import torch
 import gradmerge as gm
 from gradmerge import _extras
 from gradmerge.errors import MissingExtraError
+
+SOURCE = Path(gm.__file__).resolve().parent.parent
+"""The checkout the tests run from: the missing-extra message names it (``pip install '.[x]'``)."""
 
 OPTIONAL = tuple(module for modules in _extras.EXTRAS.values() for module in modules)
 
@@ -163,7 +166,7 @@ def test_commands_without_their_extra_name_it(tmp_path, argv, extra):
     )
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert f"gradmerge {argv[0]}: error:" in done.stderr
-    assert f"pip install 'gradmerge[{extra}]'" in done.stderr
+    assert f"pip install '{SOURCE}[{extra}]'" in done.stderr  # a form pip accepts (test_install.py)
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "demo-out").exists()
 
@@ -201,7 +204,7 @@ def test_python_entry_points_without_their_extra_raise_the_typed_error(tmp_path)
     raised = json.loads(done.stdout.strip().splitlines()[-1])
     assert {code: extra for code, (extra, _) in raised.items()} == ENTRY_POINTS
     for code, (extra, message) in raised.items():
-        assert f"pip install 'gradmerge[{extra}]'" in message, code
+        assert f"pip install '{SOURCE}[{extra}]'" in message, code
 
 
 def test_require_names_every_missing_module(monkeypatch):

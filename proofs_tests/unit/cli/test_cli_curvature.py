@@ -234,12 +234,12 @@ def test_tensor_batches_shift_and_mask():
     [
         (
             ["--structure", "diag", "--fisher", "hessian"],
-            "fisher='hessian' is available for structure='full'",
+            "--fisher hessian is available for --structure full",
         ),
-        (["--mc-samples", "0"], "mc_samples must be a positive int"),
+        (["--mc-samples", "0"], "--mc-samples must be a positive integer"),
         (
             ["--kfac-max-factor-side", "none", "--max-params", "0"],
-            "max_params must be a positive int",
+            "--max-params must be a positive integer",
         ),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
     ],
