@@ -19,6 +19,7 @@ from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.errors import (
     ArgumentError,
+    ComparisonError,
     ConfigError,
     DeviceError,
     DTypeError,
@@ -200,6 +201,7 @@ __all__ = [
     "NotPositiveDefiniteError",
     "ResultOverflowError",
     "ArgumentError",
+    "ComparisonError",
     "RemovedArgumentError",
     # checkpoint files: lazy reading (gm.io), streaming merges and removals (gm.jobs)
     "io",

@@ -24,6 +24,8 @@ from gradmerge.commands._inputs import (
 from gradmerge.errors import ArgumentError
 
 if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
+    import torch
+
     from gradmerge.estimate.options import EstimateOptions
 
 # the choices of gradmerge.estimate.options (Structure, Fisher, KFACApprox, MAX_FACTOR_SIDE),

@@ -391,7 +391,7 @@ def autocast_ready(args: argparse.Namespace, model: nn.Module, spec: str) -> nn.
     stderr, with the memory it costs."""
     from gradmerge.evaluation import autocast_conflict
 
-    dtype = AUTOCAST.get(args.autocast or "")
+    dtype = autocast_dtype(args.autocast)
     stored = autocast_conflict(model, dtype)
     if stored is None:
         return model
