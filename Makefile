@@ -11,7 +11,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # torch only (proofs_tests/oracles/test_fusion_bench.py), its package import Lightning, Hydra, ...
 ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 fusion-bench==0.2.33
 
-.PHONY: setup demo verify test lint format clean
+.PHONY: setup demo tutorial verify test lint format clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup  ## the main job: merge and un-merge models on real data (runs/demo/: table, JSON, plots)
 	$(BIN)/gradmerge demo --overwrite
+
+tutorial: setup  ## docs/tutorial.md run as written: every block in order, in a fresh runs/tutorial
+	rm -rf runs/tutorial
+	$(BIN)/python docs/tutorial.py runs/tutorial
 
 verify: setup  ## check every derivation of the appendix
 	$(BIN)/gradmerge verify
