@@ -45,7 +45,8 @@ seeds (resampling the test texts of each task); a plot. Each seed has its own fi
 and F_0 are shared).
 
     python -m benchmarks.paper_recipe                 # full study: results/paper-recipe-cpu.json
-    python -m benchmarks.paper_recipe --quick         # ≤ 2 min smoke run (the test suite runs it)
+    python -m benchmarks.paper_recipe --quick         # ≤ 2 min smoke run (the test suite runs it;
+                                                      # its gradmerge steps run in-process)
 """
 
 from __future__ import annotations

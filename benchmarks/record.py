@@ -163,7 +163,7 @@ ABSOLUTE = re.compile(r"(?:(?<=[\s='\"])|^)(/[^\s'\"]*)")
 def portable(text: str, folders: Mapping[str, str] | None = None) -> str:
     """The command line ``text`` without machine paths: every absolute path under the
     repository becomes relative to it, one under a named folder of ``folders`` (name → absolute
-    path, e.g. ``{"WORK": "/work/runs/if"}``) becomes ``NAME/rest``, any other becomes
+    path, e.g. ``{"WORK": "/scratch/runs"}``) becomes ``NAME/rest``, any other becomes
     ``TMP/`` + its last component. Committed records name no folder of the machine that ran them.
 
     Example:

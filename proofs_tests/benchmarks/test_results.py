@@ -219,7 +219,7 @@ def _commands(value, found):
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
 def test_committed_commands_name_no_machine_path(path):
     """No ``command`` in a committed record (the top one or a logged step's) holds an absolute
-    path such as /tmp/…, /work/… or /root/…: they name the machine that ran, not the run."""
+    path (a temporary folder, a work or home folder): they name the machine that ran, not the run."""
     commands = _commands(json.loads(path.read_text(encoding="utf-8")), [])
     assert commands
     assert [c for c in commands if R.ABSOLUTE.search(c)] == []
