@@ -17,11 +17,12 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # torch only (proofs_tests/oracles/test_fusion_bench.py), its package import Lightning, Hydra, ...
 ORACLES ?= backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 fusion-bench==0.2.33
 
-.PHONY: setup setup-demo setup-testbed demo verify test lint format clean
+.PHONY: setup setup-demo setup-testbed setup-hf demo tutorial verify test lint format clean
 
 setup: $(VENV)/.test        ## everything: what `make test` and `make lint` use
 setup-demo: $(VENV)/.demo
 setup-testbed: $(VENV)/.testbed
+setup-hf: $(VENV)/.hf
 
 $(VENV)/.torch:
 	@echo "==> [set-up 1] a virtual environment in $(VENV), then $(TORCH) (the CPU wheel)"
@@ -39,16 +40,25 @@ $(VENV)/.testbed: $(VENV)/.torch pyproject.toml
 	$(PIP) install $(FIND_LINKS) -e ".[testbed]"
 	touch $@
 
+$(VENV)/.hf: $(VENV)/.torch pyproject.toml
+	@echo "==> [set-up 2] gradmerge with the Hugging Face extra: transformers, tokenizers"
+	$(PIP) install $(FIND_LINKS) -e ".[hf]"
+	touch $@
+
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	@echo "==> [set-up 2] gradmerge with every extra and the test tools (pyproject's [test])"
 	$(PIP) install $(FIND_LINKS) -e ".[test,testbed,demo,hf]"
 	@echo "==> [set-up 3] the test oracles, without their declared dependencies: $(ORACLES)"
 	$(PIP) install $(FIND_LINKS) --no-deps $(ORACLES)
-	touch $@ $(VENV)/.demo $(VENV)/.testbed
+	touch $@ $(VENV)/.demo $(VENV)/.testbed $(VENV)/.hf
 
 demo: $(VENV)/.demo  ## the main job: merge and un-merge models on real data (runs/demo/: table, JSON, plots)
 	@echo "==> gradmerge demo --overwrite"
 	$(BIN)/gradmerge demo --overwrite
+
+tutorial: $(VENV)/.hf  ## docs/tutorial.md run as written: every block in order, in a fresh runs/tutorial
+	rm -rf runs/tutorial
+	$(BIN)/python docs/tutorial.py runs/tutorial
 
 verify: $(VENV)/.testbed  ## check every derivation of the appendix
 	$(BIN)/gradmerge verify

@@ -18,7 +18,7 @@ GPT-2 of width 64 and depth 2 over 2 × 32 tokens; 7B-shaped layers scaled to hi
 script cannot rot: ``proofs_tests/benchmarks/test_device_check.py`` runs it in the test suite.
 
     python -m benchmarks.device_check                  # on a GPU machine, ≤ 8 minutes
-    python -m benchmarks.device_check --quick --out /tmp/check.json
+    python -m benchmarks.device_check --quick --out /tmp/check.json   # default: a temp folder
 
 The JSON is the suite's record (``benchmarks.record``): its ``results`` hold the device, the
 mode, each step's figures, ``ok`` and ``complete``; it is rewritten whole after every step.
@@ -229,14 +229,29 @@ def step_diagonal(folder: Path, device: str, quick: bool) -> dict[str, Any]:
     return result
 
 
+def default_out(quick: bool) -> Path:
+    """Where the record goes without ``--out``: the committed record (``RESULT``) for the full
+    check; for ``--quick`` a new temporary folder, never ``benchmarks/results/`` (a toy run is
+    no result; pass ``--out`` to keep it)."""
+    if not quick:
+        return RESULT
+    return Path(tempfile.mkdtemp(prefix="device-check-quick-")) / "device-check-quick.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes on the CPU, in seconds")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the record to write (default: benchmarks/results/device-check.json; with --quick "
+        "a temporary folder, never benchmarks/results/)",
+    )
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    out = args.out or (RESULT.with_name("device-check-quick.json") if args.quick else RESULT)
+    out = args.out or default_out(args.quick)
     record_run = Run("device_check", settings=vars(args))
     report: dict[str, Any] = {
         "device": device_name(device),

@@ -141,7 +141,8 @@ def agreement(base: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
             (key,) = layer["keys"]
             compare(want["tensors"][key], layer["scale"])
     window = report["delta_window"]
-    for w, g in zip(base["window"], (window["low"], window["high"]), strict=True):
+    bounds = (window["not_fisher_from"], window["not_arithmetic_up_to"])
+    for w, g in zip(base["window"], bounds, strict=True):
         worst = max(worst, abs(g - w) / abs(w))
         compared += 1
     return {"numbers": compared, "max_relative_difference": worst, "exact": worst == 0.0}

@@ -193,7 +193,7 @@ class Study:
         self.added = list(ADDED[: args.datasets])
         self.work: Path = args.work
         self.log: list[dict[str, Any]] = []
-        self.cli = CLI(self.log)
+        self.cli = CLI(self.log, in_process=args.quick)
         self.timings: dict[str, float] = {}
         self.sets = [BASE, *self.added]
         self.data_file = build(self.work / "data")

@@ -45,7 +45,8 @@ seeds (resampling the test texts of each task); a plot. Each seed has its own fi
 and F_0 are shared).
 
     python -m benchmarks.paper_recipe                 # full study: results/paper-recipe-cpu.json
-    python -m benchmarks.paper_recipe --quick         # ≤ 2 min smoke run (the test suite runs it)
+    python -m benchmarks.paper_recipe --quick         # ≤ 2 min smoke run (the test suite runs it;
+                                                      # its gradmerge steps run in-process)
 """
 
 from __future__ import annotations
@@ -291,15 +292,19 @@ def with_head(merged: Path, task_model: Path, out: Path) -> Path:
 class CLI:
     """``gradmerge ...`` (and ``mergekit-yaml ...``) as subprocesses, two at a time where they
     are independent (each process pays ~2 s of single-threaded imports); every command and its
-    time are recorded."""
+    time are recorded. ``in_process`` (the ``--quick`` runs): each ``gradmerge`` command runs in
+    this process instead, one at a time, by :func:`benchmarks.inprocess.run_cli` — the same exit
+    status, output and files, without a process's imports (``mergekit-yaml`` stays a
+    subprocess)."""
 
     JOBS = 2
 
-    def __init__(self, log: list[dict[str, Any]]) -> None:
+    def __init__(self, log: list[dict[str, Any]], *, in_process: bool = False) -> None:
         here = Path(sys.executable).parent
         self.exe = shutil.which("gradmerge") or str(here / "gradmerge")
         self.mergekit_exe = shutil.which("mergekit-yaml") or str(here / "mergekit-yaml")
         self.log = log
+        self.in_process = in_process
 
     def __call__(self, *args: str | Path) -> str:
         (out,) = self.all([args])
@@ -319,6 +324,8 @@ class CLI:
         stdout or the error it failed with, and its wall seconds, in order."""
         threads = max(1, (os.cpu_count() or 1) // max(1, min(self.JOBS, len(cmds))))
         env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+        if self.in_process:
+            return [self.run_here(cmd, env, threads) for cmd in cmds]
         pending = list(enumerate(cmds))
         running: dict[int, tuple[subprocess.Popen[str], float, Any, Any]] = {}
         results: dict[int, tuple[str | RuntimeError, float]] = {}
@@ -346,6 +353,25 @@ class CLI:
                 failure = RuntimeError(f"{line} failed ({proc.returncode}):\n{stderr[-3000:]}")
                 results[i] = (stdout if proc.returncode == 0 else failure, seconds)
         return [results[i] for i in range(len(cmds))]
+
+    def run_here(
+        self, cmd: list[str], env: dict[str, str], threads: int
+    ) -> tuple[str | RuntimeError, float]:
+        """One command of :meth:`run` in this process (a ``gradmerge`` one, with the
+        ``threads`` its subprocess would get) or as a subprocess (any other): stdout or the error,
+        and its wall seconds."""
+        from benchmarks.inprocess import run_cli
+
+        line = " ".join([Path(cmd[0]).name, *cmd[1:]])
+        start = time.perf_counter()
+        if cmd[0] == self.exe:
+            done: Any = run_cli(cmd[1:], env={"HF_HUB_OFFLINE": "1"}, threads=threads)
+        else:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - start
+        self.log.append({"command": line, "seconds": seconds})
+        failure = RuntimeError(f"{line} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return (done.stdout if done.returncode == 0 else failure), seconds
 
     def mergekit(self, config: Path, out: Path, *extra: str) -> list[str]:
         """The ``mergekit-yaml CONFIG OUT`` command, as its documentation runs it."""
@@ -444,7 +470,7 @@ class Study:
         self.args = args
         self.work: Path = args.work
         self.log: list[dict[str, Any]] = []
-        self.cli = CLI(self.log)
+        self.cli = CLI(self.log, in_process=args.quick)
         self.data = load_data()
         self.tasks = list(args.tasks)
         self.timings: dict[str, float] = {}

@@ -20,6 +20,7 @@ A benchmark builds it in three steps::
     results = {...}                             # measure
     write_result(path, run.finish(results))     # load after, seconds; validated, written atomically
 
+``write_result`` writes every ``command`` string without machine paths (:func:`portable`);
 ``write_result(path, record, figure=draw)`` also writes the study's plot beside it (``.png``),
 drawn into a temporary file first: the suite's one writer of results files.
 
@@ -41,6 +42,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -152,6 +154,63 @@ def command(benchmark: str, argv: Sequence[str] | None = None) -> str:
     arguments), as a shell would take it."""
     args = list(sys.argv[1:] if argv is None else argv)
     return shlex.join(["python", "-m", f"benchmarks.{benchmark}", *args])
+
+
+ABSOLUTE = re.compile(r"(?:(?<=[\s='\"])|^)(/[^\s'\"]*)")
+"""An absolute path in a command line: a token (or an ``--opt=`` value) starting with ``/``."""
+
+
+def portable(text: str, folders: Mapping[str, str] | None = None) -> str:
+    """The command line ``text`` without machine paths: every absolute path under the
+    repository becomes relative to it, one under a named folder of ``folders`` (name → absolute
+    path, e.g. ``{"WORK": "/scratch/runs"}``) becomes ``NAME/rest``, any other becomes
+    ``TMP/`` + its last component. Committed records name no folder of the machine that ran them.
+
+    Example:
+        >>> portable("gradmerge merge /w/runs/a/m.yaml /tmp/x/out", {"WORK": "/w/runs"})
+        'gradmerge merge WORK/a/m.yaml TMP/out'
+    """
+    named = sorted((folders or {}).items(), key=lambda kv: -len(kv[1]))
+
+    def one(match: re.Match[str]) -> str:
+        path = match.group(1)
+        root = str(ROOT)
+        if path == root or path.startswith(root + "/"):
+            return os.path.relpath(path, root)
+        for name, folder in named:
+            folder = folder.rstrip("/")
+            if path == folder or path.startswith(folder + "/"):
+                return name + path[len(folder) :]
+        return "TMP/" + path.rstrip("/").rsplit("/", 1)[-1]
+
+    return ABSOLUTE.sub(one, text)
+
+
+def portable_commands(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with every ``"command"`` string in it (the top one and those of its logs)
+    passed through :func:`portable`, the named folders being the settings that hold an absolute
+    path outside the repository (``--work DIR`` → ``WORK``)."""
+    settings = record.get("settings") if isinstance(record.get("settings"), dict) else {}
+    folders = {
+        key.upper(): str(value)
+        for key, value in (settings or {}).items()
+        if isinstance(value, (str, Path))
+        and str(value).startswith("/")
+        and not str(value).startswith(str(ROOT))
+    }
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {
+                k: portable(v, folders) if k == "command" and isinstance(v, str) else walk(v)
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    out: dict[str, Any] = walk(record)
+    return out
 
 
 def module_argv(benchmark: str, *args: str) -> list[str]:
@@ -294,6 +353,7 @@ def write_result(
     ``.png``, also drawn into a temporary file first: a record or a drawing that fails leaves
     both files as they were. The suite's one writer of results files."""
     validate(record)
+    record = portable_commands(record)
     path = Path(path)
     text = json.dumps(record, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)

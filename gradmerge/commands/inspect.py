@@ -154,6 +154,7 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
         kfac_parts,
         scale_from,
         window_from,
+        window_json,
     )
     from gradmerge.errors import ArgumentError, NonFiniteError
     from gradmerge.errors import NotPositiveDefiniteError as NotPD
@@ -243,10 +244,9 @@ def inspect_files(paths: list[Path], *, spectra: bool = True, rho: float = 1e-3)
     try:
         if refusals:
             raise ArgumentError(f"a merge refuses {len(refusals)} of the files (above)")
-        low, high = window_from(total, rho=rho)
-        found.update(low=low, high=high, empty=low > high)
+        found.update(window_json(*window_from(total, rho=rho)))
     except ArgumentError as err:  # refused, or no positive entry
-        found.update(low=None, high=None, empty=True, reason=str(err))
+        found.update(window_json(None, None), reason=str(err))
     return {"files": files, "delta_window": found}
 
 
@@ -349,15 +349,14 @@ def describe(report: dict[str, Any], *, layers: bool = True) -> str:
     w = report["delta_window"]
     what = "the file" if w["files"] == 1 else f"the {w['files']} files summed (alpha 1)"
     span = ""
-    if w["low"] is not None and w["empty"]:
-        ratio = _ratio(w["low"], w["high"], w["rho"])
+    lower, upper = w["not_fisher_from"], w["not_arithmetic_up_to"]
+    if lower is not None and w["empty"]:
+        ratio = _ratio(lower, upper, w["rho"])
         span = (
             f" — the entries span p90/p10 = {ratio:.3g} > {((1 - w['rho']) / w['rho']) ** 2:.3g}:"
         )
     lines.append(
-        _window_line(
-            what, w["low"], w["high"], w["rho"], w.get("reason", "no positive entry"), span
-        )
+        _window_line(what, lower, upper, w["rho"], w.get("reason", "no positive entry"), span)
     )
     return "\n".join(lines)
 
@@ -365,8 +364,9 @@ def describe(report: dict[str, Any], *, layers: bool = True) -> str:
 def _window_line(
     what: str, low: float | None, high: float | None, rho: float, reason: str, span: str = ""
 ) -> str:
-    """The δ window [low, high] as a sentence: none (``reason``), empty (``span`` says why), or
-    the interval in which gradient matching is its own method."""
+    """The δ window between the bounds ``low`` (not Fisher averaging from) and ``high`` (not
+    task arithmetic up to) as a sentence: none (``reason``), empty (``low`` > ``high``: ``span``
+    says why), or the interval [low, high] in which gradient matching is its own method."""
     if low is None or high is None:
         return f"δ window for {what}: none ({reason})"
     if low > high:
@@ -431,7 +431,9 @@ def describe_config(report: dict[str, Any], *, layers: bool = True) -> str:
         rho, n = share["rho"], share["coordinates"]
         what = "this merge (its alphas, scales and prior curvature)"
         reason = "no coordinate with Σ α_t H_t > 0"
-        lines.append(_window_line(what, share["low"], share["high"], rho, reason))
+        lines.append(
+            _window_line(what, share["not_fisher_from"], share["not_arithmetic_up_to"], rho, reason)
+        )
         if n:
             p = share["share"]
             lines.append(

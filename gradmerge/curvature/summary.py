@@ -232,8 +232,9 @@ def kfac_parts(curvature: Curvature) -> list[KFAC]:
 def delta_window(total: Tensor | Iterable[Tensor], *, rho: float = RHO) -> tuple[float, float]:
     """The δ interval in which gradient matching is neither Fisher averaging nor task arithmetic
     (module docstring) for the summed curvature entries ``total`` (H_i = Σ_t α_t h_{t,i}):
-    [ρ/(1 − ρ)·H_p90, (1 − ρ)/ρ·H_p10] over the positive entries. Empty (low > high) when they
-    span more than ((1 − ρ)/ρ)².
+    the bounds (ρ/(1 − ρ)·H_p90, (1 − ρ)/ρ·H_p10) over the positive entries, the window between
+    them. Empty when the entries span more than ((1 − ρ)/ρ)² (then the first bound exceeds the
+    second: no δ satisfies both; :func:`window_json` reports it as empty, never as an interval).
 
     Raises:
         ArgumentError: no positive entry, or ρ outside (0, 0.5).
@@ -244,6 +245,31 @@ def delta_window(total: Tensor | Iterable[Tensor], *, rho: float = RHO) -> tuple
 
 WINDOW = {"p10": 0.1, "p90": 0.9}
 """The percentiles of the positive entries that bound the δ window."""
+
+
+def window_json(
+    not_fisher_from: float | None, not_arithmetic_up_to: float | None
+) -> dict[str, Any]:
+    """The δ window as JSON values, from its two bounds: δ ≥ ``not_fisher_from`` keeps gradient
+    matching from Fisher averaging and δ ≤ ``not_arithmetic_up_to`` from task arithmetic (each on
+    90% of the coordinates). ``low`` ≤ ``high`` are the window's ends where the bounds leave an
+    interval, ``None`` where they do not (``empty``: no δ satisfies both; the bounds are kept
+    under their own names): a reader never meets an inverted interval.
+
+    Example:
+        >>> window_json(1.0, 3.0)["low"], window_json(3.0, 1.0)["low"], window_json(3.0, 1.0)["empty"]
+        (1.0, None, True)
+    """
+    ordered = None not in (not_fisher_from, not_arithmetic_up_to) and (
+        not_fisher_from <= not_arithmetic_up_to  # type: ignore[operator]
+    )
+    return {
+        "low": not_fisher_from if ordered else None,
+        "high": not_arithmetic_up_to if ordered else None,
+        "empty": not ordered,
+        "not_fisher_from": not_fisher_from,
+        "not_arithmetic_up_to": not_arithmetic_up_to,
+    }
 
 
 def window_from(stats: OrderStatistics, *, rho: float = RHO) -> tuple[float, float]:
@@ -357,15 +383,16 @@ class PriorShare:
         self._first = False
 
     def to_json(self) -> dict[str, Any]:
-        """The window (``low``, ``high``, ``empty``; None without a positive H), the share's
-        percentiles and the counts, as plain JSON values."""
+        """The window (:func:`window_json`: ``low`` ≤ ``high``, or None with ``empty``; its
+        bounds ``not_fisher_from``, ``not_arithmetic_up_to``, None without a positive H), the
+        share's percentiles and the counts, as plain JSON values."""
         curved = self._share.count
         out: dict[str, Any] = {"rho": self.rho, "delta": self.delta, "coordinates": curved}
         if curved:
             low, high = self._low.percentiles["p90"], self._high.percentiles["p10"]
-            out.update(low=max(low, 0.0), high=high, empty=high < max(low, 0.0))
+            out.update(window_json(max(low, 0.0), high))
         else:
-            out.update(low=None, high=None, empty=True)
+            out.update(window_json(None, None))
         out.update(
             share=self._share.percentiles if curved else None,
             fisher_like=self.fisher,

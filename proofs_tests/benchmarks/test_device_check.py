@@ -30,3 +30,20 @@ def test_quick_mode_runs_every_step_and_names_the_device(tmp_path):
     assert kfac["estimate_task0"]["returncode"] == kfac["estimate_task1"]["returncode"] == 0
     assert diagonal["returncode"] == 0 and diagonal["parameters"] > 0
     assert diagonal["gb_per_second"] > 0
+
+
+def test_quick_mode_never_writes_into_the_committed_results(monkeypatch, capsys):
+    """Without --out, --quick writes its record into a temporary folder: benchmarks/results/
+    holds the same files, byte for byte, before and after (the steps stubbed: only where the
+    record goes is under test; the real steps run above)."""
+    from benchmarks import device_check
+    from benchmarks.record import RESULTS
+
+    before = {p.name: p.read_bytes() for p in RESULTS.iterdir()}
+    for step in ("step_tests", "step_kfac", "step_diagonal"):
+        monkeypatch.setattr(device_check, step, lambda *_: {"returncode": 0})
+    assert device_check.main(["--quick"]) == 0
+    assert {p.name: p.read_bytes() for p in RESULTS.iterdir()} == before
+    written = Path(capsys.readouterr().out.split("wrote ")[-1].split(" (")[0])
+    assert RESULTS not in written.parents and read_result(written)["results"]["ok"] is True
+    assert device_check.default_out(quick=False).parent == RESULTS

@@ -201,3 +201,37 @@ def test_every_figure_row_of_the_readme_table_names_a_record():
             assert cells[-1] == "record", row
         else:
             assert cells[-1] == "the CLI", row
+
+
+def _commands(value, found):
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if key == "command" and isinstance(v, str):
+                found.append(v)
+            else:
+                _commands(v, found)
+    elif isinstance(value, list):
+        for v in value:
+            _commands(v, found)
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_committed_commands_name_no_machine_path(path):
+    """No ``command`` in a committed record (the top one or a logged step's) holds an absolute
+    path (a temporary folder, a work or home folder): they name the machine that ran, not the run."""
+    commands = _commands(json.loads(path.read_text(encoding="utf-8")), [])
+    assert commands
+    assert [c for c in commands if R.ABSOLUTE.search(c)] == []
+
+
+def test_a_written_record_names_no_machine_path(tmp_path):
+    """write_result rewrites every command: the repository's paths relative, a settings folder
+    by its name, any other absolute path as TMP/ + its last component."""
+    rec = R.Run("example", settings={"work": "/scratch/w"}, argv=["--work", "/scratch/w"]).finish(
+        {"log": [{"command": f"gradmerge merge /scratch/w/a.yaml /tmp/x/out {R.ROOT}/docs"}]}
+    )
+    written = json.loads(R.write_result(tmp_path / "r.json", rec).read_text())
+    assert written["command"] == "python -m benchmarks.example --work WORK"
+    assert written["results"]["log"][0]["command"] == "gradmerge merge WORK/a.yaml TMP/out docs"
+    assert written["settings"] == {"work": "/scratch/w"}  # the parsed arguments, as they were

@@ -210,11 +210,15 @@ def job_bad() -> dict:
     out["ok_after"] = attempt(
         lambda: gmd.estimate_curvature(lm(), data, structure="kfac", timeout=20)
     )
-    # The last: rank 1 comes 2.5 s late; rank 0 waits at most its timeout of 1 s and leaves.
-    # Rank 1 then finds rank 0 gone.
-    if RANK == 1:
-        time.sleep(2.5)
+    # The last: rank 1 comes late — only once rank 0 has waited its timeout of 1 s and left, an
+    # order forced by the file rank 0 writes when its call has returned (not by a sleep, which a
+    # busy machine can outlast). Rank 1 then finds rank 0 gone.
+    gave_up = Path(sys.argv[2]) / "rank0-gave-up"
+    while RANK == 1 and not gave_up.exists():
+        time.sleep(0.05)
     out["late"] = attempt(lambda: gmd.estimate_curvature(lm(), data, timeout=1.0))
+    if RANK == 0:
+        gave_up.touch()
     return out
 
 

@@ -100,8 +100,12 @@ def test_delta_window_and_prior_share_are_those_of_the_dense_diagonal(merge):
     high = np.percentile((1 - RHO) / RHO * hd[positive] - cd[positive], 10)
     share = (DELTA + cd[positive]) / (DELTA + cd[positive] + hd[positive])
     got = report["prior_share"]
-    assert got["low"] == pytest.approx(max(low, 0.0), rel=1e-9, abs=1e-300)
-    assert got["high"] == pytest.approx(high, rel=1e-9)
+    assert got["not_fisher_from"] == pytest.approx(max(low, 0.0), rel=1e-9, abs=1e-300)
+    assert got["not_arithmetic_up_to"] == pytest.approx(high, rel=1e-9)
+    assert got["empty"] == (max(low, 0.0) > high)  # an empty window has no ends, never inverted
+    assert (got["low"], got["high"]) == (
+        (None, None) if got["empty"] else (got["not_fisher_from"], got["not_arithmetic_up_to"])
+    )
     assert got["coordinates"] == int(positive.sum())
     for key, q in (("min", 0), ("p10", 10), ("p50", 50), ("p90", 90), ("max", 100)):
         assert got["share"][key] == pytest.approx(float(np.percentile(share, q)), rel=1e-9)
@@ -128,7 +132,8 @@ def test_cli_prints_the_window_and_the_worst_units(merge, capsys):
     assert cli.main(["inspect", str(path)]) == 0
     text = capsys.readouterr().out
     w = report["prior_share"]
-    assert f"{w['low']:.3g}" in text and f"{w['high']:.3g}" in text
+    lower, upper = w["not_fisher_from"], w["not_arithmetic_up_to"]
+    assert f"{lower:.3g}" in text and f"{upper:.3g}" in text
     assert "worst conditioned" in text and "prior share s" in text
 
 

@@ -1,35 +1,44 @@
-"""docs/tutorial.md runs: every ``python`` and ``bash`` block, in order, in one empty folder.
+"""docs/tutorial.md runs as written: docs/tutorial.py runs every ``python`` and ``bash`` block, in
+order, in one empty folder (``make tutorial``), and every ``text`` block is what the block before
+it printed.
 
-Python blocks share one namespace (as cells of a notebook) and their ``assert`` statements are
-the tutorial's checks; bash blocks run with ``bash -euo pipefail``, where ``gradmerge`` is this
-checkout's command line run by the interpreter running the tests. Any failing block fails the test,
-naming the block.
+The run here is docs/tutorial.py's own, with the ``gradmerge`` commands of the ``bash`` blocks run
+in this process (:func:`benchmarks.inprocess.run_cli`, which gives what the executable gives:
+``proofs_tests/benchmarks/test_inprocess.py``): the same blocks, the same files, without a
+process's imports per command. ``python`` blocks share one namespace and their ``assert``
+statements are the tutorial's own checks; any failing block fails the test, naming the block.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.inprocess import run_cli
+
 ROOT = Path(__file__).resolve().parents[2]
-TUTORIAL = ROOT / "docs" / "tutorial.md"
-BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 
-def blocks() -> list[tuple[str, str]]:
-    """(language, code) of the tutorial's fenced blocks, in order."""
-    return [(m.group(1), m.group(2)) for m in BLOCK.finditer(TUTORIAL.read_text())]
+def _runner():
+    """docs/tutorial.py as a module (docs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("docs_tutorial", ROOT / "docs" / "tutorial.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+tutorial = _runner()
 
 
 def test_the_tutorial_covers_the_path():
-    kinds = [language for language, _ in blocks()]
-    assert set(kinds) == {"python", "bash"}
-    commands = "\n".join(code for language, code in blocks() if language == "bash")
+    blocks = tutorial.blocks()
+    assert {b.language for b in blocks} == {"python", "bash", "text", "console"}
+    commands = "\n".join(b.code for b in blocks if b.language == "bash")
     for step in (
         "gradmerge curvature",
         "--structure diag",
@@ -44,38 +53,37 @@ def test_the_tutorial_covers_the_path():
         "--compare",
     ):
         assert step in commands, step
-    assert any("accuracy" in code for language, code in blocks() if language == "python")
-    assert any("ModelCard" in code for language, code in blocks() if language == "python")
+    python = [b.code for b in blocks if b.language == "python"]
+    assert any("accuracy" in code for code in python)
+    assert any("ModelCard" in code for code in python)
+    # one δ for every prior, chosen in the tutorial from inspect's window (no literal value)
+    assert "delta: $DELTA" in commands and "delta: 0" not in commands
 
 
-def test_the_tutorial_runs(tmp_path, monkeypatch):
-    bin_dir = tmp_path / ".bin"
-    bin_dir.mkdir()
-    launcher = bin_dir / "gradmerge"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m gradmerge.cli "$@"\n')
-    launcher.chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-    }
+def test_the_runner_refuses_a_shell_that_reads_a_deferred_commands_output(tmp_path):
+    text = "```bash\ngradmerge inspect a.safetensors | head -3\n```\n"
+    with pytest.raises(tutorial.BlockFailed, match="read by the shell"):
+        tutorial.run(tmp_path, gradmerge=run_cli, text=text)
+
+
+def test_the_tutorial_runs_and_prints_what_it_quotes(tmp_path):
     work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    namespace: dict[str, object] = {"__name__": "__tutorial__"}
-    for number, (language, code) in enumerate(blocks(), start=1):
-        if language == "python":
-            exec(compile(code, f"{TUTORIAL.name}, block {number}", "exec"), namespace)
-        else:
-            done = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", code],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            if done.returncode != 0:
-                pytest.fail(f"block {number} (bash) exited {done.returncode}:\n{done.stderr}")
+    transcript = tutorial.run(
+        work, gradmerge=lambda argv: run_cli(argv, env={"HF_HUB_OFFLINE": "1"})
+    )
     assert (work / "unlearned" / "gradmerge_remove.json").is_file()
+    blocks = tutorial.blocks()
+    quoted = 0
+    for i, block in enumerate(blocks):
+        if block.language != "text":
+            continue
+        source = next(b for b in reversed(blocks[:i]) if b.language in tutorial.RUNNABLE)
+        printed = {line.strip() for line in transcript.printed[source.number].splitlines()}
+        for line in block.code.splitlines():
+            assert line.strip() in printed, (block.number, line, sorted(printed))
+            quoted += 1
+    assert quoted >= 4
+    # gradient matching differs from task arithmetic at the tutorial's δ: under 5% of the
+    # coordinates have the prior's share s > 0.999 (at the old δ = 0.01 it was 98.9%)
+    share = next(line for line in transcript.printed_lines() if line.startswith("prior share s"))
+    assert float(share.split("(task arithmetic) on ")[1].rstrip("%")) < 5

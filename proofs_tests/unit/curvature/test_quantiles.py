@@ -179,5 +179,5 @@ def test_inspect_percentiles_are_numpy_percentiles_of_the_files(
     total = np.concatenate([sum(entries[n][k] for n in curvatures) for k in keys])
     positive = total[total > 0]
     w = report["delta_window"]
-    assert w["low"] == 1e-3 / (1 - 1e-3) * float(np.percentile(positive, 90))
-    assert w["high"] == (1 - 1e-3) / 1e-3 * float(np.percentile(positive, 10))
+    assert w["not_fisher_from"] == 1e-3 / (1 - 1e-3) * float(np.percentile(positive, 90))
+    assert w["not_arithmetic_up_to"] == (1 - 1e-3) / 1e-3 * float(np.percentile(positive, 10))

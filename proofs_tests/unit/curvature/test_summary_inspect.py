@@ -166,6 +166,31 @@ def test_inspect_cli_numbers_equal_direct_computation(tmp_path, capsys):
     assert f"[{w['low']:.3g}, {w['high']:.3g}]" in text and "num_examples 120" in text
 
 
+@pytest.mark.parametrize("span", [1e2, 1e8])
+def test_the_reported_window_is_ordered_or_empty_never_inverted(tmp_path, capsys, span):
+    """Entries spanning more than ((1 − ρ)/ρ)² ≈ 1e6 between p10 and p90 leave no δ window: the
+    JSON says empty with no ends (its two bounds under their own names, the first above the
+    second), the text says empty; a narrower span gives low ≤ high, in the JSON and the text."""
+    values = torch.tensor(np.geomspace(1.0, span, 101))
+    gm.Diagonal({"w": values}).save(tmp_path / "a.safetensors")
+    args = ["inspect", str(tmp_path / "a.safetensors")]
+    assert main([*args, "--json", "-"]) == 0
+    w = json.loads(capsys.readouterr().out)["delta_window"]
+    lower = 1e-3 / (1 - 1e-3) * float(np.quantile(values.numpy(), 0.9))
+    upper = (1 - 1e-3) / 1e-3 * float(np.quantile(values.numpy(), 0.1))
+    assert w["not_fisher_from"] == pytest.approx(lower, rel=1e-12)
+    assert w["not_arithmetic_up_to"] == pytest.approx(upper, rel=1e-12)
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    if span > 1e6:
+        assert lower > upper and w["empty"] and w["low"] is None and w["high"] is None
+        assert "δ window for the file: empty" in text
+    else:
+        assert not w["empty"] and w["low"] <= w["high"]
+        assert (w["low"], w["high"]) == (w["not_fisher_from"], w["not_arithmetic_up_to"])
+        assert f"[{w['low']:.3g}, {w['high']:.3g}]" in text
+
+
 def test_inspect_bad_file_is_one_error_line(tmp_path, capsys):
     (tmp_path / "x.safetensors").write_bytes(b"not a file")
     assert main(["inspect", str(tmp_path / "x.safetensors")]) == 1
