@@ -180,6 +180,23 @@ def done(folder: Path, settings: dict[str, Any]) -> bool:
     return True
 
 
+COST = "cost.json"
+"""The file beside each checkpoint this run trained: its forward-backward passes and seconds."""
+
+
+def write_cost(
+    folder: Path, data: dict[str, Any], epochs: int, batch_size: int, seconds: float
+) -> None:
+    """Record what training ``folder`` cost: forward-backward passes over texts (one per text
+    per epoch), over batches (``batch_size`` texts each, as :func:`fine_tune` draws them per
+    dataset), and the wall-clock seconds (load average in the record says how busy the cores
+    were)."""
+    texts = sum(len(e) for e in data.values()) * epochs
+    steps = sum(math.ceil(len(e) / batch_size) for e in data.values()) * epochs
+    cost = {"text passes": texts, "batch passes": steps, "seconds": seconds}
+    (folder / COST).write_text(json.dumps(cost, indent=1) + "\n")
+
+
 def safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)
 
@@ -257,6 +274,7 @@ class Study:
         }
         if done(folder, settings):
             return folder
+        begin = time.perf_counter()
         _, model = load_classifier(str(start))
         if linear_probe:
             model.classifier = probe(model, next(iter(data.values())))
@@ -269,7 +287,9 @@ class Study:
             seed=seed,
             delta=delta,
         )
-        return save(model, self.tokenizer, folder, settings)
+        save(model, self.tokenizer, folder, settings)
+        write_cost(folder, data, epochs, self.args.batch_size, time.perf_counter() - begin)
+        return folder
 
     # -- θ_LLM and F_0 --
     def base(self) -> dict[str, Any]:
@@ -330,6 +350,8 @@ class Study:
         models: dict[str, dict[str, Path]] = {"a": {}, "b": {}}
         self.extras = not args.extras_seeds or seed in args.extras_seeds
         self.recipes = ("a", "b") if self.extras else ("a",)
+        if args.removal_only:  # Study 2 alone: no per-dataset fine-tunes, curvatures or merges
+            self.recipes = ()
         self.criteria = [c for c in args.criteria if self.extras or c != "mismatch"]
         for recipe, delta in (("a", 0.0), ("b", args.delta))[: len(self.recipes)]:
             for i, d in enumerate(self.added):
@@ -380,7 +402,7 @@ class Study:
         self.models, self.curv, self.root, self.seed_id = models, curv, root, seed
         self.multi = multi["all"]
         self.gold = multi["gold"]
-        rows = self.study1()
+        rows = [] if args.removal_only else self.study1()
         removal = self.study2()
         return {"seed": seed, "rows": rows, "removal": removal}
 
@@ -1006,6 +1028,8 @@ def interference(seeds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per dataset at the largest T: its fine-tune − task arithmetic α = 1, test accuracy."""
     per_seed = []
     for s in seeds:
+        if not s["rows"]:  # --removal-only
+            continue
         T = max(r["T"] for r in s["rows"])
         rows = {r["method"]: r for r in s["rows"] if r["T"] == T}
         ta = rows["task arithmetic α=1"]
@@ -1119,6 +1143,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
             capsize=3,
             label=method,
         )
+    if not report["summary"]:  # --removal-only: no Study 1 rows
+        fig.savefig(path, dpi=110)
+        return
     ax.set_xlabel("datasets added (T)")
     ax.set_ylabel(f"mean test accuracy ({BASE} + T sets), ± std over seeds")
     last = max(e["T"] for e in report["summary"])
@@ -1290,6 +1317,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-mergekit", dest="mergekit", action="store_false")
     p.add_argument("--datasets", type=int, default=len(ADDED), help="datasets added (largest T)")
     p.add_argument("--remove", default="dutch", choices=ADDED)
+    p.add_argument(
+        "--removal-only",
+        action="store_true",
+        help="Study 2 alone: θ_LLM, M, the gold model, θ_t and the removal rows (no Study 1)",
+    )
     p.add_argument("--negation-alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument(
