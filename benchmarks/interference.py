@@ -73,6 +73,7 @@ import torch
 from torch import nn
 
 from benchmarks.interference_data import DATASETS, LANGUAGE, build, load
+from benchmarks.interference_removal import extend as removal_extend
 from benchmarks.paper_recipe import (
     CLI,
     batches,
@@ -322,7 +323,7 @@ class Study:
             [
                 self.curvature_call(self.base_dir, fisher_data, p, s, 0)
                 for s, p in self.base_curv.items()
-                if not p.exists()
+                if not p.exists() and not args.removal_only  # F_0 serves merges only
             ]
         )
         self.stage("F_0: base Fisher sums", start)
@@ -795,6 +796,13 @@ class Study:
             if ok
             else min(agreement, key=lambda n: float(n.split("α=")[1]))
         )
+        # the extended rows (benchmarks/interference_removal.py): label-free δ, refinement,
+        # homotopy, and the equal-compute baselines
+        more, facts = removal_extend(
+            self,
+            {"t": t, "rest": [d for d in self.sets if d != t], "rem_dir": rem_dir, "ft": ft, "curv": curv,
+             "rest_file": rest_file, "rest_scale": rest_scale},
+        )  # fmt: skip
         # from the T = 4 gradient-matching merges: Eq. 13 from each with its own curvature, the
         # official prior and H̄_\t = H_0 + the remaining tasks' H_d; remerge and negation from K-FAC's
         T = len(self.added)
@@ -841,6 +849,7 @@ class Study:
         items |= {n: (v["folder"], self.sets) for n, v in todo.items()}
         items |= {n: (f, self.sets) for n, f in neg.items() if isinstance(f, Path)}
         items |= {n: (f, self.sets) for n, f in got.items() if isinstance(f, Path)}
+        items |= more
         test = self.score(items, "test", self.m_ns)
         gold = test["gold: retrained without"]
         out_rows = []
@@ -851,7 +860,11 @@ class Study:
             if name.startswith("from M | negation"):
                 entry["agreement with M on remaining texts"] = agreement[name]
                 entry["label-free choice"] = name == neg_choice
+            entry |= facts.get(name, {})
             out_rows.append(entry)
+        for name, what in facts.items():
+            if name not in items:  # refused or failed: the reason
+                out_rows.append({"method": name, **what})
         for name, what in {**got}.items():
             if not isinstance(what, Path):
                 out_rows.append({"method": name, **what})
@@ -1144,7 +1157,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             label=method,
         )
     if not report["summary"]:  # --removal-only: no Study 1 rows
-        fig.savefig(path, dpi=110)
+        removal_plot(report, path)
         return
     ax.set_xlabel("datasets added (T)")
     ax.set_ylabel(f"mean test accuracy ({BASE} + T sets), ± std over seeds")
@@ -1175,6 +1188,43 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         "MiniLM-L6, English snippets base, datasets added with one shared head", fontsize=10
     )
+    fig.savefig(path, dpi=110)
+
+
+def removal_plot(report: dict[str, Any], path: Path) -> None:
+    """Removal: accuracy on the removed set against mean accuracy on the remaining sets, one
+    point per method (mean over seeds), retraining (the gold model) marked; the marker's size
+    grows with the method's cost in text passes (× retraining's, where recorded)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    ax = fig.subplots()
+    points: dict[str, list[tuple[float, float, float | None]]] = {}
+    for r in (r for seed in report["removal"] for r in seed["rows"] if "correct" in r):
+        frac = (r.get("cost") or {}).get("fraction of retraining")
+        points.setdefault(r["method"], []).append(
+            (r["removed-set accuracy"], r["remaining mean accuracy"], frac)
+        )
+    t = report["removal"][0]["removed"]
+    for i, (name, pts) in enumerate(points.items()):
+        x = sum(p[0] for p in pts) / len(pts)
+        y = sum(p[1] for p in pts) / len(pts)
+        fracs = [p[2] for p in pts if p[2] is not None]
+        size = 30 + 300 * min(1.0, sum(fracs) / len(fracs)) if fracs else 30
+        gold = name.startswith("gold")
+        ax.scatter([x], [y], s=400 if gold else size, marker="*" if gold else "o",
+                   color="tab:red" if gold else f"C{i % 10}", zorder=3)  # fmt: skip
+        label = name.replace("from M | ", "").replace("baseline | ", "")
+        cost = f" ({100 * sum(fracs) / len(fracs):.0f}%)" if fracs and not gold else ""
+        ax.annotate(label[:58] + cost, (x, y), fontsize=6, xytext=(4, 2),
+                    textcoords="offset points")  # fmt: skip
+    ax.set_xlabel(f"accuracy on the removed set `{t}` (lower is more removed)")
+    ax.set_ylabel("mean accuracy on the remaining sets")
+    ax.grid(alpha=0.3)
+    seeds = len(report["removal"])
+    fig.suptitle(f"Removal of {t} from the multi-task model: each method against retraining "
+                 f"(red star); mean over {seeds} seed(s); (n%) = cost × retraining's text "
+                 "passes", fontsize=9)  # fmt: skip
     fig.savefig(path, dpi=110)
 
 
@@ -1211,6 +1261,40 @@ def write(record: dict[str, Any], out: Path, stem: str) -> Path:
     return write_result(out / f"{stem}.json", record, figure=lambda p: plot(results, p))
 
 
+def removal_markdown(report: dict[str, Any]) -> list[str]:
+    """The removal table as Markdown lines (model − gold per method, KL, cost)."""
+
+    def ci(c: dict[str, Any] | None) -> str:
+        if not c:
+            return "—"
+        p = c.get("pooled", c)
+        lo, hi = p["ci95"]
+        return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    out: list[str] = []
+    if report.get("removal comparisons"):
+        t = report["removal"][0]["removed"]
+        out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
+                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
+                "", f"| method | on `{t}` | on the remaining sets | KL per seed "
+                "| text passes, × retraining's (per seed) |", "|---|---|---|---|---|"]  # fmt: skip
+        fractions: dict[str, list[str]] = {}
+        for s in report["removal"]:
+            for r in s["rows"]:
+                frac = (r.get("cost") or {}).get("fraction of retraining")
+                if frac is not None:
+                    fractions.setdefault(r["method"], []).append(f"{frac:.2f}")
+        chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
+        out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
+        for c in report["removal comparisons"]:
+            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
+            fr = ", ".join(fractions.get(c["method"], [])) or "—"
+            out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
+                       f"{ci(c.get('remaining: model − gold'))} | {kl} | {fr} |")  # fmt: skip
+        out += out_tail
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The results' key tables as Markdown (docs/interference.md is this, for the committed run):
     at the largest T every method's mean accuracy (± std over seeds) and its pooled paired
@@ -1224,6 +1308,8 @@ def markdown(report: dict[str, Any]) -> str:
         lo, hi = p["ci95"]
         return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
+    if not report["summary"]:  # --removal-only
+        return "\n".join(removal_markdown(report)) + "\n"
     last = max(e["T"] for e in report["summary"])
     sets = [BASE, *ADDED[:last]]
     comps = {(c["T"], c["method"], c["against"]): c for c in report["comparisons"]}
@@ -1265,18 +1351,7 @@ def markdown(report: dict[str, Any]) -> str:
                 )
     out += ["", "α chosen per criterion (every seed and T):", ""]
     out += [f"- {c}: {', '.join(v)}" for c, v in crits.items()]
-    if report.get("removal comparisons"):
-        t = report["removal"][0]["removed"]
-        out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
-                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
-                "", f"| method | on `{t}` | on the remaining sets | KL per seed |", "|---|---|---|---|"]  # fmt: skip
-        chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
-        out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
-        for c in report["removal comparisons"]:
-            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
-            out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
-                       f"{ci(c.get('remaining: model − gold'))} | {kl} |")  # fmt: skip
-        out += out_tail
+    out += removal_markdown(report)
     return "\n".join(out) + "\n"
 
 
