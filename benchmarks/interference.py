@@ -483,7 +483,7 @@ class Study:
             calls.append(
                 (
                     "evaluate",
-                    *folders.values(),
+                    *dict.fromkeys(folders.values()),  # a folder two rows share, scored once
                     self.files[d, split],
                     "--max-length",
                     str(self.args.max_length),

@@ -253,14 +253,15 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
             delta = delta_of(first)
             tag = f"{rule} δ={delta:g}"
             # Eq. 13 + refinement on the remaining objective
-            name = f"from M | Eq. 13, {s}, {tag} + refine {REFINE_STEPS}"
+            steps = 1 if args.quick else REFINE_STEPS  # --quick: one step
+            name = f"from M | Eq. 13, {s}, {tag} + refine {steps}"
             out = rem_dir / safe(name)
             config = {
                 "start": str(ok[first]),
                 "base_model": base,
                 "models": [{"model": M, "data": str(rest_file)}],
                 "prior": {"delta": delta / s_rest},
-                "steps": REFINE_STEPS,
+                "steps": steps,
                 "structure": s,
                 "fisher": "mc",
                 "batch_size": 32,
@@ -295,7 +296,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                 c = cost(
                     parts13
                     | {
-                        f"refine: {REFINE_STEPS} steps (gradients incl. backtracking, curvatures)": (
+                        f"refine: {steps} steps (gradients incl. backtracking, curvatures)": (
                             steps_passes,
                             study.cache.get(f"{study.m_ns} | {name} | seconds"),
                         )

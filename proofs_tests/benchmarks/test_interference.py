@@ -140,10 +140,11 @@ def test_quick_run_of_both_studies(cache, tmp_path):
                    "baseline | fine-tune M on the rest", "baseline | NegGrad+"):  # fmt: skip
         found = [r for n, r in rows.items() if n.startswith(prefix)]
         assert found and all("correct" in r or "failed" in r for r in found), prefix
-    refined = [r for n, r in rows.items() if n.endswith("+ refine 2") and "correct" in r]
-    for r in refined:
+    refined = [r for n, r in rows.items() if n.endswith("+ refine 1") and "correct" in r]
+    for r in refined:  # --quick: one step
         passes = r["refine record"]["passes"]
-        assert passes["examples"] == [12] and passes["curvature evaluations"] == [2]
+        assert passes["examples"] == [12] and passes["curvature evaluations"] == [1]
+        assert passes["gradient evaluations, record"] == [1 + 2 * 2]
         steps = passes["gradient evaluations, steps"][0]
         assert r["cost"]["text passes"] == 24 + 12 + 12 + 12 * (steps + 2)  # θ_t, H_t, H_rest
     for n, r in rows.items():
