@@ -146,7 +146,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         assert passes["examples"] == [12] and passes["curvature evaluations"] == [1]
         assert passes["gradient evaluations, record"] == [1 + 2 * 2]
         steps = passes["gradient evaluations, steps"][0]
-        assert r["cost"]["text passes"] == 24 + 12 + 12 + 12 * (steps + 2)  # θ_t, H_t, H_rest
+        assert r["cost"]["text passes"] == 24 + 12 + 12 + 12 * (steps + 1)  # θ_t, H_t, H_rest
     for n, r in rows.items():
         if n.startswith("baseline |") and "correct" in r:
             budget = int(n.split(", ")[1].split(" text passes")[0])
