@@ -376,4 +376,28 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
             c = cost_of(folder) or {}
             items[name] = (folder, study.sets)
             facts[name] = {"cost": cost({kind: (c.get("text passes"), c.get("seconds"))})}
+    # the quadratic model's error, measured (a diagnostic, not a cost): the remaining sample's
+    # summed gradient ‖Σ_i ∇ℓ_i(θ)‖ at M, at the gold model and at each removal's point. Eq. 13
+    # assumes the remaining data's gradient at its point is what its quadratic model says; a
+    # point far from stationary on the rest, next to the gold model's own norm, is where it
+    # failed. The gold model is read here only, after every choice was made.
+    points = {"M (multi-task, all)": Path(M), "gold: retrained without": study.gold}
+    points |= {n: f for n, (f, _) in items.items() if not n.startswith("baseline")
+               and ("+ refine" in n or "homotopy" in n or facts[n].get("label-free choice"))}  # fmt: skip
+    outs, calls = {}, []
+    for n, f in points.items():
+        outs[n] = rem_dir / f"grad-rest-{safe(n)}.safetensors"
+        if not outs[n].exists():
+            calls.append(("gradient", f, rest_file, outs[n], "--max-length",
+                          str(args.max_length), "--no-progress", "--overwrite"))  # fmt: skip
+    study.cli.all(calls)
+    for n, out in outs.items():
+        facts.setdefault(n, {})["‖Σ ∇ℓ(θ)‖ on the remaining sample"] = gradient_norm(out)
     return items, facts
+
+
+def gradient_norm(path: Path) -> float:
+    """‖g‖ of a ``gradmerge gradient`` file (every tensor in it)."""
+    from safetensors.torch import load_file
+
+    return math.sqrt(sum(float(v.double().square().sum()) for v in load_file(path).values()))

@@ -147,6 +147,13 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         assert passes["gradient evaluations, record"] == [1 + 2 * 2]
         steps = passes["gradient evaluations, steps"][0]
         assert r["cost"]["text passes"] == 24 + 12 + 12 + 12 * (steps + 1)  # θ_t, H_t, H_rest
+    grad = "‖Σ ∇ℓ(θ)‖ on the remaining sample"
+    for n in (
+        "M (multi-task, all)",
+        "gold: retrained without",
+        *(n for n in rows if "+ refine" in n),
+    ):
+        assert rows[n][grad] > 0, n
     for n, r in rows.items():
         if n.startswith("baseline |") and "correct" in r:
             budget = int(n.split(", ")[1].split(" text passes")[0])

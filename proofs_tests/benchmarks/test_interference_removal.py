@@ -101,3 +101,13 @@ def test_a_removal_only_report_has_its_plot_and_table_with_costs(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 10_000
     text = study.markdown(report)
     assert "| from M · x | +10.0 [+5.0, +15.0] | — | 0.200 | 0.30 |" in text
+
+
+def test_gradient_norm_is_the_norm_over_every_tensor_of_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from benchmarks.interference_removal import gradient_norm
+
+    save_file({"a": torch.tensor([3.0, 0.0]), "b.weight": torch.tensor([[4.0], [12.0]])},
+              str(tmp_path / "g.safetensors"))  # fmt: skip
+    assert gradient_norm(tmp_path / "g.safetensors") == pytest.approx(13.0)
