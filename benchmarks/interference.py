@@ -73,6 +73,7 @@ import torch
 from torch import nn
 
 from benchmarks.interference_data import DATASETS, LANGUAGE, build, load
+from benchmarks.interference_removal import extend as removal_extend
 from benchmarks.paper_recipe import (
     CLI,
     batches,
@@ -180,6 +181,23 @@ def done(folder: Path, settings: dict[str, Any]) -> bool:
     return True
 
 
+COST = "cost.json"
+"""The file beside each checkpoint this run trained: its forward-backward passes and seconds."""
+
+
+def write_cost(
+    folder: Path, data: dict[str, Any], epochs: int, batch_size: int, seconds: float
+) -> None:
+    """Record what training ``folder`` cost: forward-backward passes over texts (one per text
+    per epoch), over batches (``batch_size`` texts each, as :func:`fine_tune` draws them per
+    dataset), and the wall-clock seconds (load average in the record says how busy the cores
+    were)."""
+    texts = sum(len(e) for e in data.values()) * epochs
+    steps = sum(math.ceil(len(e) / batch_size) for e in data.values()) * epochs
+    cost = {"text passes": texts, "batch passes": steps, "seconds": seconds}
+    (folder / COST).write_text(json.dumps(cost, indent=1) + "\n")
+
+
 def safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)
 
@@ -257,6 +275,7 @@ class Study:
         }
         if done(folder, settings):
             return folder
+        begin = time.perf_counter()
         _, model = load_classifier(str(start))
         if linear_probe:
             model.classifier = probe(model, next(iter(data.values())))
@@ -269,7 +288,9 @@ class Study:
             seed=seed,
             delta=delta,
         )
-        return save(model, self.tokenizer, folder, settings)
+        save(model, self.tokenizer, folder, settings)
+        write_cost(folder, data, epochs, self.args.batch_size, time.perf_counter() - begin)
+        return folder
 
     # -- θ_LLM and F_0 --
     def base(self) -> dict[str, Any]:
@@ -302,7 +323,7 @@ class Study:
             [
                 self.curvature_call(self.base_dir, fisher_data, p, s, 0)
                 for s, p in self.base_curv.items()
-                if not p.exists()
+                if not p.exists() and not args.removal_only  # F_0 serves merges only
             ]
         )
         self.stage("F_0: base Fisher sums", start)
@@ -330,6 +351,8 @@ class Study:
         models: dict[str, dict[str, Path]] = {"a": {}, "b": {}}
         self.extras = not args.extras_seeds or seed in args.extras_seeds
         self.recipes = ("a", "b") if self.extras else ("a",)
+        if args.removal_only:  # Study 2 alone: no per-dataset fine-tunes, curvatures or merges
+            self.recipes = ()
         self.criteria = [c for c in args.criteria if self.extras or c != "mismatch"]
         for recipe, delta in (("a", 0.0), ("b", args.delta))[: len(self.recipes)]:
             for i, d in enumerate(self.added):
@@ -380,7 +403,7 @@ class Study:
         self.models, self.curv, self.root, self.seed_id = models, curv, root, seed
         self.multi = multi["all"]
         self.gold = multi["gold"]
-        rows = self.study1()
+        rows = [] if args.removal_only else self.study1()
         removal = self.study2()
         return {"seed": seed, "rows": rows, "removal": removal}
 
@@ -460,7 +483,7 @@ class Study:
             calls.append(
                 (
                     "evaluate",
-                    *folders.values(),
+                    *dict.fromkeys(folders.values()),  # a folder two rows share, scored once
                     self.files[d, split],
                     "--max-length",
                     str(self.args.max_length),
@@ -773,6 +796,13 @@ class Study:
             if ok
             else min(agreement, key=lambda n: float(n.split("α=")[1]))
         )
+        # the extended rows (benchmarks/interference_removal.py): label-free δ, refinement,
+        # homotopy, and the equal-compute baselines
+        more, facts = removal_extend(
+            self,
+            {"t": t, "rest": [d for d in self.sets if d != t], "rem_dir": rem_dir, "ft": ft, "curv": curv,
+             "rest_file": rest_file, "rest_scale": rest_scale},
+        )  # fmt: skip
         # from the T = 4 gradient-matching merges: Eq. 13 from each with its own curvature, the
         # official prior and H̄_\t = H_0 + the remaining tasks' H_d; remerge and negation from K-FAC's
         T = len(self.added)
@@ -819,6 +849,7 @@ class Study:
         items |= {n: (v["folder"], self.sets) for n, v in todo.items()}
         items |= {n: (f, self.sets) for n, f in neg.items() if isinstance(f, Path)}
         items |= {n: (f, self.sets) for n, f in got.items() if isinstance(f, Path)}
+        items |= more
         test = self.score(items, "test", self.m_ns)
         gold = test["gold: retrained without"]
         out_rows = []
@@ -829,7 +860,11 @@ class Study:
             if name.startswith("from M | negation"):
                 entry["agreement with M on remaining texts"] = agreement[name]
                 entry["label-free choice"] = name == neg_choice
+            entry |= facts.get(name, {})
             out_rows.append(entry)
+        for name, what in facts.items():
+            if name not in items:  # refused or failed: the reason
+                out_rows.append({"method": name, **what})
         for name, what in {**got}.items():
             if not isinstance(what, Path):
                 out_rows.append({"method": name, **what})
@@ -1006,6 +1041,8 @@ def interference(seeds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per dataset at the largest T: its fine-tune − task arithmetic α = 1, test accuracy."""
     per_seed = []
     for s in seeds:
+        if not s["rows"]:  # --removal-only
+            continue
         T = max(r["T"] for r in s["rows"])
         rows = {r["method"]: r for r in s["rows"] if r["T"] == T}
         ta = rows["task arithmetic α=1"]
@@ -1119,6 +1156,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
             capsize=3,
             label=method,
         )
+    if not report["summary"]:  # --removal-only: no Study 1 rows
+        removal_plot(report, path)
+        return
     ax.set_xlabel("datasets added (T)")
     ax.set_ylabel(f"mean test accuracy ({BASE} + T sets), ± std over seeds")
     last = max(e["T"] for e in report["summary"])
@@ -1148,6 +1188,43 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         "MiniLM-L6, English snippets base, datasets added with one shared head", fontsize=10
     )
+    fig.savefig(path, dpi=110)
+
+
+def removal_plot(report: dict[str, Any], path: Path) -> None:
+    """Removal: accuracy on the removed set against mean accuracy on the remaining sets, one
+    point per method (mean over seeds), retraining (the gold model) marked; the marker's size
+    grows with the method's cost in text passes (× retraining's, where recorded)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    ax = fig.subplots()
+    points: dict[str, list[tuple[float, float, float | None]]] = {}
+    for r in (r for seed in report["removal"] for r in seed["rows"] if "correct" in r):
+        frac = (r.get("cost") or {}).get("fraction of retraining")
+        points.setdefault(r["method"], []).append(
+            (r["removed-set accuracy"], r["remaining mean accuracy"], frac)
+        )
+    t = report["removal"][0]["removed"]
+    for i, (name, pts) in enumerate(points.items()):
+        x = sum(p[0] for p in pts) / len(pts)
+        y = sum(p[1] for p in pts) / len(pts)
+        fracs = [p[2] for p in pts if p[2] is not None]
+        size = 30 + 300 * min(1.0, sum(fracs) / len(fracs)) if fracs else 30
+        gold = name.startswith("gold")
+        ax.scatter([x], [y], s=400 if gold else size, marker="*" if gold else "o",
+                   color="tab:red" if gold else f"C{i % 10}", zorder=3)  # fmt: skip
+        label = name.replace("from M | ", "").replace("baseline | ", "")
+        cost = f" ({100 * sum(fracs) / len(fracs):.0f}%)" if fracs and not gold else ""
+        ax.annotate(label[:58] + cost, (x, y), fontsize=6, xytext=(4, 2),
+                    textcoords="offset points")  # fmt: skip
+    ax.set_xlabel(f"accuracy on the removed set `{t}` (lower is more removed)")
+    ax.set_ylabel("mean accuracy on the remaining sets")
+    ax.grid(alpha=0.3)
+    seeds = len(report["removal"])
+    fig.suptitle(f"Removal of {t} from the multi-task model: each method against retraining "
+                 f"(red star); mean over {seeds} seed(s); (n%) = cost × retraining's text "
+                 "passes", fontsize=9)  # fmt: skip
     fig.savefig(path, dpi=110)
 
 
@@ -1184,6 +1261,40 @@ def write(record: dict[str, Any], out: Path, stem: str) -> Path:
     return write_result(out / f"{stem}.json", record, figure=lambda p: plot(results, p))
 
 
+def removal_markdown(report: dict[str, Any]) -> list[str]:
+    """The removal table as Markdown lines (model − gold per method, KL, cost)."""
+
+    def ci(c: dict[str, Any] | None) -> str:
+        if not c:
+            return "—"
+        p = c.get("pooled", c)
+        lo, hi = p["ci95"]
+        return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    out: list[str] = []
+    if report.get("removal comparisons"):
+        t = report["removal"][0]["removed"]
+        out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
+                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
+                "", f"| method | on `{t}` | on the remaining sets | KL per seed "
+                "| text passes, × retraining's (per seed) |", "|---|---|---|---|---|"]  # fmt: skip
+        fractions: dict[str, list[str]] = {}
+        for s in report["removal"]:
+            for r in s["rows"]:
+                frac = (r.get("cost") or {}).get("fraction of retraining")
+                if frac is not None:
+                    fractions.setdefault(r["method"], []).append(f"{frac:.2f}")
+        chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
+        out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
+        for c in report["removal comparisons"]:
+            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
+            fr = ", ".join(fractions.get(c["method"], [])) or "—"
+            out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
+                       f"{ci(c.get('remaining: model − gold'))} | {kl} | {fr} |")  # fmt: skip
+        out += out_tail
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The results' key tables as Markdown (docs/interference.md is this, for the committed run):
     at the largest T every method's mean accuracy (± std over seeds) and its pooled paired
@@ -1197,6 +1308,8 @@ def markdown(report: dict[str, Any]) -> str:
         lo, hi = p["ci95"]
         return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
+    if not report["summary"]:  # --removal-only
+        return "\n".join(removal_markdown(report)) + "\n"
     last = max(e["T"] for e in report["summary"])
     sets = [BASE, *ADDED[:last]]
     comps = {(c["T"], c["method"], c["against"]): c for c in report["comparisons"]}
@@ -1238,18 +1351,7 @@ def markdown(report: dict[str, Any]) -> str:
                 )
     out += ["", "α chosen per criterion (every seed and T):", ""]
     out += [f"- {c}: {', '.join(v)}" for c, v in crits.items()]
-    if report.get("removal comparisons"):
-        t = report["removal"][0]["removed"]
-        out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
-                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
-                "", f"| method | on `{t}` | on the remaining sets | KL per seed |", "|---|---|---|---|"]  # fmt: skip
-        chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
-        out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
-        for c in report["removal comparisons"]:
-            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
-            out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
-                       f"{ci(c.get('remaining: model − gold'))} | {kl} |")  # fmt: skip
-        out += out_tail
+    out += removal_markdown(report)
     return "\n".join(out) + "\n"
 
 
@@ -1290,6 +1392,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-mergekit", dest="mergekit", action="store_false")
     p.add_argument("--datasets", type=int, default=len(ADDED), help="datasets added (largest T)")
     p.add_argument("--remove", default="dutch", choices=ADDED)
+    p.add_argument(
+        "--removal-only",
+        action="store_true",
+        help="Study 2 alone: θ_LLM, M, the gold model, θ_t and the removal rows (no Study 1)",
+    )
     p.add_argument("--negation-alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument(

@@ -32,7 +32,11 @@ The output folder appears only when everything succeeded (:func:`~gradmerge.io.w
 staged_output`): θ^k saved as the start model was (``save_pretrained`` for a Hugging Face model,
 with the start folder's tokenizer files; ``model.safetensors`` otherwise) and
 ``gradmerge_refine.json``: the configuration, and per step k = 0 … K the gradient mismatch
-‖∇ℓ̄_t(θ^k) − ∇ℓ̄_t(θ_t)‖ per task (Eq. 2), its sum and ‖R(θ^k)‖.
+‖∇ℓ̄_t(θ^k) − ∇ℓ̄_t(θ_t)‖ per task (Eq. 2), its sum and ‖R(θ^k)‖; and ``passes``, the cost in
+forward-backward passes over each D_t (``examples`` per task): gradient evaluations the steps
+took (the residual at θ^0 and every backtracking trial), those the record took (θ_t's gradient
+and the mismatch and ‖R‖ at each iterate: diagnostics, not the method's cost) and curvature
+evaluations (one per step).
 
 Example:
     >>> from gradmerge.jobs.refine import RefineConfig
@@ -284,20 +288,25 @@ def run_refine(
     ]
     data = [_batches(m.data, config, model) for m in config.models]
     names = list(theta0)
+    counts = _Counts(len(data))
     gradients = [
         _cached(
-            gradient_fn(
-                model,
-                d,
-                loss=config.loss,  # type: ignore[arg-type]
-                ignore_index=config.ignore_index,
-                params=names,
+            counts.gradients(
+                t,
+                gradient_fn(
+                    model,
+                    d,
+                    loss=config.loss,  # type: ignore[arg-type]
+                    ignore_index=config.ignore_index,
+                    params=names,
+                ),
             ),
             ft,
         )
-        for d, ft in zip(data, finetuned, strict=True)
+        for t, (d, ft) in enumerate(zip(data, finetuned, strict=True))
     ]
-    curvatures = [_curvature_at(model, d, config) for d in data]
+    curvatures = [counts.curvatures(t, _curvature_at(model, d, config)) for t, d in enumerate(data)]
+    before = list(counts.gradient)  # θ_t's gradient, for the mismatch only
     prior: float | Curvature = config.prior.delta
     if config.prior.files:  # one file, or several whose sum is the curvature
         parts = [load_curvature(path, like=theta0) for path in config.prior.files]
@@ -312,6 +321,7 @@ def run_refine(
         alphas=config.alphas,
         steps=config.steps,
     )
+    in_steps = [n - b for n, b in zip(counts.gradient, before, strict=True)]
     steps = []
     for k, theta in enumerate([theta0, *iterates]):
         mismatch = gradient_mismatch(theta, finetuned, gradients, alphas=config.alphas)
@@ -340,6 +350,14 @@ def run_refine(
             "device": str(device),
             "config": config.to_dict(),
             "steps": steps,
+            "passes": {
+                "examples": [_examples(d) for d in data],
+                "gradient evaluations, steps": in_steps,
+                "gradient evaluations, record": [
+                    n - k for n, k in zip(counts.gradient, in_steps, strict=True)
+                ],
+                "curvature evaluations": list(counts.curvature),
+            },
             "seconds": seconds,
         }
         (stage / RECORD).write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
@@ -465,6 +483,42 @@ def _batches(spec: str, config: RefineConfig, model: nn.Module) -> list[Any]:
         text=config.text,
     )
     return list(data)
+
+
+class _Counts:
+    """How often each task's gradient and curvature were evaluated: each evaluation is one
+    forward-backward pass over every example of D_t (the cost of a refinement, in passes)."""
+
+    def __init__(self, tasks: int) -> None:
+        self.gradient = [0] * tasks
+        self.curvature = [0] * tasks
+
+    def gradients(
+        self, t: int, fn: Callable[[Params], dict[str, Tensor]]
+    ) -> Callable[[Params], dict[str, Tensor]]:
+        def counted(theta: Params) -> dict[str, Tensor]:
+            self.gradient[t] += 1
+            return fn(theta)
+
+        return counted
+
+    def curvatures(
+        self, t: int, fn: Callable[[Params], Curvature]
+    ) -> Callable[[Params], Curvature]:
+        def counted(theta: Params) -> Curvature:
+            self.curvature[t] += 1
+            return fn(theta)
+
+        return counted
+
+
+def _examples(batches: list[Any]) -> int:
+    """Examples in a list of batches (the leading size of each batch's first tensor)."""
+    total = 0
+    for b in batches:
+        first = next(iter(b.values())) if isinstance(b, dict) else b[0]
+        total += int(first.shape[0])
+    return total
 
 
 def _cached(

@@ -131,6 +131,33 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     for name in ("from M | Eq. 13, diag", "from M | Koh & Liang, diag", "from M | negation α=1"):
         assert rows[name]["mean KL(gold ‖ model)"] > 0
         assert rows[name]["removed-set accuracy"] == rows[name]["accuracy"]["sentences"]
+    # the extended removal rows (benchmarks/interference_removal.py) and their costs, in text
+    # passes: quick trains on 24 texts per set for 1 epoch; curvature samples of 12 texts
+    assert rows["gold: retrained without"]["cost"]["text passes"] == 2 * 24  # snippets, reviews
+    grid = [r for n, r in rows.items() if n.startswith("from M | Eq. 13, diag δ=")]
+    assert sum(r.get("label-free choice", False) for r in grid) == 1
+    for prefix in ("from M | Eq. 13, diag, agreement δ=", "from M | Eq. 13 homotopy k=2, diag",
+                   "baseline | fine-tune M on the rest", "baseline | NegGrad+"):  # fmt: skip
+        found = [r for n, r in rows.items() if n.startswith(prefix)]
+        assert found and all("correct" in r or "failed" in r for r in found), prefix
+    refined = [r for n, r in rows.items() if n.endswith("+ refine 1") and "correct" in r]
+    for r in refined:  # --quick: one step
+        passes = r["refine record"]["passes"]
+        assert passes["examples"] == [12] and passes["curvature evaluations"] == [1]
+        assert passes["gradient evaluations, record"] == [1 + 2 * 2]
+        steps = passes["gradient evaluations, steps"][0]
+        assert r["cost"]["text passes"] == 24 + 12 + 12 + 12 * (steps + 1)  # θ_t, H_t, H_rest
+    grad = "‖Σ ∇ℓ(θ)‖ on the remaining sample"
+    for n in (
+        "M (multi-task, all)",
+        "gold: retrained without",
+        *(n for n in rows if "+ refine" in n),
+    ):
+        assert rows[n][grad] > 0, n
+    for n, r in rows.items():
+        if n.startswith("baseline |") and "correct" in r:
+            budget = int(n.split(", ")[1].split(" text passes")[0])
+            assert budget <= r["cost"]["text passes"] < budget + 2 * 16
     comps = {(c["T"], c["method"], c["against"]) for c in report["comparisons"]}
     assert (2, "grad. matching (official), diag", "task arithmetic α=1") in comps
     for c in report["comparisons"]:

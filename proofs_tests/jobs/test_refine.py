@@ -298,3 +298,50 @@ def test_text_data_is_tokenised_with_the_start_folders_tokenizer(tmp_path):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     record = json.loads((tmp_path / "out" / RECORD).read_text())
     assert record["config"]["text"]["max_length"] == 8
+
+
+def test_the_record_counts_the_passes_gm_refine_makes(setting, tmp_path):
+    """``passes`` in the record: the gradient and curvature evaluations per task equal those of
+    ``gm.refine`` called in memory with counting wrappers (steps), plus θ_t's gradient and the
+    mismatch and ‖R‖ at each of the K + 1 iterates (record); one curvature per step."""
+    out = tmp_path / "refined"
+    run_refine(RefineConfig.from_yaml(_config(setting)), out)
+    passes = json.loads((out / RECORD).read_text())["passes"]
+    model = transformers.BertForSequenceClassification.from_pretrained(setting.start).eval()
+    theta0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    base_model = transformers.BertForSequenceClassification.from_pretrained(setting.base)
+    base = {k: v.detach() for k, v in base_model.named_parameters()}
+    batches = [list(load_data(str(d), batch_size=10)) for d in setting.data]
+    calls = {"gradient": [0, 0], "curvature": [0, 0]}
+
+    def gradient(t, b):
+        fn = gm.gradient_fn(model, b)
+
+        def counted(theta):
+            calls["gradient"][t] += 1
+            return fn(theta)
+
+        return counted
+
+    def curvature(t, b):
+        def at(theta):
+            calls["curvature"][t] += 1
+            with torch.no_grad():
+                for k, v in theta.items():
+                    model.get_parameter(k).copy_(v)
+            return gm.estimate_curvature(model, b, structure="full", fisher="ggn")
+
+        return at
+
+    gm.refine(
+        theta0,
+        base,
+        [gradient(t, b) for t, b in enumerate(batches)],
+        [curvature(t, b) for t, b in enumerate(batches)],
+        prior=DELTA,
+        steps=STEPS,
+    )
+    assert passes["examples"] == [32, 32]
+    assert passes["gradient evaluations, steps"] == calls["gradient"]
+    assert passes["curvature evaluations"] == calls["curvature"] == [STEPS, STEPS]
+    assert passes["gradient evaluations, record"] == [1 + 2 * (STEPS + 1)] * 2
