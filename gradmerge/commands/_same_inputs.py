@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from gradmerge.io.sources import describe_source, file_sha256
+# gradmerge.io.sources (and so torch) is imported where used: evaluate's argument checks and
+# --help load no torch (proofs_tests/unit/cli/test_cli_start.py)
 
 
 def same_inputs(role: str, specs: Sequence[str], *, contents: bool = False) -> str | None:
@@ -66,6 +67,8 @@ def _identity(spec: str) -> str:
     file, or as written when it names a module."""
     if Path(spec).exists():
         return str(Path(spec).resolve())
+    from gradmerge.io.sources import describe_source
+
     return describe_source(spec, "entry point") if ":" in spec else spec
 
 
@@ -92,6 +95,8 @@ def _size(spec: str) -> int | None:
 
 def _digest(path: Path) -> str:
     """SHA-256 of a file's bytes; of a folder, of its files' relative paths and digests."""
+    from gradmerge.io.sources import file_sha256
+
     if path.is_file():
         return file_sha256(path)
     import hashlib

@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-shard-size",
         type=size,
-        default=5 * 10**9,
+        default="5GB",  # argparse converts a string default with type=
         metavar="SIZE",
         help="the largest shard: bytes, or e.g. 5GB, 500MB, 2GiB (default: 5GB)",
     )
