@@ -1261,16 +1261,18 @@ def write(record: dict[str, Any], out: Path, stem: str) -> Path:
     return write_result(out / f"{stem}.json", record, figure=lambda p: plot(results, p))
 
 
+def ci(c: dict[str, Any] | None) -> str:
+    """A comparison's difference and 95% interval in points (its pooled one where it has one),
+    "—" where there is none."""
+    if not c:
+        return "—"
+    p = c.get("pooled", c)
+    lo, hi = p["ci95"]
+    return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
 def removal_markdown(report: dict[str, Any]) -> list[str]:
     """The removal table as Markdown lines (model − gold per method, KL, cost)."""
-
-    def ci(c: dict[str, Any] | None) -> str:
-        if not c:
-            return "—"
-        p = c.get("pooled", c)
-        lo, hi = p["ci95"]
-        return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
     out: list[str] = []
     if report.get("removal comparisons"):
         t = report["removal"][0]["removed"]
@@ -1300,14 +1302,6 @@ def markdown(report: dict[str, Any]) -> str:
     at the largest T every method's mean accuracy (± std over seeds) and its pooled paired
     difference to task arithmetic at α = 1 and at the label-free α; the mean accuracy by T; the
     interference; the removal rows against the gold model."""
-
-    def ci(c: dict[str, Any] | None) -> str:
-        if not c:
-            return "—"
-        p = c.get("pooled", c)
-        lo, hi = p["ci95"]
-        return f"{100 * p['difference']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
     if not report["summary"]:  # --removal-only
         return "\n".join(removal_markdown(report)) + "\n"
     last = max(e["T"] for e in report["summary"])
