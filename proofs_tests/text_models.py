@@ -7,6 +7,7 @@ folder. Weights are random (seeded) and float64, so that estimates compare to ro
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -104,3 +105,24 @@ def gpt2_lm(folder: Path, *, positions: int = 16, seed: int = 0) -> Path:
     transformers.GPT2LMHeadModel(config).double().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def lora_adapter(model, folder: Path, seed: int, *, base: Path | None = None, **options):
+    """A peft LoRA adapter of ``model`` (``peft.LoraConfig(**options)``) whose LoRA and
+    ``modules_to_save`` tensors are random (seeded, scale 0.1: B ≠ 0, so the adapter changes its
+    targets), saved to ``folder``; with ``base``, its config names that folder as the base. Returns
+    the peft model (``.merge_and_unload()`` is the reference every adapter path is checked with)."""
+    import peft
+
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(**options))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    wrapped.save_pretrained(folder)
+    if base is not None:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = str(base)
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    return wrapped

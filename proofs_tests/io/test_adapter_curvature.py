@@ -24,7 +24,7 @@ from gradmerge.curvature.io import open_curvature
 from gradmerge.errors import StructureError
 from gradmerge.io.lora import adapted_parameters, changed_tensors
 from gradmerge.jobs import MergeConfig, run_merge
-from proofs_tests.text_models import bert_classifier
+from proofs_tests.text_models import bert_classifier, lora_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -39,16 +39,7 @@ def _adapter(base, folder, seed, **options):
     """A LoRA adapter of the model in ``base`` with random (non-zero) B, saved to ``folder``, and
     peft's merge_and_unload of it saved to ``folder``-full."""
     model = transformers.BertForSequenceClassification.from_pretrained(base)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(**options))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
-    wrapped.save_pretrained(folder)
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = str(base)
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    wrapped = lora_adapter(model, folder, seed, base=base, **options)
     full = folder.parent / f"{folder.name}-full"
     wrapped.merge_and_unload().save_pretrained(full)
     return folder, full

@@ -24,21 +24,9 @@ from gradmerge.io import open_checkpoint
 from gradmerge.io.lora import LoraCheckpoint
 from proofs_tests.io.test_official_curvature import _Payload
 from proofs_tests.text_models import bert_classifier, gpt2_lm
+from proofs_tests.text_models import lora_adapter as _adapter
 
 peft = pytest.importorskip("peft")
-
-
-def _adapter(model, folder, seed, **options):
-    """A LoRA adapter of ``model`` with random (non-zero) B, saved to ``folder``."""
-    config = peft.LoraConfig(**options)
-    wrapped = peft.get_peft_model(model, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
-    wrapped.save_pretrained(folder)
-    return wrapped
 
 
 @pytest.fixture(scope="module")

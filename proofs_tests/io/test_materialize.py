@@ -17,23 +17,14 @@ from safetensors.torch import load_file
 
 from gradmerge import cli
 from gradmerge.io.materialize import RECORD, materialize
-from proofs_tests.text_models import bert_classifier, gpt2_lm
+from proofs_tests.text_models import bert_classifier, gpt2_lm, lora_adapter
 
 peft = pytest.importorskip("peft")
 
 
 def _adapter(model, folder, seed, base, **options):
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(**options))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
-    wrapped.save_pretrained(folder)
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = str(base)
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return wrapped.merge_and_unload()
+    """A random adapter of ``model`` saved to ``folder`` over ``base``; peft's merged model."""
+    return lora_adapter(model, folder, seed, base=base, **options).merge_and_unload()
 
 
 def _shards(folder):
