@@ -371,7 +371,13 @@ class Study:
         # computed from them (Study 2, M's scores), are named by the epochs: the namespace m_ns
         epochs = args.multitask_epochs
         self.m_ns = f"{seed} | multi-task {epochs} epochs"
-        multi = {"all": root / f"multitask-e{epochs}", "gold": root / f"gold-e{epochs}"}
+        # the gold model and Study 2's folders and scores are named by the removed set too, so
+        # that a run with another --remove beside them reuses M and nothing else
+        self.r_ns = f"{self.m_ns} | without {args.remove}"
+        multi = {
+            "all": root / f"multitask-e{epochs}",
+            "gold": root / f"gold-without-{args.remove}-e{epochs}",
+        }
         for (key, folder), offset in zip(multi.items(), (7, 8), strict=True):
             keep = [d for d in self.sets if key == "all" or d != args.remove]
             self.checkpoint(
@@ -699,7 +705,7 @@ class Study:
         args, root, t = self.args, self.root, self.args.remove
         start = time.perf_counter()
         rest = [d for d in self.sets if d != t]
-        rem_dir = root / f"removal-e{args.multitask_epochs}"
+        rem_dir = root / f"removal-{t}-e{args.multitask_epochs}"
         rem_dir.mkdir(parents=True, exist_ok=True)
         # θ_t: the multi-task model M fine-tuned on the data to remove (Eq. 13's θ_t)
         ft = self.checkpoint(
@@ -784,7 +790,7 @@ class Study:
                 ).items()
             },
             "agreement",
-            self.m_ns,
+            self.r_ns,
         )
         agreement = {}
         for n in neg:
@@ -850,7 +856,7 @@ class Study:
         items |= {n: (f, self.sets) for n, f in neg.items() if isinstance(f, Path)}
         items |= {n: (f, self.sets) for n, f in got.items() if isinstance(f, Path)}
         items |= more
-        test = self.score(items, "test", self.m_ns)
+        test = self.score(items, "test", self.r_ns)
         gold = test["gold: retrained without"]
         out_rows = []
         for name in items:

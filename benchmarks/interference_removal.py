@@ -223,7 +223,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
         pred = study.score(
             {"M": (Path(M), ["rest"])} | {n: (f, ["rest"]) for n, f in ok.items()},
             "agreement",
-            study.m_ns,
+            study.r_ns,
         )
         agreement = {n: agree(pred["M"]["rest"], pred[n]["rest"]) for n in ok}
 
@@ -280,7 +280,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                     facts[name] = {"failed": failure(str(result))}
                     print(f"    {name}: FAILED {facts[name]['failed']}", flush=True)
                 else:
-                    study.cache[f"{study.m_ns} | {name} | seconds"] = secs
+                    study.cache[f"{study.r_ns} | {name} | seconds"] = secs
             if (out / "gradmerge_refine.json").exists():
                 record = json.loads((out / "gradmerge_refine.json").read_text())
                 p = record["passes"]
@@ -298,7 +298,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                     | {
                         f"refine: {steps} steps (gradients incl. backtracking, curvatures)": (
                             steps_passes,
-                            study.cache.get(f"{study.m_ns} | {name} | seconds"),
+                            study.cache.get(f"{study.r_ns} | {name} | seconds"),
                         )
                     }
                 )
