@@ -807,7 +807,7 @@ class Study:
         more, facts = removal_extend(
             self,
             {"t": t, "rest": [d for d in self.sets if d != t], "rem_dir": rem_dir, "ft": ft, "curv": curv,
-             "rest_file": rest_file, "rest_scale": rest_scale},
+             "rest_file": rest_file, "rest_scale": rest_scale, "grad": grad},
         )  # fmt: skip
         # from the T = 4 gradient-matching merges: Eq. 13 from each with its own curvature, the
         # official prior and H̄_\t = H_0 + the remaining tasks' H_d; remerge and negation from K-FAC's

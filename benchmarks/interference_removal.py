@@ -9,7 +9,10 @@ compute, and ahead of what a practitioner would try with that compute? Rows adde
   :data:`~benchmarks.interference.REMOVAL_DELTAS` the step check accepts; the δ kept is the
   smallest (the largest step) whose predictions on the remaining sets' training texts agree with
   M's on ≥ :data:`~benchmarks.interference.NEGATION_AGREEMENT` (negation's rule; no label read).
-- **Eq. 13 + refinement** (Sec. 1.5): ``gradmerge refine`` from that removal (and from the one at
+- **Koh & Liang with δ chosen without labels**: ``influence_remove`` (the removed set's
+  gradient at M, H_rest at M: no fine-tune θ_t, so the cheapest curvature removal) at every δ,
+  the δ kept by the same agreement rule; refined as below.
+- **Eq. 13 (or Koh & Liang) + refinement** (Sec. 1.5): ``gradmerge refine`` from that removal (and from the one at
   the smallest δ the step check accepts, Study 2's rule, where it differs), :data:`REFINE_STEPS`
   Newton steps on the remaining objective Σ_{d≠t} ℓ̄_d(θ) + ½(δ/s)‖θ − θ_LLM‖² over the remaining
   sets' curvature sample (n texts, the sample of H_rest; s = N_rest/n, so that the prior has
@@ -170,7 +173,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
 
     ``ctx`` carries Study 2's inputs: ``t``, ``rest`` (remaining set names), ``rem_dir``, ``ft``
     (θ_t), ``curv`` ((who, structure) → file), ``rest_file`` (H_rest's text sample),
-    ``rest_scale`` (s), ``agreement`` (name → agreement with M; filled here for the δ grid)."""
+    ``rest_scale`` (s), ``grad`` (∇ℓ_t at M over t's training texts, Koh & Liang's)."""
     from benchmarks.interference import NEGATION_AGREEMENT, REMOVAL_DELTAS, agree, safe
 
     args, t, rem_dir = study.args, ctx["t"], ctx["rem_dir"]
@@ -202,15 +205,25 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
     facts["gold: retrained without"] = {"cost": cost({"retraining": (
         gold_cost["text passes"], gold_cost["seconds"])})}  # fmt: skip
     best_cost = 0
-    for s in args.structures:
-        # Eq. 13 at every δ; the label-free choice by agreement with M on the rest's texts
+    n_g = texts_in(study.train_files[t])
+    families = [(f, s) for s in args.structures for f in ("Eq. 13", "Koh & Liang")]
+    for family, s in families:
+        # the rule at every δ; the label-free choice by agreement with M on the rest's texts
+        body: dict[str, Any]
+        if family == "Eq. 13":  # θ_t and H_t at θ_t: the removed set's fine-tune
+            body = {"method": "remove", "model": str(ft), "curvature": str(curv["t", s])}
+            parts13 = common | {f"H_rest at M ({n_f} texts)": (n_f, None)}
+        else:  # the removed set's gradient at M (its training texts): no θ_t
+            body = {"method": "influence_remove", "gradient": str(ctx["grad"])}
+            parts13 = {
+                f"∇ℓ_t at M ({n_g} texts)": (n_g, None),
+                f"H_rest at M ({n_f} texts)": (n_f, None),
+            }
         grid = {
-            f"from M | Eq. 13, {s} δ={d:g}": {
-                "method": "remove",
+            f"from M | {family}, {s} δ={d:g}": body
+            | ({"prior": {"delta": d}} if family == "Eq. 13" else {})
+            | {
                 "base_model": M,
-                "model": str(ft),
-                "curvature": str(curv["t", s]),
-                "prior": {"delta": d},
                 "remaining": {"delta": d, "curvature": str(curv["rest", s]), "scale": s_rest},
                 "_command": "remove",
             }
@@ -232,7 +245,6 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
 
         keep = [n for n, a in agreement.items() if a >= NEGATION_AGREEMENT]
         chosen = min(keep, key=delta_of) if keep else max(agreement, key=lambda n: agreement[n])
-        parts13 = common | {f"H_rest at M ({n_f} texts)": (n_f, None)}
         for n, f in ok.items():
             items[n] = (f, study.sets)
             facts[n] = {
@@ -254,7 +266,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
             tag = f"{rule} δ={delta:g}"
             # Eq. 13 + refinement on the remaining objective
             steps = 1 if args.quick else REFINE_STEPS  # --quick: one step
-            name = f"from M | Eq. 13, {s}, {tag} + refine {steps}"
+            name = f"from M | {family}, {s}, {tag} + refine {steps}"
             out = rem_dir / safe(name)
             config = {
                 "start": str(ok[first]),
@@ -312,6 +324,8 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                 }
                 best_cost = max(best_cost, c["text passes"] or 0)
             # Eq. 13 along a path: k steps of 1/k, H_rest re-estimated at each point
+            if family != "Eq. 13":
+                continue
             k = HOMOTOPY_STEPS
             name = f"from M | Eq. 13 homotopy k={k}, {s}, {tag}"
             point, parts = Path(M), dict(common)

@@ -134,19 +134,24 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     # the extended removal rows (benchmarks/interference_removal.py) and their costs, in text
     # passes: quick trains on 24 texts per set for 1 epoch; curvature samples of 12 texts
     assert rows["gold: retrained without"]["cost"]["text passes"] == 2 * 24  # snippets, reviews
-    grid = [r for n, r in rows.items() if n.startswith("from M | Eq. 13, diag δ=")]
-    assert sum(r.get("label-free choice", False) for r in grid) == 1
+    for family in ("Eq. 13", "Koh & Liang"):
+        grid = [r for n, r in rows.items() if n.startswith(f"from M | {family}, diag δ=")]
+        assert sum(r.get("label-free choice", False) for r in grid) == 1, family
     for prefix in ("from M | Eq. 13, diag, agreement δ=", "from M | Eq. 13 homotopy k=2, diag",
+                   "from M | Koh & Liang, diag, agreement δ=",
                    "baseline | fine-tune M on the rest", "baseline | NegGrad+"):  # fmt: skip
         found = [r for n, r in rows.items() if n.startswith(prefix)]
         assert found and all("correct" in r or "failed" in r for r in found), prefix
-    refined = [r for n, r in rows.items() if n.endswith("+ refine 1") and "correct" in r]
-    for r in refined:  # --quick: one step
+    refined = {n: r for n, r in rows.items() if n.endswith("+ refine 1") and "correct" in r}
+    for n, r in refined.items():  # --quick: one step
         passes = r["refine record"]["passes"]
         assert passes["examples"] == [12] and passes["curvature evaluations"] == [1]
         assert passes["gradient evaluations, record"] == [1 + 2 * 2]
         steps = passes["gradient evaluations, steps"][0]
-        assert r["cost"]["text passes"] == 24 + 12 + 12 + 12 * (steps + 1)  # θ_t, H_t, H_rest
+        # Eq. 13: θ_t (24) and H_t (12); Koh & Liang: ∇ℓ_t at M (24); both H_rest (12)
+        first = 24 + 12 if "Eq. 13" in n else 24
+        assert r["cost"]["text passes"] == first + 12 + 12 * (steps + 1), n
+    assert any("Koh & Liang" in n for n in rows if n.endswith("+ refine 1"))
     grad = "‖Σ ∇ℓ(θ)‖ on the remaining sample"
     for n in (
         "M (multi-task, all)",
