@@ -6,7 +6,7 @@ compute, and ahead of what a practitioner would try with that compute? Rows adde
 (:mod:`benchmarks.interference`), every gradmerge step a CLI call as a user would run it:
 
 - **Eq. 13 with δ chosen without labels**: ``gradmerge remove`` at every δ of
-  :data:`~benchmarks.interference.REMOVAL_DELTAS` the step check accepts; the δ kept is the
+  :data:`LABEL_FREE_DELTAS` the step check accepts; the δ kept is the
   smallest (the largest step) whose predictions on the remaining sets' training texts agree with
   M's on ≥ :data:`~benchmarks.interference.NEGATION_AGREEMENT` (negation's rule; no label read).
 - **Koh & Liang with δ chosen without labels**: ``influence_remove`` (the removed set's
@@ -48,6 +48,11 @@ from torch import nn
 from benchmarks.interference_data import DATASETS
 from benchmarks.paper_recipe import batches, encode, load_classifier, pooled, yaml_dump
 
+LABEL_FREE_DELTAS = (1e-2, 1.0, 1e2, 1e3, 1e4)
+"""The δ grid the label-free rule searches: Study 2's (:data:`~benchmarks.interference.
+REMOVAL_DELTAS`, where it takes the first δ the step check accepts) widened by two larger δ, so
+that the agreement the rule asks for is within the grid's reach (a larger δ takes a shorter step
+from M)."""
 REFINE_STEPS = 2
 HOMOTOPY_STEPS = 2
 NEGGRAD_WEIGHT = 1.0
@@ -174,7 +179,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
     ``ctx`` carries Study 2's inputs: ``t``, ``rest`` (remaining set names), ``rem_dir``, ``ft``
     (θ_t), ``curv`` ((who, structure) → file), ``rest_file`` (H_rest's text sample),
     ``rest_scale`` (s), ``grad`` (∇ℓ_t at M over t's training texts, Koh & Liang's)."""
-    from benchmarks.interference import NEGATION_AGREEMENT, REMOVAL_DELTAS, agree, safe
+    from benchmarks.interference import NEGATION_AGREEMENT, agree, safe
 
     args, t, rem_dir = study.args, ctx["t"], ctx["rem_dir"]
     ft, curv, rest_file, s_rest = ctx["ft"], ctx["curv"], ctx["rest_file"], ctx["rest_scale"]
@@ -227,7 +232,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                 "remaining": {"delta": d, "curvature": str(curv["rest", s]), "scale": s_rest},
                 "_command": "remove",
             }
-            for d in REMOVAL_DELTAS
+            for d in LABEL_FREE_DELTAS
         }
         got = study.run_merges(grid, "remove", rem_dir)
         ok = {n: f for n, f in got.items() if isinstance(f, Path)}
