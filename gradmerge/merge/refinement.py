@@ -21,7 +21,7 @@ from torch import Tensor
 
 from gradmerge import params as P
 from gradmerge.curvature import Curvature
-from gradmerge.errors import ArgumentError
+from gradmerge.errors import ArgumentError, NonFiniteError
 from gradmerge.merge.inputs import CurvatureLike, checked_alphas, checked_curvature
 from gradmerge.params import Params
 
@@ -50,7 +50,8 @@ def refine(
 
     a Newton step on the multi-task objective, taken with backtracking on the norm of the
     stationarity residual R(θ) = H_0(θ − θ_LLM) + Σ_t α_t ∇ℓ̄_t(θ) (halving the step until ‖R‖
-    falls; a step that cannot reduce it is not taken). With curvatures recomputed at θ^k (pass
+    falls; a trial point where a gradient is not finite counts as no decrease; a step that
+    cannot reduce it is not taken). A non-finite gradient at θ^0 itself is an error. With curvatures recomputed at θ^k (pass
     callables θ ↦ H_t(θ)) it is damped Newton, which converges quadratically near θ_{1:T}; with
     fixed H_t (e.g. at θ_t) a quasi-Newton iteration. Start from θ^0 = :func:`gradient_matching`.
 
@@ -105,7 +106,11 @@ def refine(
         size, norm = 1.0, P.norm(residual)
         for _halving in range(30):
             trial = P.axpy(-size, direction, current)
-            trial_residual = stationarity(trial)
+            try:
+                trial_residual = stationarity(trial)
+            except NonFiniteError:  # the step left the region where the loss is finite
+                size /= 2
+                continue
             if P.norm(trial_residual) < norm:
                 break
             size /= 2

@@ -77,3 +77,21 @@ def test_refine_rejects_bad_arguments():
         gm.refine(base, base, grad, [1.0, 1.0], prior=1.0)
     with pytest.raises(gm.StructureError, match=r"gradients\[0\]"):
         gm.refine(base, base, [lambda p: {"v": p["w"]}], [1.0], prior=1.0)
+
+
+def test_a_trial_step_into_a_non_finite_gradient_is_halved_not_an_error():
+    """ℓ(θ) = ½(θ − 1)², its gradient NaN beyond |θ| > 1.5 (as a network's loss overflows far
+    from its weights); H passed as 1/8 so that the full, half and quarter Newton steps land at
+    8, 4 and 2: each trial is refused as no decrease and the eighth, 1/(1 + 8δ), is taken."""
+    delta = 1e-3
+
+    def grad(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        g = p["w"] - 1.0
+        return {"w": torch.where(p["w"].abs() > 1.5, torch.nan, g)}
+
+    zero = {"w": torch.zeros(1, dtype=torch.float64)}
+    (step,) = gm.refine(zero, zero, [grad], [1.0 / 8], prior=delta)
+    assert step["w"].item() == pytest.approx(1 / (1 + 8 * delta), rel=1e-12)
+    with pytest.raises(gm.NonFiniteError, match=r"gradients\[0\]"):  # at θ^0: an error
+        gm.refine({"w": torch.full((1,), 2.0, dtype=torch.float64)}, zero, [grad], [1.0],
+                  prior=delta)  # fmt: skip
