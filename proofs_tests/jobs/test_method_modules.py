@@ -8,7 +8,8 @@ for a method that runs as another job (``remerge``), ``runs``, its help lines an
 each module's record is listed once, under the module's name, and every listed record comes
 from a module of the package. A key that one method alone reads is declared in its module and
 is the field of the job's configuration. The checks are run on a made-up module too, so that
-they are not vacuous.
+they are not vacuous, and a made-up method added as one module and one list entry merges
+through ``gradmerge merge`` (docs/architecture.md, "Adding a method").
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ import types
 from dataclasses import fields
 
 import pytest
+from safetensors.torch import load_file
 
+import gradmerge as gm
 import gradmerge.methods
+from gradmerge import cli
 from gradmerge.jobs import reference
 from gradmerge.jobs.config import KEYS, READS
 from gradmerge.methods import registry
 from gradmerge.methods.base import MergeMethod, MergeUnit, Solved
 from gradmerge.settings import declared
+from proofs_tests.workspace import assert_same, make_workspace
 
 SHARED = ("base", "registry")
 """The package's modules that are not methods."""
@@ -147,3 +152,56 @@ def test_the_checks_catch_a_method_without_keys_rule_or_docs():
         "fake: its rule is not a function of its own module",
     ]
     assert problems(types.ModuleType("gradmerge.methods.empty")) == ["empty: no METHOD record"]
+
+
+def test_a_method_added_as_one_module_and_one_list_entry_runs(monkeypatch, tmp_path, capsys):
+    """The claim of docs/architecture.md's "Adding a method": a new module (here made in the
+    test: θ_LLM + Σ_t α_t τ_t / Σ_t α_t, the α-weighted mean of the task vectors) and its entry
+    in the list are all `gradmerge merge`, its `--dry-run`, its refusals and docs/config.md's
+    list need; the merge equals the in-memory rule it calls."""
+    module = types.ModuleType("gradmerge.methods.task_mean", "The α-weighted mean task vector.")
+
+    def task_mean(u: MergeUnit) -> Solved:
+        weights = [a / sum(u.alphas) for a in u.alphas]
+        return gm.task_arithmetic(u.base, u.finetuned, alphas=weights, kernel=u.kernel), None
+
+    task_mean.__module__ = module.__name__
+    module.METHOD = MergeMethod(  # type: ignore[attr-defined]
+        "task_mean",
+        "merge",
+        "θ_LLM + Σ α_t τ_t / Σ α_t",
+        {"base_model": "required"},
+        task_mean,
+        docs="the α-weighted mean of the task vectors.",
+        coverage="none",
+    )
+    assert problems(module) == []
+    listed = (*registry.REGISTRY, module.METHOD)  # the one line added to the list
+    monkeypatch.setattr(registry, "REGISTRY", listed)
+    monkeypatch.setattr(registry, "_BY_NAME", {m.name: m for m in listed})
+
+    ws = make_workspace(tmp_path / "ws", "diag")
+    config = {
+        "method": "task_mean",
+        "base_model": ws.base.name,
+        "models": [
+            {"model": m.name, "alpha": a} for m, a in zip(ws.models, (3.0, 1.0), strict=True)
+        ],
+    }
+    path = ws.yaml("task_mean.yaml", config)
+    out = tmp_path / "out"
+    assert cli.main(["merge", str(path), str(out), "--dry-run", "--no-progress"]) == 0
+    assert not out.exists()
+    assert cli.main(["merge", str(path), str(out), "--no-progress"]) == 0
+    expected = gm.task_arithmetic(
+        ws.load(ws.base), [ws.load(m) for m in ws.models], alphas=[0.75, 0.25]
+    )
+    assert_same(load_file(out / "model.safetensors"), expected)
+
+    refused = ws.yaml("refused.yaml", {**config, "damping": 1.0})
+    assert cli.main(["merge", str(refused), str(tmp_path / "no"), "--no-progress"]) != 0
+    err = capsys.readouterr().err  # the refusal names the new method and the key's users
+    assert "task_mean" in err and "damping" in err and "is for fisher_average and regmean" in err
+    assert reference.tables()["merge_methods"].endswith(
+        "- `task_mean`: the α-weighted mean of the task vectors.\n"
+    )
