@@ -18,7 +18,7 @@ import importlib
 import inspect
 import pkgutil
 import types
-from dataclasses import fields
+from dataclasses import Field, fields
 
 import pytest
 from safetensors.torch import load_file
@@ -113,7 +113,7 @@ def test_a_key_one_method_declares_is_that_configurations_field():
     for name in MODULES:
         module = importlib.import_module(f"gradmerge.methods.{name}")
         for attr, value in vars(module).items():
-            if attr.isupper() and type(value).__name__ == "Field":
+            if attr.isupper() and isinstance(value, Field):
                 own[id(value)] = (name, attr)
     assert own, "no method module declares a key of its own"
     found = {}
