@@ -432,13 +432,13 @@ def _ablation() -> Iterator[None]:
     """The streaming engine without its two savings for elementwise priors: H_0 = s·C + δ formed
     as a tensor before the merge (``C.scaled(s) + δ``, not in the C loop) and a freshly mapped
     output per tensor (no ``_memory.recycling``). Same result bit for bit."""
-    from gradmerge.jobs import rules
+    from gradmerge.jobs import opening  # looks up the prior's builder, precision, at call time
 
     def eager(delta: float, scale: float, c: gm.Curvature | None) -> Any:
         return delta if c is None else c.scaled(scale) + delta
 
     with (
-        mock.patch.object(rules, "precision", eager),
+        mock.patch.object(opening, "precision", eager),
         mock.patch.object(_memory, "recycling", contextlib.nullcontext),
     ):
         yield

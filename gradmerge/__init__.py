@@ -70,8 +70,8 @@ if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge.merge.regression import regmean
     from gradmerge.merge.removal import influence_remove, remove
     from gradmerge.merge.report import with_solution
+    from gradmerge.merge.spectral import iso_c, iso_cts, tsv_merge
     from gradmerge.solvers import Solution, SolverSpec
-    from gradmerge.spectral import iso_c, iso_cts, tsv_merge
 
 _MODULES = (
     *("distributed", "io", "jobs", "kernels", "params"),
@@ -80,6 +80,7 @@ _MODULES = (
 )
 _LAZY = {
     **{name: f"gradmerge.{name}" for name in _MODULES},
+    "spectral": "gradmerge.merge.spectral",  # gm.spectral: the module's home before merge/
     **dict.fromkeys(
         ("KFAC", "Blocks", "Curvature", "Dense", "Diagonal", "ScaledIdentity", "Sum"),
         "gradmerge.curvature",
@@ -105,7 +106,7 @@ _LAZY = {
     **dict.fromkeys(("influence_remove", "remove"), "gradmerge.merge.removal"),
     "with_solution": "gradmerge.merge.report",
     **dict.fromkeys(("Solution", "SolverSpec"), "gradmerge.solvers"),
-    **dict.fromkeys(("iso_c", "iso_cts", "tsv_merge"), "gradmerge.spectral"),
+    **dict.fromkeys(("iso_c", "iso_cts", "tsv_merge"), "gradmerge.merge.spectral"),
 }
 """Public names whose modules are imported on first access (PEP 562): ``import gradmerge`` loads
 the errors and the version only, so that the command line parses its arguments and prints its

@@ -5,7 +5,7 @@ A configuration is a frozen dataclass (:class:`gradmerge.SolverSpec`,
 :func:`setting`: the Python default is the field's default, and the :class:`Setting` in the
 field's metadata says everything else once — what the value must be (a kind, choices, bounds),
 what it means, where its default comes from, its name in the ``gm.*`` rules where that differs,
-and whether each method decides on it (the registry, :mod:`gradmerge.jobs.methods`). From that
+and whether each method decides on it (the registry, :mod:`gradmerge.methods.registry`). From that
 one declaration come:
 
 - the checks and their messages (:func:`check`: what was expected, what came, how to fix it),

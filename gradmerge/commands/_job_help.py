@@ -1,7 +1,7 @@
 """The parts of ``gradmerge merge --help`` and ``gradmerge remove --help`` that come from the jobs'
-registries (:mod:`gradmerge.jobs.methods`: method names and summaries; :mod:`gradmerge.jobs.config`
-and :mod:`gradmerge.jobs.options`: the YAML keys), kept here as text so that printing the help
-imports no torch (the registries hold the rules, which do).
+registries (:mod:`gradmerge.methods.registry`: method names and summaries;
+:mod:`gradmerge.jobs.config` and :mod:`gradmerge.jobs.options`: the YAML keys), kept here as text
+so that printing the help imports no torch (the registries hold the rules, which do).
 
 The text cannot go stale unnoticed: ``proofs_tests/unit/cli/test_cli_start.py`` checks that
 :data:`TEXTS` equals :func:`from_registries`, and ``python -m gradmerge.commands._job_help``
@@ -56,8 +56,8 @@ TEXTS: dict[str, str] = {
 def from_registries() -> dict[str, str]:
     """:data:`TEXTS` as the registries give them now (imports the jobs, hence torch)."""
     from gradmerge.jobs.config import help_keys
-    from gradmerge.jobs.methods import help_table, names
     from gradmerge.jobs.options import Options
+    from gradmerge.methods.registry import help_table, names
     from gradmerge.settings import declared
 
     return {

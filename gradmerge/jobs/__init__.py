@@ -4,7 +4,7 @@
   (:mod:`~gradmerge.jobs.config`);
 - :func:`run_merge`, :func:`run_remove` — the streaming engine: unit by unit (the smallest groups
   of tensors a curvature couples, :mod:`~gradmerge.jobs.plan`), through the pure rules of
-  :mod:`gradmerge.merge` (:mod:`~gradmerge.jobs.rules`), into sharded safetensors written
+  :mod:`gradmerge.merge` (each method's rule, :mod:`gradmerge.methods`), into sharded safetensors written
   atomically (:mod:`~gradmerge.jobs.engine`);
 - :mod:`~gradmerge.jobs.conditioning` — the ``--dry-run`` check of every unit's linear system;
 - :mod:`~gradmerge.jobs.refine` — the refinement workflow over files (data, estimation, merge).
@@ -45,7 +45,7 @@ _LAZY = {
     "Unit": "plan",
 }
 """Public names and their modules, imported on first access (PEP 562), so that a command that
-only lists the methods (:mod:`gradmerge.jobs.methods`) does not load the engine."""
+only lists the methods (:mod:`gradmerge.methods.registry`) does not load the engine."""
 
 
 __getattr__, __dir__ = lazy_names(__name__, {n: f"{__name__}.{m}" for n, m in _LAZY.items()})

@@ -229,10 +229,10 @@ def model_card(
 
 def _method(record: Mapping[str, Any]) -> list[str]:
     """The method's formula (from the registry) and its weights."""
-    from gradmerge.jobs import methods
+    from gradmerge.methods import registry
 
     try:
-        summary = " ".join(methods.get(str(record["method"])).summary.split())
+        summary = " ".join(registry.get(str(record["method"])).summary.split())
     except ArgumentError:
         summary = ""
     lines = [f"`{record['method']}`" + (f": {summary}." if summary else ".")]

@@ -73,7 +73,6 @@ from gradmerge.errors import (
     NotPositiveDefiniteError,
     ResultOverflowError,
 )
-from gradmerge.jobs import methods, rules
 from gradmerge.jobs.config import MergeConfig, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.job import Job
@@ -81,6 +80,9 @@ from gradmerge.jobs.opening import open_job
 from gradmerge.jobs.plan import Unit
 from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.merge import regmean_systems
+from gradmerge.methods import registry
+from gradmerge.methods.base import SystemInputs
+from gradmerge.methods.regmean import regmean_grams
 
 CLIMB = 100.0
 """The first factor between the δ tried while none works (:func:`least_delta`), squared at each
@@ -142,7 +144,7 @@ def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
             job = open_job(config, stack)
             units = [u for u in job.plan.units if u.merged and not job.unchanged(u)]
             return _regmean_checks(config, job.curvatures, units)
-    spec = methods.get(config.method)
+    spec = registry.get(config.method)
     if spec.system is None:
         return []
     key = spec.damping_key or "damping"
@@ -336,7 +338,7 @@ def _regmean_checks(
     config: MergeConfig, files: dict[str, CurvatureFile], units: Sequence[Unit]
 ) -> list[SystemCheck]:
     """RegMean's systems, judged by :func:`gradmerge.merge.regmean_systems` on the Grams the
-    merge forms (:func:`gradmerge.jobs.rules.regmean_grams`, in the compute dtype): the
+    merge forms (:func:`gradmerge.methods.regmean.regmean_grams`, in the compute dtype): the
     very check :func:`gm.regmean` runs, so the verdicts agree. A unit without K-FAC factors is
     α-averaged and solves nothing."""
     out = []
@@ -349,7 +351,7 @@ def _regmean_checks(
             else None
             for t in range(len(config.models))
         ]
-        found = rules.regmean_grams(
+        found = regmean_grams(
             hs,
             config.damping,
             keys=unit.keys,
@@ -475,14 +477,14 @@ def _inputs(
     files: dict[str, CurvatureFile],
     keys: tuple[str, ...],
     dtype: torch.dtype,
-) -> methods.SystemInputs:
+) -> SystemInputs:
     """The unit's curvature terms, which the method's ``system`` combines."""
     if isinstance(config, RemoveConfig):
-        return methods.SystemInputs(
+        return SystemInputs(
             prior=_term(config.prior, "prior", files, keys, dtype),
             remaining=_term(config.remaining, "remaining", files, keys, dtype),
         )
-    return methods.SystemInputs(
+    return SystemInputs(
         models=tuple(_models(config, files, keys, dtype)),
         alphas=tuple(config.alphas),
         prior=_term(config.prior, "prior", files, keys, dtype),

@@ -18,7 +18,10 @@ files raise :class:`ConfigError` / :class:`MissingInputError`, naming the key (v
 messages are shortened). A checkpoint listed as two models warns (:class:`InputWarning`).
 
 This module holds each job's own declarations and reads them as its method needs them
-(``per_method`` keys required, allowed or refused by the method's record). Its parts:
+(``per_method`` keys required, allowed or refused by the method's record); a key that one
+method alone reads is declared in that method's module and bound here as a field
+(``off_diagonal`` and ``embeddings``: :mod:`gradmerge.methods.regmean`;
+``common_space_fraction``: :mod:`gradmerge.methods.iso_cts`). Its parts:
 :mod:`gradmerge.jobs.options` (the shared :class:`~gradmerge.jobs.options.Options`, ``from_yaml``
 and ``from_dict``, the record's values), :mod:`gradmerge.jobs.inputs` (a merge's models, precision
 terms, the paths for the output guard), :mod:`gradmerge.jobs.setting_values` (one declared
@@ -43,26 +46,25 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from gradmerge.errors import ArgumentError, ConfigError
-from gradmerge.jobs import methods
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput, path_inputs, warn_repeated
 from gradmerge.jobs.options import Options, ordered
 from gradmerge.jobs.setting_values import read_one
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
-from gradmerge.merge import REGMEAN_OFF_DIAGONAL
+from gradmerge.methods import iso_cts, registry, regmean
+from gradmerge.methods.base import JobKind, MergeMethod
 from gradmerge.settings import REQUIRED, Setting, declared, default_of, setting
 from gradmerge.solvers.spec import SolverSpec
-from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 STEP_CHECKS = ("refuse", "warn", "ignore")
 
-_METHOD = "the method: one of the registry's (`gradmerge.jobs.methods`), described below."
+_METHOD = "the method: one of the registry's (`gradmerge.methods.registry`), described below."
 
 
 @dataclass(frozen=True, kw_only=True)
 class MergeConfig(Options):
     """A merge: θ = θ_LLM + Σ_t α_t H̄⁻¹ (H_0 + H_t)(θ_t − θ_LLM) (Eq. 6) or a special case.
 
-    ``method`` picks the rule (:mod:`gradmerge.jobs.methods`: which keys each method requires,
+    ``method`` picks the rule (:mod:`gradmerge.methods`: which keys each method requires,
     allows or refuses); every key is declared once below, with its meaning, default and the
     default's source (docs/config.md's tables are generated from them). Every α_t is multiplied
     by ``scale``; each model's ``scale`` multiplies its H_t.
@@ -115,46 +117,9 @@ class MergeConfig(Options):
         per_method=True,
         python="`curvatures=[C + δ, ...]`",
     )
-    off_diagonal: float = setting(
-        REGMEAN_OFF_DIAGONAL,
-        "Jin et al.'s factor r on the Gram matrices' off-diagonal entries (their α), "
-        "G̃ = r·G + (1 − r)·diag(G); 1 is the plain closed form. With r < 1 the Grams are "
-        "non-singular wherever every input was seen, so a BERT or a GPT-2 merges without "
-        "`damping`.",
-        minimum=0.0,
-        maximum=1.0,
-        what="Jin et al.'s factor on the Grams' off-diagonal entries",
-        per_method=True,
-        source="Jin et al. (2023)'s reference implementation (`regmean_reduce_nondiag: 0.1` in "
-        "its RoBERTa, DeBERTa and T5 configurations) and FusionBench "
-        "(`reduce_non_diagonal_ratio: 0.1`); `gm.merge.REGMEAN_OFF_DIAGONAL`",
-    )
-    embeddings: str = setting(
-        "average",
-        "`average` or `gram`: solve the embeddings in K-FAC curvatures (layers with one-hot "
-        "inputs: diagonal A, weight stored (vocab, hidden)) from their Grams too, i.e. each row "
-        "weighted by how often each task looked it up. A row no task looked up makes that Gram "
-        "singular: `gram` then needs `damping` (the dry run names it).",
-        kind="choice",
-        choices=("average", "gram"),
-        what="whether RegMean averages the embeddings or solves them",
-        per_method=True,
-        source="Jin et al.'s code and FusionBench (both average the embeddings)",
-    )
-    common_space_fraction: float = setting(
-        ISO_CTS_COMMON_SPACE_FRACTION,
-        "f, the share of each matrix's r directions kept from the sum of the task matrices "
-        "(the common subspace). A fraction so small that some matrix's task-specific "
-        "directions would outnumber its rank (seen only below 0.5: none for 0.5 ≤ f ≤ 1, "
-        "r ≤ 2048, T ≤ 64) is refused before any tensor is read, naming the matrix.",
-        minimum=0.0,
-        maximum=1.0,
-        what="the share of each matrix's directions Iso-CTS keeps from the sum of the task "
-        "matrices",
-        per_method=True,
-        source="Marczak et al. (2025): their code's `config/method/iso_cts.yaml` and "
-        "fusion-bench's; `gm.spectral.ISO_CTS_COMMON_SPACE_FRACTION`",
-    )
+    off_diagonal: float = regmean.OFF_DIAGONAL
+    embeddings: str = regmean.EMBEDDINGS
+    common_space_fraction: float = iso_cts.COMMON_SPACE_FRACTION
     average: tuple[str, ...] = setting(
         (),
         "a list of names or globs (`fnmatch`) of 2-D tensors merged by the mean of the "
@@ -319,14 +284,14 @@ class Remerge:
     )
 
 
-READS: dict[methods.JobKind, tuple[type, ...]] = {
+READS: dict[JobKind, tuple[type, ...]] = {
     "merge": (MergeConfig, ModelInput),
     "remove": (RemoveConfig, Remerge),
 }
 """The declarations each job's YAML files are read with (a merge's models are ModelInputs; a
 removal's ``method: remerge`` reads :class:`Remerge`)."""
 
-KEYS: dict[methods.JobKind, tuple[str, ...]] = {
+KEYS: dict[JobKind, tuple[str, ...]] = {
     job: tuple(dict.fromkeys(k for c in classes for k, s in declared(c).items() if s.per_method))
     for job, classes in READS.items()
 }
@@ -338,7 +303,7 @@ _WHAT_KEYS = {
 }
 
 
-def help_keys(job: methods.JobKind) -> str:
+def help_keys(job: JobKind) -> str:
     """The keys of a job's YAML for ``--help``, from the declarations: each mapping's own keys
     in parentheses, ``models[]`` last.
 
@@ -361,7 +326,7 @@ def help_keys(job: methods.JobKind) -> str:
 def _check_registry() -> None:
     """Every record names only method-specific keys of its job (on import: a wrong record
     fails at once, not in a user's run)."""
-    for m in methods.REGISTRY:
+    for m in registry.REGISTRY:
         unknown = set(m.keys) - set(KEYS[m.job])
         if unknown:
             raise ArgumentError(f"{m.name}: keys {sorted(unknown)} are not keys of a {m.job}")
@@ -370,7 +335,7 @@ def _check_registry() -> None:
 _check_registry()
 
 
-def load(path: str | os.PathLike[str], job: methods.JobKind) -> MergeConfig | RemoveConfig:
+def load(path: str | os.PathLike[str], job: JobKind) -> MergeConfig | RemoveConfig:
     """The configuration of ``gradmerge JOB`` at ``path``: a :class:`MergeConfig` or
     :class:`RemoveConfig`, or, for a method that runs as another job (``remerge``: its record's
     ``runs``), the configuration it runs (:func:`remerge_config`).
@@ -391,15 +356,15 @@ def load(path: str | os.PathLike[str], job: methods.JobKind) -> MergeConfig | Re
     """
     data, root = load_yaml(path)
     name = data.get("method") if isinstance(data, Mapping) else None
-    if name in methods.names(job) and methods.get(name).runs != job:
+    if name in registry.names(job) and registry.get(name).runs != job:
         return remerge_config(data, root=root, source=Path(path))
     config = MergeConfig if job == "merge" else RemoveConfig
     return config.from_dict(data, root=root, source=Path(path))
 
 
-def _method(r: Reader, job: methods.JobKind) -> methods.MergeMethod:
+def _method(r: Reader, job: JobKind) -> MergeMethod:
     """The record of the ``method`` named in ``r``, one of ``job``'s that runs as ``job``."""
-    spec = methods.get(r.choice("method", methods.names(job)))
+    spec = registry.get(r.choice("method", registry.names(job)))
     if spec.runs != job:
         raise ConfigError(
             f"method {spec.name} runs as a {spec.runs} of the tasks that stay: read it with "
@@ -411,7 +376,7 @@ def _method(r: Reader, job: methods.JobKind) -> methods.MergeMethod:
 def _read_declared(
     r: Reader,
     cls: Any,
-    spec: methods.MergeMethod,
+    spec: MergeMethod,
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every setting declared on ``cls`` (:mod:`gradmerge.settings`) read from ``r`` and
@@ -425,7 +390,7 @@ def _read_declared(
     r.allow(*ordered(cls), *siblings)
     values: dict[str, Any] = {}
     for key in siblings:
-        r.forbid(key, spec.name, spec.refusal(key, _WHAT_KEYS[key]))
+        r.forbid(key, spec.name, registry.refusal(spec, key, _WHAT_KEYS[key]))
     for key, s in own.items():
         if key in ("method", "models"):
             continue  # read by the caller
@@ -445,7 +410,7 @@ def _read_declared(
     return values
 
 
-def _top_level(cls: Any, key: str, job: methods.JobKind) -> bool:
+def _top_level(cls: Any, key: str, job: JobKind) -> bool:
     """Whether ``key`` (a method-specific key of ``job``) is read at ``cls``'s level: a key of
     a sibling top-level declaration (a removal's ``merge`` beside ``model``), not a nested one
     (a merge's ``models[i].curvature``)."""
@@ -454,10 +419,10 @@ def _top_level(cls: Any, key: str, job: methods.JobKind) -> bool:
     )
 
 
-def _refused(key: str, s: Setting, spec: methods.MergeMethod) -> str | None:
+def _refused(key: str, s: Setting, spec: MergeMethod) -> str | None:
     """Why ``spec`` refuses setting ``key`` (None: it may be given)."""
     if s.per_method and spec.need(key) == "forbidden":
-        return spec.refusal(key, s.what)
+        return registry.refusal(spec, key, s.what)
     if s.requires in KEYS[spec.job] and s.requires not in spec.uses:
         return f"it goes with `{s.requires}`, which {spec.name} does not use"
     return None
@@ -486,8 +451,8 @@ def remerge_config(
         ['a']
     """
     r = Reader(data, "the remove config", Path(root), True)
-    spec = methods.get(
-        r.choice("method", tuple(m.name for m in methods.REGISTRY if m.runs != m.job))
+    spec = registry.get(
+        r.choice("method", tuple(m.name for m in registry.REGISTRY if m.runs != m.job))
     )
     values = _read_declared(r, Remerge, spec)
     merge_path = values["merge"]

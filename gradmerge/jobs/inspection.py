@@ -6,7 +6,7 @@ inputs opened and grouped into units by the engine (:func:`~gradmerge.jobs.openi
 plan of ``gradmerge merge``), and each merged unit's curvature terms built as the dry run builds
 them (:mod:`gradmerge.jobs.conditioning`: α_t·scale_t·H_t of every model with a curvature there,
 the prior H_0 = δ·I + s·C_0), in float64. The method's own system (the
-:class:`~gradmerge.jobs.methods.MergeMethod` record's ``system``) combines them into the matrix
+:class:`~gradmerge.methods.base.MergeMethod` record's ``system``) combines them into the matrix
 the merge solves, for ``gradient_matching``
 
 .. math::
@@ -61,10 +61,10 @@ from gradmerge.curvature.summary import (
     max_eigenvalue,
 )
 from gradmerge.errors import ArgumentError
-from gradmerge.jobs import methods
 from gradmerge.jobs.conditioning import _inputs, _term
 from gradmerge.jobs.config import MergeConfig
 from gradmerge.jobs.opening import open_job
+from gradmerge.methods import registry
 
 
 def inspect_config(
@@ -80,7 +80,7 @@ def inspect_config(
         FileFormatError, StructureError, MissingInputError: inputs that do not open or fit
             together, as ``gradmerge merge`` would refuse them.
     """
-    spec = methods.get(config.method)
+    spec = registry.get(config.method)
     if spec.system is None:
         raise ArgumentError(
             f"method {config.method!r} solves no curvature system that inspect can describe "

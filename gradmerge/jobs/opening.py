@@ -5,7 +5,7 @@ For every unit of the plan (:mod:`gradmerge.jobs.plan`: the smallest group of te
 curvature couples) the unit function reads that unit's tensors from every input — base,
 fine-tuned models, the unit's part of each curvature file, the gradient — on the chosen device in
 the compute dtype (``rows`` of its one tensor only, when given) and calls the method's pure rule
-(:mod:`gradmerge.jobs.rules`). Before any tensor is read, a curvature file estimated at other
+(:mod:`gradmerge.methods`). Before any tensor is read, a curvature file estimated at other
 weights than its model's or the base's is judged (``curvature_weights``) and an Iso-CTS split
 every matrix cannot take is refused.
 """
@@ -37,15 +37,24 @@ from gradmerge.errors import (
 from gradmerge.io import fingerprint
 from gradmerge.io.lora import LoraCheckpoint, open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint
-from gradmerge.jobs import methods, rules, widened
+from gradmerge.jobs import widened
 from gradmerge.jobs.config import MergeConfig, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.job import Job
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.kernels import select
+from gradmerge.merge.spectral import iso_cts_split
+from gradmerge.methods import registry
+from gradmerge.methods.base import (
+    MergeRule,
+    MergeUnit,
+    Precision,
+    RemoveRule,
+    RemoveUnit,
+    precision,
+)
 from gradmerge.solvers.solution import Solution
-from gradmerge.spectral import iso_cts_split
 
 
 def open_job(config: MergeConfig | RemoveConfig, stack: ExitStack) -> Job:
@@ -78,7 +87,7 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     prior_files = _open_term(config.prior, "prior", stack)
     files = {f"models[{i}].curvature": c for i, c in enumerate(curvs) if c is not None}
     files.update(prior_files)
-    spec = methods.get(config.method)
+    spec = registry.get(config.method)
     untouched, touched = known_changes(base, models)
     plan = build_plan(
         base,
@@ -153,9 +162,9 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
         dtype: torch.dtype | None,
         theta: dict[str, Tensor],
         thetas: list[dict[str, Tensor]],
-    ) -> rules.MergeUnit:
+    ) -> MergeUnit:
         """The unit's inputs, its curvatures read in ``dtype`` (``None``: as stored)."""
-        return rules.MergeUnit(
+        return MergeUnit(
             theta,
             thetas,
             [_restrict(c, keys, device, dtype, rows) for c in curvs],
@@ -171,7 +180,7 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
             embeddings=config.embeddings,
         )
 
-    rule = cast(rules.MergeRule, spec.rule)
+    rule = cast(MergeRule, spec.rule)
     hint = spec.hint
     negative = [f"models[{i}].alpha" for i, a in enumerate(config.alphas) if a < 0]
     if negative and "curvature" in spec.uses:
@@ -235,7 +244,7 @@ def _all_zero(
 
 def _check_common_space(config: MergeConfig, plan: Plan, average: frozenset[str]) -> None:
     """Refuse a ``common_space_fraction`` that some merged matrix cannot be split by
-    (:func:`gradmerge.spectral.iso_cts_split`), naming it, before a tensor is read."""
+    (:func:`gradmerge.merge.spectral.iso_cts_split`), naming it, before a tensor is read."""
     for k in plan.merged:
         shape = plan.shapes[k]
         if len(shape) == 2 and k not in average:
@@ -275,8 +284,8 @@ def open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         pairs.append(("curvature", curv, [("model", model), *at_base]))
     _check_curvature_weights(config.curvature_weights, pairs)
     device, dtype = resolve_device(config.device), config.math_dtype
-    spec = methods.get(config.method)
-    rule = cast(rules.RemoveRule, spec.rule)
+    spec = registry.get(config.method)
+    rule = cast(RemoveRule, spec.rule)
     solver = config.solver
 
     def compute(unit: Unit, rows: slice | None = None) -> tuple[dict[str, Tensor], Solution | None]:
@@ -289,7 +298,7 @@ def open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         curvature = _restrict(curv, keys, device, dtype)
         prior = _term_precision(config.prior, prior_files, keys, device, dtype)
         grad = _read(gradient, keys, device, dtype) if gradient is not None else None
-        unit_inputs = rules.RemoveUnit(
+        unit_inputs = RemoveUnit(
             theta, remaining, config.alpha, finetuned, curvature, prior, grad, solver
         )
         try:
@@ -383,7 +392,7 @@ def _term_precision(
     device: torch.device,
     dtype: torch.dtype | None,
     rows: slice | None = None,
-) -> rules.Precision | None:
+) -> Precision | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts; ``rows``: as
     :func:`_restrict`)."""
     if term is None:
@@ -391,7 +400,7 @@ def _term_precision(
     parts = [
         c for f in files.values() if (c := _restrict(f, keys, device, dtype, rows)) is not None
     ]
-    return rules.precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
+    return precision(term.delta, term.scale, sum(parts[1:], parts[0]) if parts else None)
 
 
 def _stored_as(

@@ -39,7 +39,6 @@ import math
 import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -48,10 +47,7 @@ from gradmerge.curvature.io import CurvatureFile
 from gradmerge.curvature.spec import join_groups
 from gradmerge.errors import ConfigError, DTypeError, InputWarning, StructureError
 from gradmerge.io.reader import Checkpoint
-
-Coverage = Literal["all", "kfac", "none"]
-"""What the curvatures must cover: every merged tensor (``all``), nothing (``kfac``: RegMean
-merges the K-FAC layers and averages the rest; ``none``: task arithmetic)."""
+from gradmerge.methods.base import Coverage
 
 
 @dataclass(frozen=True)
@@ -122,7 +118,7 @@ def build_plan(
         models: (role, checkpoint) of the other models, which must hold exactly the base's
             tensors, with the same shapes and dtypes.
         curvatures: (role, file) of every curvature used (tasks, prior, remaining).
-        coverage: what the curvatures must cover (see :data:`Coverage`).
+        coverage: what the curvatures must cover (see :data:`gradmerge.methods.base.Coverage`).
         passthrough: globs of float tensors copied from the base instead of merged.
         out_dtype: the output dtype of float tensors (``None``: the base's).
         allow_mixed_dtypes: accept float tensors whose dtype differs between inputs.

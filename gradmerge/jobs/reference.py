@@ -3,7 +3,7 @@
 Each YAML key is declared once (:mod:`gradmerge.settings`, the fields of
 :mod:`gradmerge.jobs.config` and :class:`gradmerge.SolverSpec`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
-between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
+and the records' ``docs`` lines as its lists of methods, between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
 ``proofs_tests/docs/test_config_reference.py`` checks that the committed page equals what
 :func:`tables` gives; after changing a declaration, rewrite the page with
 
@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradmerge.jobs import methods
 from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
 from gradmerge.jobs.options import Options, ordered
+from gradmerge.methods import registry
+from gradmerge.methods.base import JobKind
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
 from gradmerge.solvers.spec import SolverSpec
 
@@ -45,10 +46,12 @@ def tables() -> dict[str, str]:
         "options": _table(Options, list(shared), None),
         "solver": _table(SolverSpec, list(declared(SolverSpec)), None),
         "names": _names(),
+        "merge_methods": registry.docs_list("merge"),
+        "remove_methods": registry.docs_list("remove"),
     }
 
 
-def _table(cls: Any, keys: list[str], job: methods.JobKind | None) -> str:
+def _table(cls: Any, keys: list[str], job: JobKind | None) -> str:
     settings = declared(cls)
     head = ["key", *(["methods"] if job else []), "default", "meaning"]
     rows = [_row(head), _row(["---"] * len(head))]
@@ -66,18 +69,18 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _methods(key: str, s: Setting, job: methods.JobKind) -> str:
+def _methods(key: str, s: Setting, job: JobKind) -> str:
     """Which methods of ``job`` require or allow the key ("all": every method reads it)."""
     if key == "method":
         return "—"
     per_method = _per_method(job)
     if s.requires in per_method:
-        users = [f"`{m.name}`" for m in methods.methods(job) if s.requires in m.uses]
+        users = [f"`{m.name}`" for m in registry.methods(job) if s.requires in m.uses]
         return f"with `{s.requires}`: {', '.join(users)}"
     if not s.per_method:
         return "all"
     found = {
-        need: [f"`{m.name}`" for m in methods.methods(job) if m.need(key) == need]
+        need: [f"`{m.name}`" for m in registry.methods(job) if m.need(key) == need]
         for need in ("required", "optional")
     }
     parts = []
@@ -88,7 +91,7 @@ def _methods(key: str, s: Setting, job: methods.JobKind) -> str:
     return "; ".join(parts) + "; refused by the others"
 
 
-def _per_method(job: methods.JobKind) -> set[str]:
+def _per_method(job: JobKind) -> set[str]:
     from gradmerge.jobs.config import KEYS
 
     return set(KEYS[job])

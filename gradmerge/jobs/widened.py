@@ -30,8 +30,8 @@ from torch import Tensor
 from gradmerge.curvature import Diagonal
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.elementwise.matching import H, TensorMerge, tensors
-from gradmerge.jobs.rules import MergeUnit, Solved
 from gradmerge.kernels import fused
+from gradmerge.methods.base import MergeUnit, Solved
 
 DTYPE = torch.bfloat16
 """The stored dtype the widened loop takes (inputs and output)."""

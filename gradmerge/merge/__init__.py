@@ -34,6 +34,8 @@ One module per rule family:
 - :mod:`~gradmerge.merge.matching`: Eq. 6 (:func:`gradient_matching`), :func:`task_arithmetic`,
   :func:`fisher_average`, and :class:`Merged`;
 - :mod:`~gradmerge.merge.regression`: RegMean (:func:`regmean`, :func:`regmean_systems`);
+- :mod:`~gradmerge.merge.spectral`: the data-free merges in each weight matrix's singular basis,
+  TSV-M (:func:`tsv_merge`), Iso-C (:func:`iso_c`) and Iso-CTS (:func:`iso_cts`);
 - :mod:`~gradmerge.merge.removal`: Eq. 13 (:func:`remove`) and :func:`influence_remove`;
 - :mod:`~gradmerge.merge.report`: :func:`with_solution`;
 - :mod:`~gradmerge.merge.refinement`: :func:`refine` (Sec. 1.5);
@@ -54,8 +56,10 @@ from gradmerge.merge.regression import (
 )
 from gradmerge.merge.removal import influence_remove, remove
 from gradmerge.merge.report import with_solution
+from gradmerge.merge.spectral import ISO_CTS_COMMON_SPACE_FRACTION, iso_c, iso_cts, tsv_merge
 
 __all__ = [
+    "ISO_CTS_COMMON_SPACE_FRACTION",
     "REGMEAN_OFF_DIAGONAL",
     "CurvatureLike",
     "Merged",
@@ -63,11 +67,14 @@ __all__ = [
     "fisher_average",
     "gradient_matching",
     "influence_remove",
+    "iso_c",
+    "iso_cts",
     "raise_unresolved",
     "refine",
     "regmean",
     "regmean_systems",
     "remove",
     "task_arithmetic",
+    "tsv_merge",
     "with_solution",
 ]

@@ -4,7 +4,7 @@
 float δ meaning δ·I, covering the parameters, PSD where asked), task vectors θ_t − θ_LLM, and the
 keywords a rule no longer takes; every failure a typed error (:mod:`gradmerge.errors`) naming the
 argument. Used by every rule of :mod:`gradmerge.merge` and by :mod:`gradmerge.diagnostics` and
-:mod:`gradmerge.spectral`.
+:mod:`gradmerge.merge.spectral`.
 
 Example:
     >>> import torch

@@ -28,8 +28,8 @@ import gradmerge as gm
 from gradmerge.errors import GradmergeError
 from gradmerge.jobs import reference
 from gradmerge.jobs.config import load
-from gradmerge.jobs.methods import names
 from gradmerge.jobs.refine import RefineConfig
+from gradmerge.methods.registry import names
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 TEXT = DOC.read_text(encoding="utf-8")

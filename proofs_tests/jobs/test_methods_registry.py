@@ -1,4 +1,4 @@
-"""Every method of the registry (gradmerge.jobs.methods) round-trips YAML → dry run → merge.
+"""Every method of the registry (gradmerge.methods.registry) round-trips YAML → dry run → merge.
 
 The cases are data: one YAML configuration and one in-memory reference per registered method,
 on a tiny K-FAC workspace (an MLP whose LayerNorm has a diagonal block). For each method: the
@@ -22,9 +22,9 @@ import gradmerge as gm
 from gradmerge import cli
 from gradmerge.errors import ConfigError
 from gradmerge.jobs import MergeConfig, RemoveConfig, plan_merge, plan_remove, run_merge, run_remove
-from gradmerge.jobs import methods as registry
 from gradmerge.jobs.conditioning import check_systems
 from gradmerge.jobs.config import KEYS, load
+from gradmerge.methods import registry
 from proofs_tests.workspace import Workspace, assert_same, make_workspace
 
 ALPHAS = [0.7, 0.4]

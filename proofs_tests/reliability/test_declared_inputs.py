@@ -2,7 +2,7 @@
 of the output guard (test_output_guard.py) over the configuration keys, derived from the
 declarations, so that a new method or a new key cannot forget one.
 
-For every method of the registry (:data:`gradmerge.jobs.methods.REGISTRY`) the grid reads the
+For every method of the registry (:data:`gradmerge.methods.registry.REGISTRY`) the grid reads the
 declarations of the YAML that method reads (:data:`gradmerge.jobs.config.READS`: a merge's
 ``MergeConfig`` with its ``models[]``, a removal's ``RemoveConfig``, ``remerge``'s ``Remerge``,
 each with the precision terms nested in them), keeps the keys whose type holds a ``Path`` and
@@ -38,8 +38,9 @@ from safetensors.torch import load_file, save_file
 from gradmerge import cli
 from gradmerge.errors import OutputOverlapError
 from gradmerge.jobs import config as job_config
-from gradmerge.jobs import methods
 from gradmerge.jobs.engine import check_output
+from gradmerge.methods import registry
+from gradmerge.methods.base import MergeMethod
 from gradmerge.settings import PATH_KINDS, Setting, declared, setting
 
 # ----- what the declarations say ------------------------------------------------------------------
@@ -113,21 +114,21 @@ def test_a_path_declared_as_another_kind_is_found():
 # ----- one YAML per method, a path under every path-valued key it uses ------------------------------
 
 
-def _top(m: methods.MergeMethod) -> type:
+def _top(m: MergeMethod) -> type:
     """The declaration ``m``'s YAML is read with."""
     if m.runs != m.job:
         return job_config.Remerge
     return job_config.MergeConfig if m.job == "merge" else job_config.RemoveConfig
 
 
-def _uses(m: methods.MergeMethod, key: str, s: Setting) -> bool:
+def _uses(m: MergeMethod, key: str, s: Setting) -> bool:
     """Whether method ``m`` takes setting ``key`` (its record, and what the key goes with)."""
     if s.per_method and m.need(key) == "forbidden":
         return False
     return not (s.requires in job_config.KEYS[m.job] and s.requires not in m.uses)
 
 
-def _path_keys(m: methods.MergeMethod, cls: type) -> int:
+def _path_keys(m: MergeMethod, cls: type) -> int:
     """How many path-valued keys of ``cls`` (and the configurations nested in it) ``m`` uses."""
     count = 0
     for key, s, hint in _settings(cls):
@@ -157,7 +158,7 @@ class Builder:
         self.paths[role] = path
         return path.name
 
-    def mapping(self, m: methods.MergeMethod, cls: type, prefix: str) -> dict[str, Any]:
+    def mapping(self, m: MergeMethod, cls: type, prefix: str) -> dict[str, Any]:
         out: dict[str, Any] = {"delta": 1.0} if "delta" in declared(cls) else {}
         for key, s, hint in _settings(cls):
             role = f"{prefix}{key}"
@@ -186,7 +187,7 @@ class Builder:
     def merge_yaml(self, role: str) -> str:
         """A merge YAML (beside the others) under the merge method that uses the most
         path-valued keys; its paths are inputs under ``merge.KEY``."""
-        fullest = max(methods.methods("merge"), key=lambda m: _path_keys(m, _top(m)))
+        fullest = max(registry.methods("merge"), key=lambda m: _path_keys(m, _top(m)))
         inner = Builder(self.root)
         inner.count = self.count + 100
         body = {"method": fullest.name, **inner.mapping(fullest, job_config.MergeConfig, "")}
@@ -203,7 +204,7 @@ class Builder:
         return model.name
 
 
-def build(m: methods.MergeMethod, root: Path) -> tuple[Path, dict[str, Path]]:
+def build(m: MergeMethod, root: Path) -> tuple[Path, dict[str, Path]]:
     """``m``'s YAML under ``root`` and the ``{role: path}`` it names."""
     builder = Builder(root)
     body = {"method": m.name, **builder.mapping(m, _top(m), "")}
@@ -219,7 +220,7 @@ def _snapshot(root: Path) -> dict[str, str]:
     }
 
 
-def refused_everywhere(m: methods.MergeMethod, root: Path, capsys) -> dict[str, Path]:
+def refused_everywhere(m: MergeMethod, root: Path, capsys) -> dict[str, Path]:
     """Give each path ``m``'s YAML names as OUT_DIR, with --overwrite: the command and the
     library must refuse each, naming a key that holds it, and change nothing. Returns the
     roles checked."""
@@ -240,9 +241,9 @@ def refused_everywhere(m: methods.MergeMethod, root: Path, capsys) -> dict[str, 
     return paths
 
 
-@pytest.mark.parametrize("method", [m.name for m in methods.REGISTRY])
+@pytest.mark.parametrize("method", [m.name for m in registry.REGISTRY])
 def test_every_path_valued_key_of_every_method_is_an_input(tmp_path, capsys, method):
-    m = methods.get(method)
+    m = registry.get(method)
     checked = refused_everywhere(m, tmp_path, capsys)
     named = {re.sub(r"\[\d+\]", "[]", role) for role in checked}
     # the grid covers every key the method uses (its record) and every model's paths
@@ -262,7 +263,7 @@ def test_the_grid_fails_when_a_key_is_not_an_input(tmp_path, capsys, monkeypatch
     """The grid catches the remerge of issue 38: its ``merge:`` and ``without:`` not inputs."""
     monkeypatch.setattr(job_config, "path_inputs", lambda value, key: [])
     with pytest.raises(AssertionError, match=r"^remerge, merge: .* is a file; give a folder"):
-        refused_everywhere(methods.get("remerge"), tmp_path, capsys)
+        refused_everywhere(registry.get("remerge"), tmp_path, capsys)
 
 
 # ----- issue 38, cases 1 and 2, with the merge they would destroy -----------------------------------

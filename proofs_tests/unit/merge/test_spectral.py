@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradmerge as gm
-from gradmerge.spectral import iso_cts_split
+from gradmerge.merge.spectral import iso_cts_split
 
 DT = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-9}

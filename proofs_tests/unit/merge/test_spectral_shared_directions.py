@@ -5,7 +5,7 @@ The whitening polar(X) = P Qᵀ of the concatenated singular vectors X is not un
 rank-deficient — tasks that share directions, U = [A, A] — and the arbitrary P, Q columns of its
 zero singular values entered the merge with full weight: two byte-identical fine-tunes gave
 results 0.4-0.7 apart between float32 and float64. gm uses the canonical polar factor
-W = X (XᵀX)^{+1/2} (the partial isometry on X's range), derived in :func:`gradmerge.spectral._polar`.
+W = X (XᵀX)^{+1/2} (the partial isometry on X's range), derived in :func:`gradmerge.merge.spectral._polar`.
 
 References (no SVD, as in test_spectral.py): singular triplets from symmetric eigendecompositions,
 and the canonical factor re-derived as X (XᵀX)^{+1/2} from the eigendecomposition of the Gram
@@ -22,7 +22,7 @@ import torch
 
 import gradmerge as gm
 from gradmerge.errors import InputWarning
-from gradmerge.spectral import iso_cts_split
+from gradmerge.merge.spectral import iso_cts_split
 from proofs_tests.unit.merge.test_spectral import _top
 
 DT = torch.float64
@@ -179,7 +179,7 @@ def test_a_tie_at_the_cut_is_warned():
 def test_tasks_equal_to_rounding_merge_as_identical_ones(dtype):
     """Two tasks differing by rounding-level noise in every entry (a few ulps: a fine-tune
     saved twice through another dtype): their kept subspaces agree to the SVD's accuracy
-    (:func:`gradmerge.spectral._accuracy`), so they merge as identical tasks do, to rounding."""
+    (:func:`gradmerge.merge.spectral._accuracy`), so they merge as identical tasks do, to rounding."""
     shape = (24, 16)
     delta = _delta(shape, seed=3).to(dtype).to(DT)
     g = torch.Generator().manual_seed(4)
