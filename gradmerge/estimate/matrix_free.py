@@ -38,7 +38,8 @@ class MatrixFree(Curvature):
         kind: ``"ggn"`` (PSD by construction) or ``"hessian"``.
         loss: ``"cross_entropy"`` or ``"mse"``.
         params: names of the parameters covered (default: all trainable ones).
-        tol, maxiter: CG settings of ``solve`` (``tol=None``: 1e-10 in float64, 1e-5 in float32).
+        tol, maxiter: CG settings of ``solve`` (``tol=None``: by the dtype,
+            :data:`gradmerge.solvers.spec.DEFAULT_TOL`).
 
     Example:
         >>> import torch, gradmerge as gm

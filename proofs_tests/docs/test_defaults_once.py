@@ -1,0 +1,75 @@
+"""Every default is written once in the code: its declaration.
+
+A default restated elsewhere (a keyword default, a command-line flag, a docstring, a docs
+string) drifts from the declaration the day one of them changes. The declarations:
+
+- the solver's ``tol`` and ``maxiter``: :data:`gradmerge.solvers.spec.DEFAULT_TOL` and
+  :data:`~gradmerge.solvers.spec.MAXITER`, which :class:`gradmerge.SolverSpec`'s ``solver``
+  table, :func:`gradmerge.solvers.cg.conjugate_gradient` and ``gm.Sum`` read.
+
+Each test greps ``gradmerge/`` for the literal restatements of one default (the patterns below)
+and allows them only where the default is declared, and checks that the users take the
+declared value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import gradmerge
+
+ROOT = Path(gradmerge.__file__).parent
+SOURCES = {
+    path.relative_to(ROOT.parent).as_posix(): path.read_text(encoding="utf-8")
+    for path in sorted(ROOT.rglob("*.py"))
+}
+
+RESTATED = {
+    "solver tol": (
+        r"1e-0?10 in float64|1e-0?5 in float32|\btol: float(?: \| None)? = 1e-0?(?:10|5)\b",
+        {"gradmerge/solvers/spec.py": 0},
+    ),
+    "solver maxiter": (
+        r"\bmaxiter: int(?: \| None)? = 1000\b|\b1000 \(0 with",
+        {},
+    ),
+}
+"""A default → (a regex of its literal restatements, {file: how many it may hold})."""
+
+
+@pytest.mark.parametrize("name", RESTATED)
+def test_a_default_is_not_restated(name):
+    pattern, allowed = RESTATED[name]
+    found = {
+        file: [m.group(0) for m in re.finditer(pattern, text)] for file, text in SOURCES.items()
+    }
+    extra = {
+        file: hits for file, hits in found.items() if len(hits) > allowed.get(file, 0) and hits
+    }
+    assert not extra, f"{name}: its default restated outside its declaration: {extra}"
+
+
+def test_the_solver_defaults_come_from_their_declaration():
+    import torch
+
+    from gradmerge.curvature.lazy import Sum
+    from gradmerge.solvers import cg, spec
+
+    assert cg.default_tol(torch.float64) == spec.DEFAULT_TOL["float64"]
+    assert cg.default_tol(torch.float32) == spec.DEFAULT_TOL["float32"]
+    assert cg.default_tol(torch.float16) == spec.LOW_PRECISION_TOL
+    keywords = inspect.signature(cg.conjugate_gradient).parameters
+    assert keywords["tol"].default == spec.DEFAULT_TOL["float64"]
+    assert keywords["maxiter"].default == spec.MAXITER
+    assert inspect.signature(Sum).parameters["maxiter"].default == spec.MAXITER
+    assert gradmerge.SolverSpec().maxiter == spec.MAXITER
+    declared_doc = gradmerge.settings.declared(gradmerge.SolverSpec)
+    assert declared_doc["tol"].default_doc == (
+        f"{spec.number_text(spec.DEFAULT_TOL['float32'])} in float32, "
+        f"{spec.number_text(spec.DEFAULT_TOL['float64'])} in float64 (the solve's dtype)"
+    )
+    assert str(spec.MAXITER) in (declared_doc["maxiter"].default_doc or "")
