@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
+from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
 from gradmerge.io.forms import FORMS as FORMS
+from gradmerge.settings import declared
 
 if TYPE_CHECKING:  # imported where used: building the parser and printing help needs no torch
     import torch
@@ -79,10 +81,10 @@ def add_reading_arguments(
     reads it otherwise (``tune``: one per DATA); default: one whole number."""
     p.add_argument(
         "--loss",
-        choices=["cross_entropy", "mse"],
-        default="cross_entropy",
+        choices=[str(choice) for choice in declared(EstimateOptions)["loss"].choices],
+        default=EstimateOptions.loss,
         help="the loss whose curvature or gradient is taken: cross_entropy (classifiers, "
-        "language models) or mse (regression); default: cross_entropy",
+        f"language models) or mse (regression); default: {EstimateOptions.loss}",
     )
     p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
@@ -142,7 +144,10 @@ def add_reading_arguments(
         "default: auto",
     )
     p.add_argument(
-        "--ignore-index", type=int, default=-100, help="label of ignored positions (default: -100)"
+        "--ignore-index",
+        type=int,
+        default=EstimateOptions.ignore_index,
+        help=f"label of ignored positions (default: {EstimateOptions.ignore_index})",
     )
     p.add_argument(
         "--shift-labels",

@@ -230,6 +230,7 @@ def test_every_declared_setting_has_a_row():
         ("remove", gm.RemoveConfig),
         ("term", gm.jobs.inputs.CurvatureTerm),
         ("solver", gm.SolverSpec),
+        ("estimate", gm.EstimateOptions),
     ]:
         rows = set(re.findall(r"^\| `([a-z_]+)` \|", generated[name], flags=re.M))
         shared = set(declared(gm.jobs.options.Options)) if name in ("merge", "remove") else set()

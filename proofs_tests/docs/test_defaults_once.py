@@ -5,7 +5,10 @@ string) drifts from the declaration the day one of them changes. The declaration
 
 - the solver's ``tol`` and ``maxiter``: :data:`gradmerge.solvers.spec.DEFAULT_TOL` and
   :data:`~gradmerge.solvers.spec.MAXITER`, which :class:`gradmerge.SolverSpec`'s ``solver``
-  table, :func:`gradmerge.solvers.cg.conjugate_gradient` and ``gm.Sum`` read.
+  table, :func:`gradmerge.solvers.cg.conjugate_gradient` and ``gm.Sum`` read;
+- the curvature estimator's options: the fields of :class:`gradmerge.EstimateOptions`, which
+  ``gm.estimate_curvature``'s keywords (and the lower-level estimators' shared ones), the flags
+  of ``gradmerge curvature`` and docs/config.md's ``estimate`` table read.
 
 Each test greps ``gradmerge/`` for the literal restatements of one default (the patterns below)
 and allows them only where the default is declared, and checks that the users take the
@@ -17,6 +20,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +32,7 @@ SOURCES = {
     for path in sorted(ROOT.rglob("*.py"))
 }
 
-RESTATED = {
+RESTATED: dict[str, tuple[Any, ...]] = {
     "solver tol": (
         r"1e-0?10 in float64|1e-0?5 in float32|\btol: float(?: \| None)? = 1e-0?(?:10|5)\b",
         {"gradmerge/solvers/spec.py": 0},
@@ -37,15 +41,37 @@ RESTATED = {
         r"\bmaxiter: int(?: \| None)? = 1000\b|\b1000 \(0 with",
         {},
     ),
+    "estimator max_params": (r"\b20[_ ,]?000\b", {"gradmerge/estimate/options.py": 1}),
+    "estimator kfac_max_factor_side": (
+        r"\b16[_ ,]?384\b",
+        {"gradmerge/estimate/options.py": 2},  # MAX_FACTOR_SIDE and its docstring's arithmetic
+    ),
+    "estimator keyword defaults": (
+        r"\b(?:structure|fisher|loss|mc_samples|seed|ignore_index|kfac_approx|max_params)"
+        r"\s*:\s*[^=\n,()]+=\s*(?:-?\d|\"(?:diag|empirical|cross_entropy|expand)\")",
+        {},
+        ("gradmerge/estimate/", "gradmerge/evaluation.py", "gradmerge/distributed/"),
+    ),
+    "estimator flag defaults": (
+        r"default=(?:-100|1|0|20_?000|\"(?:diag|empirical|cross_entropy|expand)\"),",
+        {},
+        ("gradmerge/commands/curvature.py", "gradmerge/commands/_inputs.py"),
+    ),
 }
-"""A default → (a regex of its literal restatements, {file: how many it may hold})."""
+"""A default → (a regex of its literal restatements, {file: how many it may hold}[, the files
+searched: path prefixes; default every module of gradmerge/]). The loaders of gradmerge.io keep
+PyTorch's ``ignore_index=-100`` of their own: io reads data without the estimator (the layers of
+docs/architecture.md: io imports no estimate)."""
 
 
 @pytest.mark.parametrize("name", RESTATED)
 def test_a_default_is_not_restated(name):
-    pattern, allowed = RESTATED[name]
+    pattern, allowed, *within = RESTATED[name]
+    prefixes = within[0] if within else ("gradmerge/",)
     found = {
-        file: [m.group(0) for m in re.finditer(pattern, text)] for file, text in SOURCES.items()
+        file: [m.group(0) for m in re.finditer(pattern, text)]
+        for file, text in SOURCES.items()
+        if file.startswith(prefixes)
     }
     extra = {
         file: hits for file, hits in found.items() if len(hits) > allowed.get(file, 0) and hits
