@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
+from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.forms import FORMS as FORMS
 from gradmerge.settings import declared
 
@@ -86,7 +87,9 @@ def add_reading_arguments(
         help="the loss whose curvature or gradient is taken: cross_entropy (classifiers, "
         f"language models) or mse (regression); default: {EstimateOptions.loss}",
     )
-    p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help=f"examples per batch of a file ({BATCH_SIZE})"
+    )
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
     text.add_argument("--text-field", default="text", help="field of the text (default: text)")
     text.add_argument(
@@ -283,7 +286,7 @@ def load_data(
     base = _adapter_base(args, spec)
     data = sources.load_data(
         data_spec,
-        batch_size=args.batch_size or 16,
+        batch_size=args.batch_size or BATCH_SIZE,
         shift_labels=args.shift_labels,
         ignore_index=args.ignore_index,
         arguments=dict(map(sources.parse_argument, args.data_arg)),
@@ -350,7 +353,7 @@ def provenance(
         args.data if data_spec is None else data_spec,
         device=device,
         ignore_index=args.ignore_index,
-        batch_size=args.batch_size or 16,
+        batch_size=args.batch_size or BATCH_SIZE,
         shift_labels=args.shift_labels,
         model_arguments=dict(map(sources.parse_argument, args.model_arg)),
         data_arguments=dict(map(sources.parse_argument, args.data_arg)),

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.text_records import TEXT_SUFFIXES as TEXT_SUFFIXES  # re-exported: public path
 from gradmerge.io.text_records import Records as Records
 from gradmerge.io.text_records import is_text_data as is_text_data
@@ -295,7 +296,7 @@ class TextBatches:
         model: nn.Module,
         tokenizer: Any,
         options: TextOptions = TextOptions(),
-        batch_size: int = 16,
+        batch_size: int = BATCH_SIZE,
         ignore_index: int = -100,
         source: str = "DATA",
     ) -> None:

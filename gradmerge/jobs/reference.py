@@ -27,6 +27,7 @@ from gradmerge.jobs import methods
 from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
 from gradmerge.jobs.options import Options, ordered
+from gradmerge.jobs.refine import RefineConfig, TaskInput
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
 from gradmerge.solvers.spec import SolverSpec
 
@@ -47,6 +48,8 @@ def tables() -> dict[str, str]:
         "options": _table(Options, list(shared), None),
         "solver": _table(SolverSpec, list(declared(SolverSpec)), None),
         "estimate": _table(EstimateOptions, list(declared(EstimateOptions)), None, flags=True),
+        "refine": _table(RefineConfig, list(declared(RefineConfig)), None),
+        "refine_models": _table(TaskInput, list(declared(TaskInput)), None),
         "names": _names(),
     }
 

@@ -231,6 +231,8 @@ def test_every_declared_setting_has_a_row():
         ("term", gm.jobs.inputs.CurvatureTerm),
         ("solver", gm.SolverSpec),
         ("estimate", gm.EstimateOptions),
+        ("refine", RefineConfig),
+        ("refine_models", gm.jobs.refine.TaskInput),
     ]:
         rows = set(re.findall(r"^\| `([a-z_]+)` \|", generated[name], flags=re.M))
         shared = set(declared(gm.jobs.options.Options)) if name in ("merge", "remove") else set()

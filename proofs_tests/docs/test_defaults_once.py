@@ -8,7 +8,12 @@ string) drifts from the declaration the day one of them changes. The declaration
   table, :func:`gradmerge.solvers.cg.conjugate_gradient` and ``gm.Sum`` read;
 - the curvature estimator's options: the fields of :class:`gradmerge.EstimateOptions`, which
   ``gm.estimate_curvature``'s keywords (and the lower-level estimators' shared ones), the flags
-  of ``gradmerge curvature`` and docs/config.md's ``estimate`` table read.
+  of ``gradmerge curvature`` and docs/config.md's ``estimate`` table read;
+- a refinement's keys: the fields of :class:`gradmerge.jobs.refine.RefineConfig` (and
+  ``TaskInput``), which its reader and docs/config.md's ``refine`` tables read (the estimator's
+  keys take their defaults from ``EstimateOptions``, ``batch_size`` from
+  :data:`gradmerge.io.forms.BATCH_SIZE`, which the commands' ``--batch-size`` and the data
+  loaders read too).
 
 Each test greps ``gradmerge/`` for the literal restatements of one default (the patterns below)
 and allows them only where the default is declared, and checks that the users take the
@@ -57,6 +62,18 @@ RESTATED: dict[str, tuple[Any, ...]] = {
         {},
         ("gradmerge/commands/curvature.py", "gradmerge/commands/_inputs.py"),
     ),
+    "refine defaults": (
+        r"(?m)^    \w+: (?:int|str|bool|float)(?: \| None)? = (?!setting\()[^,\n]*$"
+        r"|default=(?:-?\d|\"|True|False)"
+        r"|\(\w, \"\w+\", -?\d",
+        {},
+        ("gradmerge/jobs/refine.py",),
+    ),
+    "batch size": (
+        r"\bbatch_size: int = \d|batch_size or \d|\(16\)",
+        {},
+        ("gradmerge/io/", "gradmerge/commands/", "gradmerge/jobs/"),
+    ),
 }
 """A default → (a regex of its literal restatements, {file: how many it may hold}[, the files
 searched: path prefixes; default every module of gradmerge/]). The loaders of gradmerge.io keep
@@ -99,3 +116,29 @@ def test_the_solver_defaults_come_from_their_declaration():
         f"{spec.number_text(spec.DEFAULT_TOL['float64'])} in float64 (the solve's dtype)"
     )
     assert str(spec.MAXITER) in (declared_doc["maxiter"].default_doc or "")
+
+
+def test_the_refine_reader_takes_the_declared_defaults():
+    """A refinement that gives only its required keys gets every other key's declared default
+    (and the estimator's keys those of ``EstimateOptions``, but ``structure``)."""
+    from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.io.forms import BATCH_SIZE
+    from gradmerge.jobs.refine import RefineConfig, TaskInput
+    from gradmerge.settings import REQUIRED, declared, default_of
+
+    given = {
+        "start": ".",
+        "base_model": ".",
+        "steps": 1,
+        "models": [{"model": ".", "data": "a.safetensors"}],
+        "prior": {"delta": 0.5},
+    }
+    config = RefineConfig.from_dict(given, check_files=False)
+    optional = [k for k in declared(RefineConfig) if default_of(RefineConfig, k) is not REQUIRED]
+    assert set(optional) == set(declared(RefineConfig)) - set(given)
+    for key in optional:
+        assert getattr(config, key) == default_of(RefineConfig, key), key
+    assert config.models[0].alpha == default_of(TaskInput, "alpha")
+    for key in ("fisher", "loss", "ignore_index", "seed"):
+        assert default_of(RefineConfig, key) == default_of(EstimateOptions, key), key
+    assert config.batch_size == BATCH_SIZE
