@@ -21,6 +21,7 @@ from gradmerge.errors import ArgumentError
 from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
 from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.forms import FORMS as FORMS
+from gradmerge.io.text_records import TextOptions  # its declarations: no torch
 from gradmerge.settings import declared
 
 if TYPE_CHECKING:  # imported where used: building the parser and printing help needs no torch
@@ -91,15 +92,19 @@ def add_reading_arguments(
         "--batch-size", type=int, default=None, help=f"examples per batch of a file ({BATCH_SIZE})"
     )
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
-    text.add_argument("--text-field", default="text", help="field of the text (default: text)")
+    text.add_argument(
+        "--text-field",
+        default=TextOptions.text_field,
+        help=f"field of the text (default: {TextOptions.text_field})",
+    )
     text.add_argument(
         "--text-pair-field", default=None, help="field of a second text (sentence pairs)"
     )
     text.add_argument(
         "--label-field",
-        default="label",
+        default=TextOptions.label_field,
         help="field of the label, a name of the config's label2id or an id (classification; "
-        "default: label)",
+        f"default: {TextOptions.label_field})",
     )
     text.add_argument(
         "--max-length",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge.estimate.options import EstimateOptions
+from gradmerge.io.text_records import TextOptions
 from gradmerge.jobs import methods
 from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
@@ -50,6 +51,7 @@ def tables() -> dict[str, str]:
         "estimate": _table(EstimateOptions, list(declared(EstimateOptions)), None, flags=True),
         "refine": _table(RefineConfig, list(declared(RefineConfig)), None),
         "refine_models": _table(TaskInput, list(declared(TaskInput)), None),
+        "text": _table(TextOptions, list(declared(TextOptions)), None, flags=True),
         "names": _names(),
     }
 

@@ -191,10 +191,7 @@ class RefineConfig(FromYaml):
         default_factory=TextOptions,
         metadata={
             "setting": Setting(
-                "how text DATA is read: a mapping with `text_field` (default `text`), "
-                "`text_pair_field` (a second text), `label_field` (default `label`), "
-                "`max_length` and `max_examples` (integers ≥ 1), as `gradmerge curvature`'s "
-                "`--text-field` ... `--max-examples`.",
+                "how text DATA is read: a mapping with the keys of the `text` table below.",
                 kind="mapping",
                 default_doc="—",
             )
@@ -473,14 +470,14 @@ def _text_options(r: Reader) -> TextOptions:
     if "text" not in r.data:
         return TextOptions()
     t = r.sub(r.data["text"], "text")
-    names = [f.name for f in fields(TextOptions)]
-    t.allow(*names)
+    settings = declared(TextOptions)
+    t.allow(*settings)
     values: dict[str, Any] = {}
-    for name in names:
+    for name, s in settings.items():
         if name not in t.data:
             continue
-        if name in ("max_length", "max_examples"):
-            values[name] = _integer(t, name, None, minimum=1)
+        if s.kind == "integer":
+            values[name] = _integer(t, name, None, minimum=s.minimum)
         elif not isinstance(t.data[name], str) or not t.data[name]:
             raise ConfigError(f"`text.{name}` must be a field name, got {shown(t.data[name])}")
         else:

@@ -58,7 +58,7 @@ RESTATED: dict[str, tuple[Any, ...]] = {
         ("gradmerge/estimate/", "gradmerge/evaluation.py", "gradmerge/distributed/"),
     ),
     "estimator flag defaults": (
-        r"default=(?:-100|1|0|20_?000|\"(?:diag|empirical|cross_entropy|expand)\"),",
+        r"default=(?:-100|1|0|20_?000|\"(?:diag|empirical|cross_entropy|expand|text|label)\"),",
         {},
         ("gradmerge/commands/curvature.py", "gradmerge/commands/_inputs.py"),
     ),

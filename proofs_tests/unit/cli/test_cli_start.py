@@ -221,3 +221,18 @@ def test_estimator_option_errors_say_the_flag(capsys):
         "gradmerge curvature: error: --mc-samples must be a positive integer (labels drawn per "
         "example for --fisher mc), got 0"
     )
+
+
+def test_the_text_flags_are_the_declared_text_options():
+    """``--text-field`` ... ``--max-examples`` are the declared fields of ``TextOptions`` (a
+    refinement's ``text`` keys), with their defaults."""
+    from gradmerge.io.text_records import TextOptions
+    from gradmerge.settings import declared, default_of
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("curvature", "gradient", "evaluate"):
+        actions = {a.dest: a for a in sub.choices[command]._actions}
+        for name, s in declared(TextOptions).items():
+            assert s.flag in actions[name].option_strings, (command, name)
+            assert actions[name].default == default_of(TextOptions, name), (command, name)
