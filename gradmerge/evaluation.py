@@ -48,7 +48,7 @@ from torch import nn
 
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.estimate._data import Loss, batches, forward, per_example_loss
-from gradmerge.estimate.options import LossFunction
+from gradmerge.estimate.options import EstimateOptions, LossFunction
 
 
 @dataclass
@@ -158,8 +158,8 @@ def evaluate(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    loss: str = "cross_entropy",
-    ignore_index: int = -100,
+    loss: str = EstimateOptions.loss,
+    ignore_index: int = EstimateOptions.ignore_index,
     device: torch.device | None = None,
     autocast: torch.dtype | None = None,
 ) -> Evaluation:

@@ -83,6 +83,8 @@ class Setting:
         python: the name of the setting in the in-memory ``gm.*`` rules where it differs.
         per_method: each method of the registry requires, allows or refuses it.
         requires: a method-specific key it goes with: refused by the methods refusing that.
+        flag: the command-line flag that sets it (``--max-params``), where a command has one;
+            the command takes the flag's default and choices from this declaration.
     """
 
     doc: str
@@ -99,6 +101,7 @@ class Setting:
     python: str | None = None
     per_method: bool = False
     requires: str | None = None
+    flag: str | None = None
 
     def bounds(self) -> str:
         """The allowed range in words ("in [0, 1]", "> 0 and < 1", "≥ 0"); "" if any."""

@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
+from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
+from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.forms import FORMS as FORMS
+from gradmerge.io.text_records import TextOptions  # its declarations: no torch
+from gradmerge.settings import declared
 
 if TYPE_CHECKING:  # imported where used: building the parser and printing help needs no torch
     import torch
@@ -79,22 +83,28 @@ def add_reading_arguments(
     reads it otherwise (``tune``: one per DATA); default: one whole number."""
     p.add_argument(
         "--loss",
-        choices=["cross_entropy", "mse"],
-        default="cross_entropy",
+        choices=[str(choice) for choice in declared(EstimateOptions)["loss"].choices],
+        default=EstimateOptions.loss,
         help="the loss whose curvature or gradient is taken: cross_entropy (classifiers, "
-        "language models) or mse (regression); default: cross_entropy",
+        f"language models) or mse (regression); default: {EstimateOptions.loss}",
     )
-    p.add_argument("--batch-size", type=int, default=None, help="examples per batch of a file (16)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help=f"examples per batch of a file ({BATCH_SIZE})"
+    )
     text = p.add_argument_group("text DATA (.jsonl, .csv, .tsv, .txt, a datasets folder)")
-    text.add_argument("--text-field", default="text", help="field of the text (default: text)")
+    text.add_argument(
+        "--text-field",
+        default=TextOptions.text_field,
+        help=f"field of the text (default: {TextOptions.text_field})",
+    )
     text.add_argument(
         "--text-pair-field", default=None, help="field of a second text (sentence pairs)"
     )
     text.add_argument(
         "--label-field",
-        default="label",
+        default=TextOptions.label_field,
         help="field of the label, a name of the config's label2id or an id (classification; "
-        "default: label)",
+        f"default: {TextOptions.label_field})",
     )
     text.add_argument(
         "--max-length",
@@ -142,7 +152,10 @@ def add_reading_arguments(
         "default: auto",
     )
     p.add_argument(
-        "--ignore-index", type=int, default=-100, help="label of ignored positions (default: -100)"
+        "--ignore-index",
+        type=int,
+        default=EstimateOptions.ignore_index,
+        help=f"label of ignored positions (default: {EstimateOptions.ignore_index})",
     )
     p.add_argument(
         "--shift-labels",
@@ -278,7 +291,7 @@ def load_data(
     base = _adapter_base(args, spec)
     data = sources.load_data(
         data_spec,
-        batch_size=args.batch_size or 16,
+        batch_size=args.batch_size or BATCH_SIZE,
         shift_labels=args.shift_labels,
         ignore_index=args.ignore_index,
         arguments=dict(map(sources.parse_argument, args.data_arg)),
@@ -345,7 +358,7 @@ def provenance(
         args.data if data_spec is None else data_spec,
         device=device,
         ignore_index=args.ignore_index,
-        batch_size=args.batch_size or 16,
+        batch_size=args.batch_size or BATCH_SIZE,
         shift_labels=args.shift_labels,
         model_arguments=dict(map(sources.parse_argument, args.model_arg)),
         data_arguments=dict(map(sources.parse_argument, args.data_arg)),

@@ -22,18 +22,29 @@ from gradmerge.commands._inputs import (
     provenance,
 )
 from gradmerge.errors import ArgumentError
+from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
+from gradmerge.settings import declared, default_of
 
 if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
     import torch
 
-    from gradmerge.estimate.options import EstimateOptions
+OPTIONS = declared(EstimateOptions)
+"""The estimator's options, declared once (:class:`gradmerge.EstimateOptions`): the flags below
+take their defaults and choices from these declarations."""
 
-# the choices of gradmerge.estimate.options (Structure, Fisher, KFACApprox, MAX_FACTOR_SIDE),
-# written out so that building the parser imports no torch; a test checks they are the same
-STRUCTURES = ("diag", "kfac", "full")
-FISHERS = ("empirical", "mc", "ggn", "hessian")
-KFAC_APPROXES = ("expand", "reduce")
-MAX_FACTOR_SIDE = 16384
+
+def _choices(name: str) -> tuple[str, ...]:
+    return tuple(str(choice) for choice in OPTIONS[name].choices)
+
+
+def _default(name: str) -> object:
+    return default_of(EstimateOptions, name)
+
+
+STRUCTURES = _choices("structure")
+FISHERS = _choices("fisher")
+KFAC_APPROXES = _choices("kfac_approx")
+MAX_FACTOR_SIDE = _default("kfac_max_factor_side")
 
 DESCRIPTION = """\
 H_t = Σ_i ∇²ℓ_i (or its Fisher/GGN), a SUM over the examples of DATA, at the weights of MODEL
@@ -124,28 +135,37 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--structure",
         choices=STRUCTURES,
-        default="diag",
+        default=_default("structure"),
         help="diag (one number per parameter), kfac (Kronecker factors per Linear, Conv2d, "
         "Embedding layer; a diagonal block elsewhere) or full (a dense matrix, small models "
-        "only: --max-params); default: diag",
+        f"only: --max-params); default: {_default('structure')}",
     )
     p.add_argument(
         "--fisher",
         choices=FISHERS,
-        default="empirical",
+        default=_default("fisher"),
         help="empirical (observed labels), mc (sampled labels), ggn (exact GGN), "
-        "hessian (--structure full only); default: empirical",
+        f"hessian (--structure full only); default: {_default('fisher')}",
     )
     p.add_argument(
-        "--mc-samples", type=int, default=1, help="labels drawn per example (mc; default: 1)"
+        "--mc-samples",
+        type=int,
+        default=_default("mc_samples"),
+        help=f"labels drawn per example (mc; default: {_default('mc_samples')})",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo draws (default: 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=_default("seed"),
+        help=f"seed of the Monte-Carlo draws (default: {_default('seed')})",
+    )
     p.add_argument(
         "--kfac-approx",
         choices=KFAC_APPROXES,
-        default="expand",
+        default=_default("kfac_approx"),
         help="--structure kfac, weight sharing over sequence positions: expand (each position "
-        "an example of the layer) or reduce (positions summed first); default: expand",
+        f"an example of the layer) or reduce (positions summed first); default: "
+        f"{_default('kfac_approx')}",
     )
     p.add_argument(
         "--kfac-max-factor-side",
@@ -161,8 +181,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-params",
         type=int,
-        default=20_000,
-        help="largest model --structure full takes (default: 20000)",
+        default=_default("max_params"),
+        help=f"largest model --structure full takes (default: {_default('max_params')})",
     )
     p.add_argument(
         "--whole-model",
@@ -307,11 +327,9 @@ def execute(args: argparse.Namespace) -> int:
     return 0
 
 
-OPTION_FLAGS = (
-    *("structure", "fisher", "loss", "mc_samples", "seed", "ignore_index", "kfac_approx"),
-    *("max_params", "kfac_max_factor_side"),
-)
-"""The estimator's options that are flags of ``gradmerge curvature`` (``--mc-samples``, ...)."""
+OPTION_FLAGS = tuple(name for name, option in OPTIONS.items() if option.flag)
+"""The estimator's options that are flags of ``gradmerge curvature`` (``--mc-samples``, ...):
+those whose declaration names a flag (``Setting.flag``)."""
 
 
 def as_flags(message: str) -> str:
@@ -328,7 +346,7 @@ def as_flags(message: str) -> str:
 
     def flag(match: re.Match[str]) -> str:
         name, value = match.group(1), match.group(2)
-        text = "--" + name.replace("_", "-")
+        text = str(OPTIONS[name].flag)
         return f"{text} {value.strip(chr(39) + chr(34))}" if value else text
 
     message = re.sub(rf"\b({names})\b(?:=('[^']*'|\"[^\"]*\"|[\w.+-]+))?", flag, message)

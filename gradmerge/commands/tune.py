@@ -22,6 +22,7 @@ from gradmerge.commands._inputs import (
     check_reading,
 )
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
+from gradmerge.io.forms import BATCH_SIZE
 
 if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
     import torch
@@ -581,7 +582,7 @@ class Scorer:
         args = self.args
         data = sources.load_data(
             spec,
-            batch_size=args.batch_size or 16,
+            batch_size=args.batch_size or BATCH_SIZE,
             shift_labels=args.shift_labels,
             ignore_index=args.ignore_index,
             arguments=dict(map(sources.parse_argument, args.data_arg)),

@@ -18,7 +18,7 @@ from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.cg import solve_or_raise
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import MAXITER, SolverSpec
 
 
 class Sum(Curvature):
@@ -35,7 +35,7 @@ class Sum(Curvature):
     rank = 5
 
     def __init__(
-        self, terms: list[Curvature], *, tol: float | None = None, maxiter: int = 1000
+        self, terms: list[Curvature], *, tol: float | None = None, maxiter: int = MAXITER
     ) -> None:
         layouts = [dict(t.layout) for t in terms if t.layout is not None]
         if not layouts:
@@ -80,7 +80,7 @@ class Sum(Curvature):
     ) -> Solution:
         """CG on Σ_k C_k x = v (unpreconditioned); raises :class:`NotConvergedError` if it fails.
 
-        ``tol=None`` (default) aims for 1e-10 in float64 and 1e-5 in float32.
+        ``tol=None`` (default) aims for :func:`gradmerge.solvers.cg.default_tol` of the dtype.
         """
         self.check_covers(v, name="the vector", ref_name="the vector")
         tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, NonFiniteError, StructureError
-from gradmerge.estimate.options import LossFunction, LossName
+from gradmerge.estimate.options import EstimateOptions, LossFunction, LossName
 
 Inputs = Tensor | Mapping[str, Tensor]
 
@@ -35,8 +35,8 @@ Inputs = Tensor | Mapping[str, Tensor]
 class Loss:
     """Which loss, and which target value marks a position to ignore (cross-entropy only)."""
 
-    name: LossFunction | LossName = LossFunction.CROSS_ENTROPY
-    ignore_index: int = -100
+    name: LossFunction | LossName = EstimateOptions.loss
+    ignore_index: int = EstimateOptions.ignore_index
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", LossFunction.check(self.name, "loss"))

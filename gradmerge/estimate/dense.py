@@ -9,7 +9,8 @@ trainable parameters in ``model.named_parameters()`` order — the layout of :cl
 - ``"empirical"``: Σ_i ∇ℓ_i(θ; y_i) ∇ℓ_i(θ; y_i)ᵀ with the observed targets;
 - ``"mc"``: Σ_i (1/k) Σ_j ∇ℓ_i(θ; ŷ_ij) ∇ℓ_i(θ; ŷ_ij)ᵀ, ŷ_ij drawn from the model (seeded).
 
-Intended for models up to ``max_params`` parameters (default 20 000: a 1.6 GB float32 matrix).
+Intended for models up to ``max_params`` parameters (default: :class:`~gradmerge.estimate.options.
+EstimateOptions`' declaration; the matrix takes ``max_params² × 4`` bytes in float32).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gradmerge.estimate._data import Loss, batches, per_example_loss, sample_tar
 from gradmerge.estimate._functional import FlatModel, check_size, trainable
 from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.estimate.options import (
+    EstimateOptions,
     Fisher,
     LossFunction,
     LossName,
@@ -42,13 +44,13 @@ def estimate_dense(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    fisher: Fisher | DenseKind = "ggn",
-    loss: LossFunction | LossName = "cross_entropy",
-    mc_samples: int = 1,
-    seed: int = 0,
-    ignore_index: int = -100,
+    fisher: Fisher | DenseKind = Fisher.GGN.value,
+    loss: LossFunction | LossName = EstimateOptions.loss,
+    mc_samples: int = EstimateOptions.mc_samples,
+    seed: int = EstimateOptions.seed,
+    ignore_index: int = EstimateOptions.ignore_index,
     params: Sequence[str] | None = None,
-    max_params: int = 20_000,
+    max_params: int = EstimateOptions.max_params,
 ) -> Dense:
     """The dense curvature (a SUM over examples) of a small model on ``data``.
 

@@ -55,6 +55,7 @@ from gradmerge.estimate._data import (
 )
 from gradmerge.estimate._output_hessian import OutputHessian
 from gradmerge.estimate.options import (
+    EstimateOptions,
     Fisher,
     FisherName,
     LossFunction,
@@ -72,11 +73,11 @@ def estimate_diagonal(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    fisher: Fisher | FisherName = "empirical",
-    loss: LossFunction | LossName = "cross_entropy",
-    mc_samples: int = 1,
-    seed: int = 0,
-    ignore_index: int = -100,
+    fisher: Fisher | FisherName = EstimateOptions.fisher,  # type: ignore[assignment]  # the declared default
+    loss: LossFunction | LossName = EstimateOptions.loss,
+    mc_samples: int = EstimateOptions.mc_samples,
+    seed: int = EstimateOptions.seed,
+    ignore_index: int = EstimateOptions.ignore_index,
     params: Sequence[str] | None = None,
     progress: bool = False,
 ) -> Diagonal:

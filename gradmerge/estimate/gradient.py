@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from gradmerge import params as P
 from gradmerge.estimate._data import Loss, batches, forward, per_example_loss
 from gradmerge.estimate._functional import _Bound, trainable
+from gradmerge.estimate.options import EstimateOptions, LossFunction, LossName
 from gradmerge.params import Params
 
 
@@ -36,8 +37,8 @@ def gradient_fn(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-    ignore_index: int = -100,
+    loss: LossFunction | LossName = EstimateOptions.loss,
+    ignore_index: int = EstimateOptions.ignore_index,
     params: Sequence[str] | None = None,
 ) -> Callable[[Params], dict[str, Tensor]]:
     r"""θ ↦ ∇ℓ̄(θ) = Σ_i ∇ℓ_i(θ) of ``model`` over ``data`` (a SUM over examples).

@@ -132,6 +132,7 @@ from gradmerge.estimate._kfac_pass import Recorder, backward_passes, check_ggn_s
 from gradmerge.estimate.diagonal import SharedPassDiagonal
 from gradmerge.estimate.options import (
     MAX_FACTOR_SIDE,
+    EstimateOptions,
     Fisher,
     FisherName,
     KFACApprox,
@@ -196,12 +197,12 @@ def estimate_kfac_factors(
     model: nn.Module,
     data: Iterable[Any],
     *,
-    fisher: Fisher | FisherName = "empirical",
-    loss: LossFunction | LossName = "cross_entropy",
-    kfac_approx: KFACApprox | KFACApproxName = "expand",
-    mc_samples: int = 1,
-    seed: int = 0,
-    ignore_index: int = -100,
+    fisher: Fisher | FisherName = EstimateOptions.fisher,  # type: ignore[assignment]  # the declared default
+    loss: LossFunction | LossName = EstimateOptions.loss,
+    kfac_approx: KFACApprox | KFACApproxName = EstimateOptions.kfac_approx,
+    mc_samples: int = EstimateOptions.mc_samples,
+    seed: int = EstimateOptions.seed,
+    ignore_index: int = EstimateOptions.ignore_index,
     modules: Sequence[str] | None = None,
     progress: bool = False,
     max_ggn_columns: int = 256,

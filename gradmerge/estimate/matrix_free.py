@@ -23,6 +23,7 @@ from gradmerge.errors import ArgumentError
 from gradmerge.estimate._data import Inputs, Loss, batches, forward, per_example_loss
 from gradmerge.estimate._functional import _Bound, trainable
 from gradmerge.estimate._output_hessian import OutputHessian
+from gradmerge.estimate.options import EstimateOptions, LossFunction, LossName
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.cg import solve_or_raise
 from gradmerge.solvers.solution import Solution
@@ -38,7 +39,8 @@ class MatrixFree(Curvature):
         kind: ``"ggn"`` (PSD by construction) or ``"hessian"``.
         loss: ``"cross_entropy"`` or ``"mse"``.
         params: names of the parameters covered (default: all trainable ones).
-        tol, maxiter: CG settings of ``solve`` (``tol=None``: 1e-10 in float64, 1e-5 in float32).
+        tol, maxiter: CG settings of ``solve`` (``tol=None``: by the dtype,
+            :data:`gradmerge.solvers.spec.DEFAULT_TOL`).
 
     Example:
         >>> import torch, gradmerge as gm
@@ -57,8 +59,8 @@ class MatrixFree(Curvature):
         data: Iterable[Any],
         *,
         kind: Literal["ggn", "hessian"] = "ggn",
-        loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-        ignore_index: int = -100,
+        loss: LossFunction | LossName = EstimateOptions.loss,
+        ignore_index: int = EstimateOptions.ignore_index,
         params: Sequence[str] | None = None,
         tol: float | None = None,
         maxiter: int = 500,

@@ -40,6 +40,7 @@ from enum import Enum
 from typing import Literal, TypedDict, TypeVar
 
 from gradmerge.errors import ArgumentError
+from gradmerge.settings import setting
 
 StructureName = Literal["diag", "kfac", "full"]
 FisherName = Literal["empirical", "mc", "ggn"]
@@ -186,22 +187,11 @@ class EstimateOptions:
     a tuple; the options are frozen and hashable, so one object serves every call (and every rank
     of :func:`gradmerge.distributed.estimate_curvature`, which compares them across ranks).
 
-    Attributes:
-        structure: ``"diag"``, ``"kfac"`` or ``"full"`` (:class:`Structure`).
-        fisher: ``"empirical"``, ``"mc"``, ``"ggn"`` or ``"hessian"`` (``structure="full"`` only)
-            (:class:`Fisher`).
-        loss: ``"cross_entropy"`` or ``"mse"`` (:class:`LossFunction`).
-        mc_samples: targets drawn per example for ``fisher="mc"`` (a positive int; ``"kfac"``
-            refuses values other than 1 with another fisher).
-        seed: seed of the Monte-Carlo draws.
-        ignore_index: cross-entropy target value of positions to leave out.
-        kfac_approx: ``"expand"`` or ``"reduce"`` (:class:`KFACApprox`; K-FAC only).
-        params: restrict ``"diag"``/``"full"`` to these parameter names (None: every trainable
-            parameter; K-FAC covers the whole model and refuses it).
-        max_params: the largest model ``"full"`` accepts.
-        kfac_max_factor_side: ``"kfac"`` only: a layer whose A or G would have a larger side
-            gets a diagonal block instead (default :data:`MAX_FACTOR_SIDE`; None: no limit).
-        progress: print progress lines to stderr.
+    Each field is a setting declared once (:func:`gradmerge.settings.setting`): its meaning,
+    kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the flags
+    of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
+    (:func:`gradmerge.settings.declared`; ``python -m gradmerge.jobs.reference`` writes the
+    table).
 
     Raises:
         ArgumentError: on construction, for an unknown choice, ``fisher="hessian"`` with a
@@ -222,17 +212,89 @@ class EstimateOptions:
         gradmerge.errors.ArgumentError: params= restricts 'diag' and 'full' estimates; K-FAC covers the model
     """
 
-    structure: Structure | StructureName = Structure.DIAG
-    fisher: Fisher | FisherName | Literal["hessian"] = Fisher.EMPIRICAL
-    loss: LossFunction | LossName = LossFunction.CROSS_ENTROPY
-    mc_samples: int = 1
-    seed: int = 0
-    ignore_index: int = -100
-    kfac_approx: KFACApprox | KFACApproxName = KFACApprox.EXPAND
-    params: Sequence[str] | None = None
-    max_params: int = 20_000
-    kfac_max_factor_side: int | None = MAX_FACTOR_SIDE
-    progress: bool = False
+    structure: Structure | StructureName = setting(
+        Structure.DIAG.value,
+        "what the estimate is: `diag` (`gm.Diagonal`, one number per parameter), `kfac` "
+        "(`gm.KFAC` per Linear, Conv2d, Embedding and GPT-2 Conv1D layer, a diagonal block for "
+        "every other parameter: `gm.Blocks`) or `full` (`gm.Dense`, small models only: "
+        "`max_params`).",
+        kind="choice",
+        choices=tuple(Structure),
+        flag="--structure",
+    )
+    fisher: Fisher | FisherName | Literal["hessian"] = setting(
+        Fisher.EMPIRICAL.value,
+        "which curvature: `empirical` Σ_i ∇ℓ_i ∇ℓ_iᵀ with the observed targets, `mc` with "
+        "targets drawn from the model (`mc_samples`, seeded), `ggn` the generalised Gauss-Newton "
+        "Σ_i J_iᵀ Λ_i J_i, `hessian` (`structure: full` only) the exact Hessian.",
+        kind="choice",
+        choices=tuple(Fisher),
+        flag="--fisher",
+    )
+    loss: LossFunction | LossName = setting(
+        LossFunction.CROSS_ENTROPY.value,
+        "the per-example loss ℓ_i: cross-entropy over the last dimension (a sum over "
+        "positions, `ignore_index` left out) or ½‖f_i − y_i‖².",
+        kind="choice",
+        choices=tuple(LossFunction),
+        flag="--loss",
+    )
+    mc_samples: int = setting(
+        1,
+        "targets drawn per example for `fisher: mc` (`kfac` refuses values other than 1 with "
+        "another fisher).",
+        kind="integer",
+        minimum=1,
+        flag="--mc-samples",
+    )
+    seed: int = setting(0, "seed of the Monte-Carlo draws.", kind="integer", flag="--seed")
+    ignore_index: int = setting(
+        -100,
+        "cross-entropy target value of positions to leave out (PyTorch's convention).",
+        kind="integer",
+        flag="--ignore-index",
+    )
+    kfac_approx: KFACApprox | KFACApproxName = setting(
+        KFACApprox.EXPAND.value,
+        "K-FAC's treatment of weight sharing (sequence positions, conv locations): `expand` "
+        "(each position an example of the layer) or `reduce` (positions summed first); "
+        "`kfac` only.",
+        kind="choice",
+        choices=tuple(KFACApprox),
+        flag="--kfac-approx",
+    )
+    params: Sequence[str] | None = setting(
+        None,
+        "restrict `diag` and `full` to these parameter names (K-FAC covers the whole model and "
+        "refuses it).",
+        kind="strings",
+        default_doc="every trainable parameter",
+    )
+    max_params: int = setting(
+        20_000,
+        "the largest model `structure: full` accepts (its matrix takes max_params² × 4 bytes "
+        "in float32).",
+        kind="integer",
+        minimum=1,
+        flag="--max-params",
+    )
+    kfac_max_factor_side: int | None = setting(
+        MAX_FACTOR_SIDE,
+        "`kfac` only: a layer whose A or G factor would have a larger side gets a diagonal "
+        "block instead (n² × 4 bytes per float32 factor), e.g. an untied vocabulary head; "
+        "`none` (Python: `None`): no limit.",
+        kind="integer",
+        minimum=1,
+        source="`gradmerge.estimate.options.MAX_FACTOR_SIDE`: 1 GiB per float32 factor, which "
+        "keeps the blocks of common transformers on K-FAC",
+        flag="--kfac-max-factor-side",
+    )
+    progress: bool = setting(
+        False,
+        "print a line per batch (and per layer left to the diagonal) to stderr.",
+        kind="flag",
+        default_doc="`false` (the command: on, `--no-progress` turns it off)",
+    )
 
     def __post_init__(self) -> None:
         structure = Structure.check(self.structure, "structure")

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
 from gradmerge.io.entry_points import call_entry_point, split_entry_point
+from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.text_data import (
     TextBatches,
     TextOptions,
@@ -64,7 +65,7 @@ def data_kind(spec: str) -> str:
 def load_data(
     spec: str,
     *,
-    batch_size: int = 16,
+    batch_size: int = BATCH_SIZE,
     shift_labels: bool = False,
     ignore_index: int = -100,
     arguments: Mapping[str, Any] | None = None,

@@ -4,6 +4,10 @@ A module of its own, importing nothing, so that ``gradmerge curvature --help`` p
 loading torch or the readers (:mod:`gradmerge.io.sources` re-exports it as ``sources.FORMS``).
 """
 
+BATCH_SIZE = 16
+"""Examples per batch of a tensor or text DATA file, by default (``--batch-size``, a refinement's
+``batch_size``, :func:`gradmerge.io.sources.load_data`)."""
+
 FORMS = """\
 MODEL is either
 

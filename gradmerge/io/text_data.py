@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,10 @@ from torch import Tensor, nn
 from gradmerge._extras import require
 from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.text_records import TEXT_SUFFIXES as TEXT_SUFFIXES  # re-exported: public path
 from gradmerge.io.text_records import Records as Records
+from gradmerge.io.text_records import TextOptions as TextOptions  # re-exported: public path
 from gradmerge.io.text_records import is_text_data as is_text_data
 from gradmerge.io.text_records import read_records as read_records
 
@@ -56,26 +57,6 @@ TOKENIZER_FILES = (
     "spiece.model",
 )
 CLASSIFICATION, CAUSAL_LM = "sequence classification", "causal language modelling"
-
-
-@dataclass(frozen=True)
-class TextOptions:
-    """How records become examples (the ``--text-field`` ... ``--max-examples`` flags).
-
-    Attributes:
-        text_field: the field holding the text (``.txt``: always ``text``).
-        text_pair_field: a second text, tokenised as the pair's second segment (classification).
-        label_field: the field holding the label (classification).
-        max_length: truncate longer sequences to this many tokens (special tokens included);
-            None: no truncation, and a sequence longer than the model's positions is an error.
-        max_examples: read at most this many records (the first ones).
-    """
-
-    text_field: str = "text"
-    text_pair_field: str | None = None
-    label_field: str = "label"
-    max_length: int | None = None
-    max_examples: int | None = None
 
 
 def token_labels(
@@ -295,7 +276,7 @@ class TextBatches:
         model: nn.Module,
         tokenizer: Any,
         options: TextOptions = TextOptions(),
-        batch_size: int = 16,
+        batch_size: int = BATCH_SIZE,
         ignore_index: int = -100,
         source: str = "DATA",
     ) -> None:

@@ -21,11 +21,56 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from gradmerge.errors import ArgumentError, FileFormatError
+from gradmerge.settings import setting
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How records become examples: the ``--text-field`` ... ``--max-examples`` flags of the
+    commands and the ``text`` mapping of a refinement, each field declared once (its meaning,
+    default and flag; docs/config.md's ``text`` table). Imports no torch, so that the commands'
+    help reads the declarations.
+
+    Example:
+        >>> TextOptions(label_field="gold").text_field
+        'text'
+    """
+
+    text_field: str = setting(
+        "text", "the field holding the text (`.txt`: always `text`).", flag="--text-field"
+    )
+    text_pair_field: str | None = setting(
+        None,
+        "a second text, tokenised as the pair's second segment (classification).",
+        flag="--text-pair-field",
+    )
+    label_field: str = setting(
+        "label",
+        "the field holding the label, a name of the config's `label2id` or an id (classification).",
+        flag="--label-field",
+    )
+    max_length: int | None = setting(
+        None,
+        "truncate longer sequences to this many tokens (special tokens included); none: no "
+        "truncation, and a sequence longer than the model's positions is an error.",
+        kind="integer",
+        minimum=1,
+        flag="--max-length",
+    )
+    max_examples: int | None = setting(
+        None,
+        "read at most this many records (the first ones).",
+        kind="integer",
+        minimum=1,
+        flag="--max-examples",
+    )
+
 
 TEXT_SUFFIXES = (".jsonl", ".csv", ".tsv", ".txt")
 

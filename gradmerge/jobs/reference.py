@@ -1,7 +1,8 @@
 """The tables of docs/config.md, generated from the settings' declarations.
 
-Each YAML key is declared once (:mod:`gradmerge.settings`, the fields of
-:mod:`gradmerge.jobs.config` and :class:`gradmerge.SolverSpec`); this module renders those
+Each YAML key and option is declared once (:mod:`gradmerge.settings`, the fields of
+:mod:`gradmerge.jobs.config`, :class:`gradmerge.SolverSpec`, :class:`gradmerge.EstimateOptions`
+and :class:`gradmerge.jobs.refine.RefineConfig`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
 and the records' ``docs`` lines as its lists of methods, between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
 ``proofs_tests/docs/test_config_reference.py`` checks that the committed page equals what
@@ -21,9 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradmerge.estimate.options import EstimateOptions
+from gradmerge.io.text_records import TextOptions
 from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
 from gradmerge.jobs.options import Options, ordered
+from gradmerge.jobs.refine import RefineConfig, TaskInput
 from gradmerge.methods import registry
 from gradmerge.methods.base import JobKind
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
@@ -45,21 +49,30 @@ def tables() -> dict[str, str]:
         "term": _table(CurvatureTerm, list(declared(CurvatureTerm)), None),
         "options": _table(Options, list(shared), None),
         "solver": _table(SolverSpec, list(declared(SolverSpec)), None),
+        "estimate": _table(EstimateOptions, list(declared(EstimateOptions)), None, flags=True),
+        "refine": _table(RefineConfig, list(declared(RefineConfig)), None),
+        "refine_models": _table(TaskInput, list(declared(TaskInput)), None),
+        "text": _table(TextOptions, list(declared(TextOptions)), None, flags=True),
         "names": _names(),
         "merge_methods": registry.docs_list("merge"),
         "remove_methods": registry.docs_list("remove"),
     }
 
 
-def _table(cls: Any, keys: list[str], job: JobKind | None) -> str:
+def _table(cls: Any, keys: list[str], job: JobKind | None, *, flags: bool = False) -> str:
+    """The rows of ``keys``: the key, the methods that use it (``job``), its command-line flag
+    (``flags``), its default and its meaning."""
     settings = declared(cls)
-    head = ["key", *(["methods"] if job else []), "default", "meaning"]
+    head = ["key", *(["methods"] if job else []), *(["flag"] if flags else []), "default"]
+    head.append("meaning")
     rows = [_row(head), _row(["---"] * len(head))]
     for key in keys:
         s = settings[key]
         cells = [f"`{key}`"]
         if job:
             cells.append(_methods(key, s, job))
+        if flags:
+            cells.append(f"`{s.flag}`" if s.flag else "—")
         cells += [_default(cls, key, s), _meaning(s)]
         rows.append(_row(cells))
     return "\n".join(rows) + "\n"

@@ -78,8 +78,9 @@ from gradmerge.errors import (
     StructureError,
 )
 from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
-from gradmerge.estimate.options import Fisher, LossFunction, Structure
+from gradmerge.estimate.options import Structure
 from gradmerge.io import sources
+from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.reader import ASSET_PATTERNS
 from gradmerge.io.text_data import TEXT_SUFFIXES, TextOptions
 from gradmerge.io.writer import staged_output
@@ -89,38 +90,113 @@ from gradmerge.jobs.setting_values import read_term
 from gradmerge.jobs.yaml_reader import Reader
 from gradmerge.merge import refine
 from gradmerge.params import Params
-from gradmerge.settings import REQUIRED, shown
+from gradmerge.settings import REQUIRED, Setting, declared, default_of, setting, shown
 
 RECORD = "gradmerge_refine.json"
 
 
+MAX_STEPS = 100
+"""The most refinement steps one run takes (each re-estimates every task's gradient and
+curvature; the appendix's refinement takes a few)."""
+ALLOW_ENTRY_POINTS = "GRADMERGE_ALLOW_ENTRY_POINTS"
+"""The environment variable that, set to 1, lets YAML files name entry points."""
+_ESTIMATE = declared(EstimateOptions)
+
+
 @dataclass(frozen=True)
 class TaskInput:
-    """One task: its fine-tuned model θ_t (MODEL), its data D_t (DATA) and its weight α_t."""
+    """One task: its fine-tuned model θ_t (MODEL), its data D_t (DATA) and its weight α_t; each
+    field declared once (docs/config.md's ``refine_models`` table)."""
 
-    model: str
-    data: str
-    alpha: float = 1.0
+    model: str = setting(
+        REQUIRED, "θ_t, for the gradient mismatch of Eq. 2: a MODEL entry, as `start`.", kind="path"
+    )
+    data: str = setting(
+        REQUIRED,
+        "D_t: `.jsonl`/`.csv`/`.tsv`/`.txt` text tokenised with the `start` folder's tokenizer, "
+        "a `datasets` folder, a `.safetensors`/`.pt` tensor file, or an entry point.",
+        kind="path",
+    )
+    alpha: float = setting(1.0, "α_t, the task's weight.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RefineConfig(FromYaml):
-    """A refinement: k steps of :func:`gradmerge.refine` from ``start`` (module docstring)."""
+    """A refinement: k steps of :func:`gradmerge.refine` from ``start`` (module docstring).
 
-    start: str
-    base_model: str
-    models: tuple[TaskInput, ...]
-    prior: CurvatureTerm
-    steps: int
-    structure: str = "kfac"
-    fisher: str = "empirical"
-    loss: str = "cross_entropy"
-    batch_size: int = 16
-    shift_labels: bool = False
-    ignore_index: int = -100
-    seed: int = 0
-    device: str = "auto"
-    text: TextOptions = field(default_factory=TextOptions)
+    Each key is declared once (:func:`gradmerge.settings.setting`): its meaning, checks and
+    default, which the reader (:meth:`from_dict`) and docs/config.md's ``refine`` table read;
+    the estimator's keys take their choices (and, but for ``structure``, their defaults) from
+    :class:`gradmerge.EstimateOptions`."""
+
+    start: str = setting(
+        REQUIRED,
+        "θ^0, the merge to refine: a MODEL entry, a Hugging Face folder or a `module:function` / "
+        "`file.py:function` entry point returning an `nn.Module`. Every model must have the "
+        "parameters of `start`. An entry point runs code: a YAML file naming one is refused "
+        "unless `--allow-entry-points` or `GRADMERGE_ALLOW_ENTRY_POINTS=1` says to trust it as "
+        "a script ([trust.md](trust.md)).",
+        kind="path",
+    )
+    base_model: str = setting(REQUIRED, "θ_LLM: a MODEL entry, as `start`.", kind="path")
+    models: tuple[TaskInput, ...] = setting(
+        REQUIRED,
+        "the tasks: a non-empty list of mappings with the keys of the `models[]` table below.",
+        kind="mapping",
+    )
+    prior: CurvatureTerm = setting(
+        REQUIRED, "H_0, a [precision term](#precision-terms-prior-and-remaining).", kind="mapping"
+    )
+    steps: int = setting(
+        REQUIRED,
+        "k (each step re-estimates every task's gradient and curvature; refine again from the "
+        "output to go further).",
+        kind="integer",
+        minimum=1,
+        maximum=MAX_STEPS,
+    )
+    structure: str = setting(
+        Structure.KFAC.value,
+        "how H_t is estimated at each iterate, as `gradmerge curvature`'s `--structure` (the "
+        "options of [curvature estimates](#curvature-estimates-gradmerge-curvature-and-gm"
+        "estimate_curvature)).",
+        kind="choice",
+        choices=_ESTIMATE["structure"].choices,
+    )
+    fisher: str = setting(
+        EstimateOptions.fisher,
+        "as `--fisher`; `hessian` needs `structure: full`.",
+        kind="choice",
+        choices=_ESTIMATE["fisher"].choices,
+    )
+    loss: str = setting(
+        EstimateOptions.loss, "as `--loss`.", kind="choice", choices=_ESTIMATE["loss"].choices
+    )
+    batch_size: int = setting(
+        BATCH_SIZE, "rows per batch of a tensor or text DATA file.", kind="integer", minimum=1
+    )
+    shift_labels: bool = setting(
+        False,
+        "labels are `input_ids` (Hugging Face's causal-LM convention): shift them left by one.",
+        kind="flag",
+    )
+    ignore_index: int = setting(
+        EstimateOptions.ignore_index, "label of positions that count for nothing.", kind="integer"
+    )
+    seed: int = setting(
+        EstimateOptions.seed, "seed of the Monte-Carlo labels (`fisher: mc`).", kind="integer"
+    )
+    device: str = setting("auto", "`auto`, `cpu`, `cuda`, `cuda:N`.", kind="device")
+    text: TextOptions = field(
+        default_factory=TextOptions,
+        metadata={
+            "setting": Setting(
+                "how text DATA is read: a mapping with the keys of the `text` table below.",
+                kind="mapping",
+                default_doc="—",
+            )
+        },
+    )
     source: Path | None = field(default=None, compare=False)
 
     @property
@@ -184,37 +260,30 @@ class RefineConfig(FromYaml):
     def _read(cls, r: Reader, source: Path | None) -> RefineConfig:
         """The checks of a refinement's keys (:meth:`FromYaml.from_dict`; also: ``steps`` < 1
         is a :class:`ConfigError`)."""
-        r.allow(
-            "start",
-            "base_model",
-            "models",
-            "prior",
-            "steps",
-            "structure",
-            "fisher",
-            "loss",
-            "batch_size",
-            "shift_labels",
-            "ignore_index",
-            "seed",
-            "device",
-            "text",
-        )
+        settings = declared(cls)
+        r.allow(*settings)
+        task = declared(TaskInput)
         models = []
         for i, entry in enumerate(r.entries("models")):
             m = r.sub(entry, f"models[{i}]")
-            m.allow("model", "data", "alpha")
+            m.allow(*task)
             models.append(
                 TaskInput(
                     model=_spec(m, "model", "MODEL"),
                     data=_spec(m, "data", "DATA"),
-                    alpha=m.number("alpha", 1.0),
+                    alpha=m.number("alpha", default_of(TaskInput, "alpha")),
                 )
             )
         prior = read_term(r, "prior", required=True)
         assert prior is not None  # required=True raises instead
-        structure = r.choice("structure", tuple(Structure), default="kfac")
-        fisher = r.choice("fisher", tuple(Fisher), default="empirical")
+
+        def choice(key: str) -> str:
+            return r.choice(key, settings[key].choices, default=default_of(cls, key))
+
+        def integer(key: str) -> int:
+            return _integer(r, key, default_of(cls, key), minimum=settings[key].minimum)
+
+        structure, fisher = choice("structure"), choice("fisher")
         if fisher == "hessian" and structure != "full":
             raise ConfigError("`fisher: hessian` needs `structure: full` (diag and kfac are GGNs)")
         return cls(
@@ -225,11 +294,11 @@ class RefineConfig(FromYaml):
             steps=_steps(r),
             structure=structure,
             fisher=fisher,
-            loss=r.choice("loss", tuple(LossFunction), default="cross_entropy"),
-            batch_size=_integer(r, "batch_size", 16, minimum=1),
-            shift_labels=r.flag("shift_labels", default=False),
-            ignore_index=_integer(r, "ignore_index", -100),
-            seed=_integer(r, "seed", 0),
+            loss=choice("loss"),
+            batch_size=integer("batch_size"),
+            shift_labels=r.flag("shift_labels", default=default_of(cls, "shift_labels")),
+            ignore_index=integer("ignore_index"),
+            seed=integer("seed"),
             device=r.device("device"),
             text=_text_options(r),
             source=source,
@@ -401,14 +470,14 @@ def _text_options(r: Reader) -> TextOptions:
     if "text" not in r.data:
         return TextOptions()
     t = r.sub(r.data["text"], "text")
-    names = [f.name for f in fields(TextOptions)]
-    t.allow(*names)
+    settings = declared(TextOptions)
+    t.allow(*settings)
     values: dict[str, Any] = {}
-    for name in names:
+    for name, s in settings.items():
         if name not in t.data:
             continue
-        if name in ("max_length", "max_examples"):
-            values[name] = _integer(t, name, None, minimum=1)
+        if s.kind == "integer":
+            values[name] = _integer(t, name, None, minimum=s.minimum)
         elif not isinstance(t.data[name], str) or not t.data[name]:
             raise ConfigError(f"`text.{name}` must be a field name, got {shown(t.data[name])}")
         else:
@@ -416,15 +485,8 @@ def _text_options(r: Reader) -> TextOptions:
     return TextOptions(**values)
 
 
-MAX_STEPS = 100
-"""The most refinement steps one run takes (each re-estimates every task's gradient and
-curvature; the appendix's refinement takes a few)."""
-ALLOW_ENTRY_POINTS = "GRADMERGE_ALLOW_ENTRY_POINTS"
-"""The environment variable that, set to 1, lets YAML files name entry points."""
-
-
 def _steps(r: Reader) -> int:
-    steps = _integer(r, "steps", REQUIRED, minimum=1)
+    steps = _integer(r, "steps", REQUIRED, minimum=declared(RefineConfig)["steps"].minimum)
     if steps > MAX_STEPS:
         raise ConfigError(
             f"`steps` must be at most {MAX_STEPS}, got {steps}: each step re-estimates every "
@@ -434,14 +496,14 @@ def _steps(r: Reader) -> int:
     return steps
 
 
-def _integer(r: Reader, key: str, default: Any, *, minimum: int | None = None) -> int:
+def _integer(r: Reader, key: str, default: Any, *, minimum: float | None = None) -> int:
     value = r.data.get(key, default)
     if value is REQUIRED:
         raise ConfigError(f"{r.where} needs `{key}`")
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"`{key}` must be an integer, got {shown(value)}")
     if minimum is not None and value < minimum:
-        raise ConfigError(f"`{key}` must be at least {minimum}, got {value}")
+        raise ConfigError(f"`{key}` must be at least {minimum:g}, got {value}")
     return value
 
 

@@ -16,14 +16,24 @@ from gradmerge import params as P
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
+from gradmerge.solvers.spec import DEFAULT_TOL, LOW_PRECISION_TOL, MAXITER
 
 Operator = Callable[[Params], dict[str, Tensor]]
 
 
 def default_tol(dtype: torch.dtype) -> float:
-    """The relative residual CG aims for by default: 1e-10 in float64, 1e-5 in float32, 1e-2 in
-    16-bit types (a true residual cannot fall much below κ·eps of the working precision)."""
-    return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
+    """The relative residual CG aims for by default in ``dtype``: :data:`~gradmerge.solvers.spec.
+    DEFAULT_TOL` (float64, float32), else :data:`~gradmerge.solvers.spec.LOW_PRECISION_TOL` (a
+    true residual cannot fall much below κ·eps of the working precision).
+
+    Example:
+        >>> from gradmerge.solvers.spec import DEFAULT_TOL, LOW_PRECISION_TOL
+        >>> default_tol(torch.float32) == DEFAULT_TOL["float32"] > DEFAULT_TOL["float64"]
+        True
+        >>> default_tol(torch.bfloat16) == LOW_PRECISION_TOL
+        True
+    """
+    return DEFAULT_TOL.get(str(dtype).removeprefix("torch."), LOW_PRECISION_TOL)
 
 
 def solve_or_raise(
@@ -59,8 +69,8 @@ def conjugate_gradient(
     *,
     precondition: Operator | None = None,
     x0: Params | None = None,
-    tol: float = 1e-10,
-    maxiter: int = 1000,
+    tol: float = DEFAULT_TOL["float64"],
+    maxiter: int = MAXITER,
     what: str = "the system",
 ) -> Solution:
     """Solve K x = b for a symmetric positive definite K given as ``apply(v) = K v``.

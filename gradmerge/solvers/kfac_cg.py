@@ -127,7 +127,7 @@ def solve(
         terms: (A_k, G_k), at least one, PSD factors of one dtype and device.
         b: B, (out × in[+1]).
         spec: :class:`SolverSpec` (default ``SolverSpec()``): ``tol``, the relative residual to
-            certify (default 1e-10 in float64, 1e-5 in float32); ``maxiter``, CG iterations per
+            certify (default: by the dtype, :data:`gradmerge.solvers.spec.DEFAULT_TOL`); ``maxiter``, CG iterations per
             round before :class:`NotConvergedError`; ``approximate``, stop after at most
             ``maxiter`` CG iterations (0: the preconditioner's solve D⁻¹ in the common
             eigenbasis alone, which is exact for one term) and return that x with its measured

@@ -22,6 +22,35 @@ faster. "Precision" names precision MATRICES only (the prior H_0, the merged H̄
 ARITHMETIC_MODES: tuple[ArithmeticMode, ...] = ("auto", "working", "bfloat16")
 MAXITER = 1000
 """The default budget of CG iterations per round (``maxiter``), without ``approximate``."""
+DEFAULT_TOL: dict[str, float] = {"float64": 1e-10, "float32": 1e-5}
+"""The default relative residual of a solve (``tol=None``), by the dtype it runs in: a true
+residual cannot fall much below κ·eps of the working precision
+(:func:`gradmerge.solvers.cg.default_tol`)."""
+LOW_PRECISION_TOL = 1e-2
+"""The default relative residual of a solve in a 16-bit dtype."""
+
+
+def number_text(value: float) -> str:
+    """``value`` as the docs write it: ``1e-6`` (not ``1e-06``), ``0.5``, ``2000``.
+
+    Example:
+        >>> number_text(1e-6), number_text(2.5e-12), number_text(0.25), number_text(2000)
+        ('1e-6', '2.5e-12', '0.25', '2000')
+    """
+    text = f"{value:g}"
+    mantissa, e, exponent = text.partition("e")
+    return f"{mantissa}e{int(exponent)}" if e else text
+
+
+def default_tol_text() -> str:
+    """The default ``tol`` in words, from :data:`DEFAULT_TOL` (docs and docstrings say
+    "default: see :data:`DEFAULT_TOL`" instead of restating it)."""
+    return (
+        f"{number_text(DEFAULT_TOL['float32'])} in float32, "
+        f"{number_text(DEFAULT_TOL['float64'])} in float64 (the solve's dtype)"
+    )
+
+
 RENAMED = {"precision": "arithmetic"}
 """Fields of gradmerge 0.1.0 → their name now (Python keyword and YAML key alike): "precision"
 means the prior's precision matrix in gradmerge, so the float arithmetic has its own name."""
@@ -35,7 +64,7 @@ class SolverSpec:
     declared`; docs/config.md's ``solver`` table is generated from them):
 
     - ``tol``: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
-      ``None``: 1e-10 in float64, 1e-5 in float32 (:func:`gradmerge.solvers.cg.default_tol`).
+      ``None``: by the solve's dtype, :data:`DEFAULT_TOL` (:func:`gradmerge.solvers.cg.default_tol`).
     - ``maxiter``: CG iterations per round before :class:`NotConvergedError`; ``None``:
       :data:`MAXITER`, or 0 with ``approximate``; the record holds the resolved number.
     - ``approximate``: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
@@ -71,7 +100,7 @@ class SolverSpec:
         above=0.0,
         below=1.0,
         example="e.g. 1.0e-6",
-        default_doc="1e-5 in float32, 1e-10 in float64 (the solve's dtype)",
+        default_doc=default_tol_text(),
         source="`gradmerge.solvers.cg.default_tol`: a true residual cannot fall much below "
         "κ·eps of the working precision",
     )
@@ -80,7 +109,7 @@ class SolverSpec:
         "CG iterations per round: a whole number ≥ 1 (≥ 0 with `approximate: true`).",
         kind="integer",
         minimum=0,
-        default_doc="1000 (0 with `approximate: true`)",
+        default_doc=f"{MAXITER} (0 with `approximate: true`)",
         source="`gradmerge.solvers.spec.MAXITER`, a budget; with `approximate`, 0: the "
         "preconditioner's solve alone",
     )

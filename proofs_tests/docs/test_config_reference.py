@@ -230,6 +230,10 @@ def test_every_declared_setting_has_a_row():
         ("remove", gm.RemoveConfig),
         ("term", gm.jobs.inputs.CurvatureTerm),
         ("solver", gm.SolverSpec),
+        ("estimate", gm.EstimateOptions),
+        ("refine", RefineConfig),
+        ("refine_models", gm.jobs.refine.TaskInput),
+        ("text", gm.io.text_data.TextOptions),
     ]:
         rows = set(re.findall(r"^\| `([a-z_]+)` \|", generated[name], flags=re.M))
         shared = set(declared(gm.jobs.options.Options)) if name in ("merge", "remove") else set()

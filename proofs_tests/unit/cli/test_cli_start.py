@@ -125,6 +125,33 @@ def test_choices_written_out_are_the_modules_own():
     assert _inputs.autocast_dtype(None) is None
 
 
+def test_the_estimator_flags_are_its_declared_options():
+    """Each option of ``gm.EstimateOptions`` that declares a flag is a flag of ``gradmerge
+    curvature`` with the declared default, choices and kind (an integer option parses as one),
+    and its help says that default; the options without a flag have none."""
+    from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.settings import declared, default_of
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    actions = {a.dest: a for a in sub.choices["curvature"]._actions}
+    flagged = {name: s for name, s in declared(EstimateOptions).items() if s.flag}
+    assert set(flagged) == set(declared(EstimateOptions)) - {"params", "progress"}
+    for name, s in flagged.items():
+        action, default = actions[name], default_of(EstimateOptions, name)
+        assert s.flag in action.option_strings, name
+        assert action.default == default, name
+        assert f"default: {default}" in (action.help or ""), name
+        if s.choices:
+            assert list(action.choices or ()) == [str(c) for c in s.choices], name
+        if s.kind == "integer" and name != "kfac_max_factor_side":  # 'none' parses too
+            assert action.type is int, name
+    parsed = parser.parse_args(["curvature", "m", "d", "out"])
+    assert {name: getattr(parsed, name) for name in flagged} == {
+        name: default_of(EstimateOptions, name) for name in flagged
+    }
+
+
 WARN = """
 import warnings
 from gradmerge import cli
@@ -194,3 +221,18 @@ def test_estimator_option_errors_say_the_flag(capsys):
         "gradmerge curvature: error: --mc-samples must be a positive integer (labels drawn per "
         "example for --fisher mc), got 0"
     )
+
+
+def test_the_text_flags_are_the_declared_text_options():
+    """``--text-field`` ... ``--max-examples`` are the declared fields of ``TextOptions`` (a
+    refinement's ``text`` keys), with their defaults."""
+    from gradmerge.io.text_records import TextOptions
+    from gradmerge.settings import declared, default_of
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("curvature", "gradient", "evaluate"):
+        actions = {a.dest: a for a in sub.choices[command]._actions}
+        for name, s in declared(TextOptions).items():
+            assert s.flag in actions[name].option_strings, (command, name)
+            assert actions[name].default == default_of(TextOptions, name), (command, name)
