@@ -103,7 +103,8 @@ class MergeConfig(Options):
     )
     scale: float = setting(
         1.0,
-        "multiplies every α_t; for the data-free merges, the papers' α (θ_LLM + α·M).",
+        "multiplies every α_t; for the data-free merges, the papers' scaling factor "
+        "(their λ or α: θ_LLM + scale·M).",
         python="`alphas=[scale * α_t, ...]`",
     )
     damping: float = setting(
