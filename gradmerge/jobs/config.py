@@ -320,16 +320,18 @@ class Remerge:
     )
 
 
-READS: dict[methods.JobKind, tuple[type, ...]] = {
+READS: dict[methods.Command, tuple[type, ...]] = {
     "merge": (MergeConfig, ModelInput),
     "remove": (RemoveConfig, Remerge),
 }
 """The declarations each job's YAML files are read with (a merge's models are ModelInputs; a
 removal's ``method: remerge`` reads :class:`Remerge`)."""
 
-KEYS: dict[methods.JobKind, tuple[str, ...]] = {
-    job: tuple(dict.fromkeys(k for c in classes for k, s in declared(c).items() if s.per_method))
-    for job, classes in READS.items()
+KEYS: dict[methods.Command, tuple[str, ...]] = {
+    command: tuple(
+        dict.fromkeys(k for c in classes for k, s in declared(c).items() if s.per_method)
+    )
+    for command, classes in READS.items()
 }
 """The method-specific keys of each job (declared ``per_method``; a merge's ``curvature`` is
 each ``models[i]``'s): the registry's records say which of them each method needs."""
@@ -339,7 +341,7 @@ _WHAT_KEYS = {
 }
 
 
-def help_keys(job: methods.JobKind) -> str:
+def help_keys(command: methods.Command) -> str:
     """The keys of a job's YAML for ``--help``, from the declarations: each mapping's own keys
     in parentheses, ``models[]`` last.
 
@@ -348,12 +350,12 @@ def help_keys(job: methods.JobKind) -> str:
         ['method', 'base_model', 'prior (delta']
     """
     nested = {"solver": SolverSpec, "prior": CurvatureTerm, "remaining": CurvatureTerm}
-    top = READS[job][0]
+    top = READS[command][0]
     parts = []
     for key in ordered(top):
         inner = nested.get(key)
         parts.append(f"{key} ({', '.join(declared(inner))})" if inner else key)
-    if job == "merge":
+    if command == "merge":
         parts.append(f"models[] ({', '.join(declared(ModelInput))})")
     parts = [p for p in parts if p != "models"]
     return ", ".join(parts)
@@ -363,15 +365,15 @@ def _check_registry() -> None:
     """Every record names only method-specific keys of its job (on import: a wrong record
     fails at once, not in a user's run)."""
     for m in methods.REGISTRY:
-        unknown = set(m.keys) - set(KEYS[m.job])
+        unknown = set(m.keys) - set(KEYS[m.command])
         if unknown:
-            raise ArgumentError(f"{m.name}: keys {sorted(unknown)} are not keys of a {m.job}")
+            raise ArgumentError(f"{m.name}: keys {sorted(unknown)} are not keys of a {m.command}")
 
 
 _check_registry()
 
 
-def load(path: str | os.PathLike[str], job: methods.JobKind) -> MergeConfig | RemoveConfig:
+def load(path: str | os.PathLike[str], command: methods.Command) -> MergeConfig | RemoveConfig:
     """The configuration of ``gradmerge JOB`` at ``path``: a :class:`MergeConfig` or
     :class:`RemoveConfig`, or, for a method that runs as another job (``remerge``: its record's
     ``runs``), the configuration it runs (:func:`remerge_config`).
@@ -392,19 +394,19 @@ def load(path: str | os.PathLike[str], job: methods.JobKind) -> MergeConfig | Re
     """
     data, root = load_yaml(path)
     name = data.get("method") if isinstance(data, Mapping) else None
-    if name in methods.names(job) and methods.get(name).runs != job:
+    if name in methods.names(command) and methods.get(name).runs != command:
         return remerge_config(data, root=root, source=Path(path))
-    config = MergeConfig if job == "merge" else RemoveConfig
+    config = MergeConfig if command == "merge" else RemoveConfig
     return config.from_dict(data, root=root, source=Path(path))
 
 
-def _method(r: Reader, job: methods.JobKind) -> methods.MergeMethod:
-    """The record of the ``method`` named in ``r``, one of ``job``'s that runs as ``job``."""
-    spec = methods.get(r.choice("method", methods.names(job)))
-    if spec.runs != job:
+def _method(r: Reader, command: methods.Command) -> methods.MergeMethod:
+    """The record of the ``method`` named in ``r``, one of ``command``'s that runs as ``command``."""
+    spec = methods.get(r.choice("method", methods.names(command)))
+    if spec.runs != command:
         raise ConfigError(
             f"method {spec.name} runs as a {spec.runs} of the tasks that stay: read it with "
-            f"gradmerge.jobs.config.load(path, {job!r}) (`gradmerge {job}` does)"
+            f"gradmerge.jobs.config.load(path, {command!r}) (`gradmerge {command}` does)"
         )
     return spec
 
@@ -422,7 +424,7 @@ def _read_declared(
     method's own ``max_relative_step``). Unknown keys are refused first, naming the allowed
     ones. ``models`` is left to the caller."""
     own = declared(cls)
-    siblings = [k for k in KEYS[spec.job] if k not in own and _top_level(cls, k, spec.job)]
+    siblings = [k for k in KEYS[spec.command] if k not in own and _top_level(cls, k, spec.command)]
     r.allow(*ordered(cls), *siblings)
     values: dict[str, Any] = {}
     for key in siblings:
@@ -446,12 +448,12 @@ def _read_declared(
     return values
 
 
-def _top_level(cls: Any, key: str, job: methods.JobKind) -> bool:
-    """Whether ``key`` (a method-specific key of ``job``) is read at ``cls``'s level: a key of
+def _top_level(cls: Any, key: str, command: methods.Command) -> bool:
+    """Whether ``key`` (a method-specific key of ``command``) is read at ``cls``'s level: a key of
     a sibling top-level declaration (a removal's ``merge`` beside ``model``), not a nested one
     (a merge's ``models[i].curvature``)."""
     return cls is not ModelInput and any(
-        key in declared(c) for c in READS[job] if c is not ModelInput
+        key in declared(c) for c in READS[command] if c is not ModelInput
     )
 
 
@@ -459,7 +461,7 @@ def _refused(key: str, s: Setting, spec: methods.MergeMethod) -> str | None:
     """Why ``spec`` refuses setting ``key`` (None: it may be given)."""
     if s.per_method and spec.need(key) == "forbidden":
         return spec.refusal(key, s.what)
-    if s.requires in KEYS[spec.job] and s.requires not in spec.uses:
+    if s.requires in KEYS[spec.command] and s.requires not in spec.uses:
         return f"it goes with `{s.requires}`, which {spec.name} does not use"
     return None
 
@@ -488,7 +490,7 @@ def remerge_config(
     """
     r = Reader(data, "the remove config", Path(root), True)
     spec = methods.get(
-        r.choice("method", tuple(m.name for m in methods.REGISTRY if m.runs != m.job))
+        r.choice("method", tuple(m.name for m in methods.REGISTRY if m.runs != m.command))
     )
     values = _read_declared(r, Remerge, spec)
     merge_path = values["merge"]

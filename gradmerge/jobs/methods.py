@@ -3,16 +3,16 @@ r"""The merge and removal methods of the YAML jobs: one :class:`MergeMethod` rec
 A record says everything the jobs know about a method, so that adding a method means adding one
 record here and its rule in :mod:`gradmerge.jobs.rules`:
 
-- ``name`` and ``job``: the YAML ``method:`` value and the command that runs it (``merge``,
+- ``name`` and ``command``: the YAML ``method:`` value and the command that runs it (``merge``,
   ``remove``);
 - ``keys``: which of the method-specific YAML keys it requires, allows or refuses (the settings
   declared ``per_method`` in :mod:`gradmerge.jobs.config`, :data:`~gradmerge.jobs.config.KEYS`,
   which reads them from here and checks every record against them on import);
-- ``runs``: the job its configuration becomes, when not its own (``remerge``, a removal that
+- ``runs``: the command its configuration runs as, when not its own (``remerge``, a removal that
   is a merge of the tasks that stay: :func:`gradmerge.jobs.config.load` reads it);
 - ``coverage``: which tensors need a curvature (the plan, :data:`gradmerge.jobs.plan.Coverage`);
 - ``rule``: the function of :mod:`gradmerge.jobs.rules` the engine calls on every unit (none
-  for a method that runs as another job's method);
+  for a method that runs as another command's method);
 - ``system`` and ``damping_key``: the linear system the dry run checks on a unit
   (:mod:`gradmerge.jobs.conditioning`), built from that unit's curvature terms
   (:class:`SystemInputs`), and the YAML key that damps it; ``None`` for a method whose system
@@ -53,7 +53,7 @@ from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 from gradmerge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 
 Need = Literal["required", "optional", "forbidden"]
-JobKind = Literal["merge", "remove"]
+Command = Literal["merge", "remove"]
 """Which command a method serves: ``gradmerge merge`` or ``gradmerge remove`` (the running job
 itself is :class:`gradmerge.jobs.job.Job`)."""
 
@@ -83,7 +83,7 @@ class MergeMethod:
     """One merge or removal method of the YAML jobs (module docstring)."""
 
     name: str
-    job: JobKind
+    command: Command
     summary: str
     keys: Mapping[str, Need]
     rule: rules.MergeRule | rules.RemoveRule | None
@@ -92,14 +92,14 @@ class MergeMethod:
     damping_key: str | None = None
     hint: str = ""
     max_relative_step: float | None = None
-    runs: JobKind | None = None
+    runs: Command | None = None
     rowwise: bool = False
     uses: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         uses = frozenset(k for k, need in self.keys.items() if need != "forbidden")
         object.__setattr__(self, "uses", uses)
-        object.__setattr__(self, "runs", self.runs or self.job)
+        object.__setattr__(self, "runs", self.runs or self.command)
 
     def need(self, key: str) -> Need:
         """Whether the method requires, allows or refuses the method-specific ``key``."""
@@ -107,8 +107,8 @@ class MergeMethod:
 
     def refusal(self, key: str, what: str = "") -> str:
         """Why ``key`` (``what`` it holds, for the message) is refused by this method: which
-        methods of its job use it instead."""
-        users = [m.name for m in methods(self.job) if key in m.uses]
+        methods of its command use it instead."""
+        users = [m.name for m in methods(self.command) if key in m.uses]
         listed = " and ".join(filter(None, [", ".join(users[:-1]), *users[-1:]]))
         why = f"{what or f'`{key}`'} is for {listed or 'no method'}"
         if key == "damping" and self.damping_key is not None:
@@ -268,14 +268,14 @@ REGISTRY: tuple[MergeMethod, ...] = (
 _BY_NAME = {m.name: m for m in REGISTRY}
 
 
-def methods(job: JobKind) -> tuple[MergeMethod, ...]:
-    """The methods of one job, in registry order."""
-    return tuple(m for m in REGISTRY if m.job == job)
+def methods(command: Command) -> tuple[MergeMethod, ...]:
+    """The methods of one command, in registry order."""
+    return tuple(m for m in REGISTRY if m.command == command)
 
 
-def names(job: JobKind) -> tuple[str, ...]:
-    """The ``method:`` values one job accepts."""
-    return tuple(m.name for m in methods(job))
+def names(command: Command) -> tuple[str, ...]:
+    """The ``method:`` values one command accepts."""
+    return tuple(m.name for m in methods(command))
 
 
 def get(name: str) -> MergeMethod:
@@ -293,10 +293,10 @@ def get(name: str) -> MergeMethod:
     return method
 
 
-def help_table(job: JobKind, indent: int = 2, width: int = 19) -> str:
+def help_table(command: Command, indent: int = 2, width: int = 19) -> str:
     """The ``methods:`` lines of a command's help: each name and its summary."""
     lines = []
-    for m in methods(job):
+    for m in methods(command):
         first, *rest = m.summary.splitlines()
         lines.append(f"{' ' * indent}{m.name:<{width}}{first}")
         lines += [f"{' ' * (indent + width)}{line}" for line in rest]

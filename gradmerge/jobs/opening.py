@@ -383,7 +383,7 @@ def _term_precision(
     device: torch.device,
     dtype: torch.dtype | None,
     rows: slice | None = None,
-) -> rules.Precision | None:
+) -> rules.CurvatureTerm | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts; ``rows``: as
     :func:`_restrict`)."""
     if term is None:

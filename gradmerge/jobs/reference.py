@@ -48,15 +48,15 @@ def tables() -> dict[str, str]:
     }
 
 
-def _table(cls: Any, keys: list[str], job: methods.JobKind | None) -> str:
+def _table(cls: Any, keys: list[str], command: methods.Command | None) -> str:
     settings = declared(cls)
-    head = ["key", *(["methods"] if job else []), "default", "meaning"]
+    head = ["key", *(["methods"] if command else []), "default", "meaning"]
     rows = [_row(head), _row(["---"] * len(head))]
     for key in keys:
         s = settings[key]
         cells = [f"`{key}`"]
-        if job:
-            cells.append(_methods(key, s, job))
+        if command:
+            cells.append(_methods(key, s, command))
         cells += [_default(cls, key, s), _meaning(s)]
         rows.append(_row(cells))
     return "\n".join(rows) + "\n"
@@ -66,18 +66,18 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _methods(key: str, s: Setting, job: methods.JobKind) -> str:
-    """Which methods of ``job`` require or allow the key ("all": every method reads it)."""
+def _methods(key: str, s: Setting, command: methods.Command) -> str:
+    """Which methods of ``command`` require or allow the key ("all": every method reads it)."""
     if key == "method":
         return "—"
-    per_method = _per_method(job)
+    per_method = _per_method(command)
     if s.requires in per_method:
-        users = [f"`{m.name}`" for m in methods.methods(job) if s.requires in m.uses]
+        users = [f"`{m.name}`" for m in methods.methods(command) if s.requires in m.uses]
         return f"with `{s.requires}`: {', '.join(users)}"
     if not s.per_method:
         return "all"
     found = {
-        need: [f"`{m.name}`" for m in methods.methods(job) if m.need(key) == need]
+        need: [f"`{m.name}`" for m in methods.methods(command) if m.need(key) == need]
         for need in ("required", "optional")
     }
     parts = []
@@ -88,10 +88,10 @@ def _methods(key: str, s: Setting, job: methods.JobKind) -> str:
     return "; ".join(parts) + "; refused by the others"
 
 
-def _per_method(job: methods.JobKind) -> set[str]:
+def _per_method(command: methods.Command) -> set[str]:
     from gradmerge.jobs.config import KEYS
 
-    return set(KEYS[job])
+    return set(KEYS[command])
 
 
 def _default(cls: Any, key: str, s: Setting) -> str:

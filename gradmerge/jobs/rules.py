@@ -27,13 +27,13 @@ from gradmerge.solvers.kronecker import eye_like
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
 
-Precision = Curvature | float
+CurvatureTerm = Curvature | float
 
 Solved = tuple[dict[str, Tensor], Solution | None]
 """A rule's result: the unit's tensors, and the report of its solve (``None``: none ran)."""
 
 
-def precision(delta: float, scale: float, curvature: Curvature | None) -> Precision:
+def precision(delta: float, scale: float, curvature: Curvature | None) -> CurvatureTerm:
     """δ·I + scale·C (a prior H_0 or a remaining curvature H̄_\\t); δ alone without a curvature.
 
     A diagonal C gives :meth:`Diagonal.shifted` (the same values, formed only where used: the
@@ -60,7 +60,7 @@ class MergeUnit:
     finetuned: Sequence[Params]
     curvatures: Sequence[Curvature | None]
     alphas: Sequence[float]
-    prior: Precision | None = None
+    prior: CurvatureTerm | None = None
     damping: float = 0.0
     kernel: Kernel | None = None
     off_diagonal: float = merge.REGMEAN_OFF_DIAGONAL
@@ -94,11 +94,11 @@ class RemoveUnit:
     H_t, the prior H_0 and the gradient ∇ℓ̄_t(θ_LLM)."""
 
     base: Params
-    remaining: Precision
+    remaining: CurvatureTerm
     alpha: float
     finetuned: Params | None = None
     curvature: Curvature | None = None
-    prior: Precision | None = None
+    prior: CurvatureTerm | None = None
     gradient: Params | None = None
     solver: SolverSpec | None = None
 

@@ -1,0 +1,40 @@
+"""One meaning per name: the names that meant two things were split, and the old ones are gone.
+
+- α is a model's own weight (``models[].alpha``, ``alphas=``); the factor on every α_t is
+  ``scale``, and ``gradmerge tune`` grids it with ``--scales`` (``--alphas`` is refused:
+  proofs_tests/reliability/test_tune_arguments.py);
+- the prior or remaining term a streamed rule takes (a curvature, or a float δ for δ·I) is
+  ``gradmerge.jobs.rules.CurvatureTerm``; the prior precision the closed-form testbed takes (a
+  number, a diagonal or a matrix) is ``gradmerge.theory.problems.PrecisionLike``;
+- the running job is :class:`gradmerge.jobs.job.Job`; the command a method serves
+  (``merge``/``remove``) is :data:`gradmerge.jobs.methods.Command`, ``MergeMethod.command``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import get_args
+
+import torch
+
+from gradmerge.curvature import Curvature
+from gradmerge.jobs import job, methods, rules
+from gradmerge.theory import problems
+
+
+def test_the_two_precision_aliases_have_their_own_names():
+    assert not hasattr(rules, "Precision") and not hasattr(problems, "Precision")
+    assert set(get_args(rules.CurvatureTerm)) == {Curvature, float}
+    assert set(get_args(problems.PrecisionLike)) == {float, int, torch.Tensor}
+    eye = problems.precision_matrix(2.0, 3)  # δ = 2 as a PrecisionLike: 2·I
+    assert torch.equal(eye, 2.0 * torch.eye(3, dtype=torch.float64))
+
+
+def test_a_methods_command_is_not_called_job():
+    assert get_args(methods.Command) == ("merge", "remove")
+    assert not hasattr(methods, "JobKind")
+    names = {f.name for f in fields(methods.MergeMethod)}
+    assert "command" in names and "job" not in names
+    assert {m.command for m in methods.REGISTRY} == {"merge", "remove"}
+    assert {m.runs for m in methods.REGISTRY} <= set(get_args(methods.Command))
+    assert isinstance(job.Job, type)  # the running job keeps the name
