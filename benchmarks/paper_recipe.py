@@ -419,7 +419,7 @@ def tune_call(
         )
     base = ["--base-data", base_data] if plus else []
     grid = ",".join(f"{a:g}" for a in alphas)
-    return ("tune", config, *datas, *base, "--alphas", grid, "--criterion", name,
+    return ("tune", config, *datas, *base, "--scales", grid, "--criterion", name,
             "--max-length", str(max_length), "--max-examples", str(max_examples), *extra,
             "--out", report, "--overwrite", "--no-progress")  # fmt: skip
 

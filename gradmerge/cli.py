@@ -12,7 +12,7 @@ gradmerge materialize ADAPTER OUT   a LoRA adapter as a full model folder, for o
 gradmerge evaluate MODEL... DATA    accuracy and mean loss of models on labelled data (JSON)
 gradmerge evaluate MODEL... --data DATA... --compare REF   several files; differences to REF with
                                     paired-bootstrap intervals, per file and mean over files
-gradmerge tune CONFIG DATA...       choose α (and δ) on the tasks' training data, no test labels
+gradmerge tune CONFIG DATA...       choose scale (and δ) on the tasks' training data, no test labels
 gradmerge demo [--out DIR]          merge and un-merge MLPs on real data: table, JSON, plots
 """
 

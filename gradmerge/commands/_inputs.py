@@ -38,6 +38,38 @@ DATA_HELP = (
 )
 
 
+class Renamed(argparse.Action):
+    """A flag that was renamed: refused, whatever it holds, with one argparse line naming the new
+    flag (exit 2), e.g. ``gradmerge tune: error: --alphas was renamed --scales (...)``. Hidden
+    from ``--help``; its value, if any, is swallowed so the error is about the name.
+
+    Example:
+        >>> p = argparse.ArgumentParser(prog="tune")
+        >>> _ = p.add_argument("--alphas", action=Renamed, new="--scales", example="0.5,1")
+        >>> p.parse_args(["--alphas", "0.5,1"])  # doctest: +SKIP
+        usage: tune [-h]
+        tune: error: --alphas was renamed --scales: give --scales 0.5,1
+    """
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, *, new: str, example: str, **kw: Any
+    ) -> None:
+        self.new, self.example = new, example
+        kw.update(nargs="?", help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} was renamed {self.new}: give {self.new} {values or self.example}"
+        )
+
+
 def add_source_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
     """MODEL, DATA, OUT and the flags that say how to read them (:func:`add_reading_arguments`)."""
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)

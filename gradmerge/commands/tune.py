@@ -1,4 +1,5 @@
-"""``gradmerge tune CONFIG DATA [DATA ...] --alphas GRID``: choose α (and δ) without test labels.
+"""``gradmerge tune CONFIG DATA [DATA ...] --scales GRID``: choose the scale (and δ) without test
+labels.
 
 What it does is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this docstring,
 so that the help survives ``python -OO``); the grid and the criteria are :mod:`gradmerge.jobs.tune`.
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradmerge.commands._inputs import (
     DATA_HELP,
+    Renamed,
     add_autocast_argument,
     add_reading_arguments,
     autocast_dtype,
@@ -34,7 +36,7 @@ they are the same)."""
 FORMAT = "gradmerge-tune/1"
 DESCRIPTION = """\
 Runs the merge of CONFIG (a gradmerge merge YAML file, any method) once per point of the grid
---alphas × --deltas × --prior-scales and scores each merged model on the tasks' own
+--scales × --deltas × --prior-scales and scores each merged model on the tasks' own
 TRAINING data — DATA, one file per model of CONFIG, in the order of its models: — read as
 gradmerge curvature reads data (the same flags). No test or validation label is read; the
 training data's labels are. --base-data DATA adds the base model's own training data (the task
@@ -47,10 +49,10 @@ criterion is chosen (gradmerge.jobs.tune):
 - --criterion mismatch (a diagnostic, warns): Σ_t ‖∇ℓ̄_t(θ) − ∇ℓ̄_t(θ_t)‖₂ / N_t, Eq. 2's
   gradient mismatch of the mean gradients, ∇ℓ̄_t(θ_t) taken at the fine-tuned model θ_t of CONFIG
   (at base_model for the base task; one more backward pass per task and point). It measures how
-  far the merge is from each fine-tune, so it prefers the point nearest to them (α = 1/T for
-  tasks alike) whatever the data say: docs/guide.md, "Choosing α without labels".
+  far the merge is from each fine-tune, so it prefers the point nearest to them (scale = 1/T
+  for tasks alike) whatever the data say: docs/guide.md, "Choosing the scale without labels".
 
---alphas sets CONFIG's scale (every α_t becomes scale·α_t); --deltas and
+--scales sets CONFIG's scale (every model's α_t becomes scale·α_t); --deltas and
 --prior-scales set gradient matching's prior: {delta, scale}. A table goes to stdout (per point
 the criterion and each task's term); --out FILE writes the JSON (the chosen setting, whether it
 is at the grid's edge, and per point the criterion and every task's term, training loss and
@@ -65,20 +67,20 @@ heads are not merged).
 """
 EXAMPLES = """\
 examples:
-  # task arithmetic: α from a grid, by the training loss of the tasks and of the base's own task
+  # task arithmetic: the scale from a grid, by the training loss of the tasks and of the base's own task
   gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --base-data train_base.jsonl \\
-      --alphas 0.2,0.4,0.6,0.8,1.0,1.5 --max-examples 500 --out ta_tune.json --out-dir merged-ta-tuned
-  # gradient matching: α × δ
+      --scales 0.2,0.4,0.6,0.8,1.0,1.5 --max-examples 500 --out ta_tune.json --out-dir merged-ta-tuned
+  # gradient matching: scale × δ
   gradmerge tune gm.yaml train_a.jsonl train_b.jsonl --base-data train_base.jsonl \\
-      --alphas 0.5,1 --deltas 1e-4,1e-2,1 --out gm_tune.json
+      --scales 0.5,1 --deltas 1e-4,1e-2,1 --out gm_tune.json
   # tasks with their own classifier heads over one merged encoder
-  gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --alphas 0.3,0.6,1 --task-heads 'classifier.*'
+  gradmerge tune ta.yaml train_a.jsonl train_b.jsonl --scales 0.3,0.6,1 --task-heads 'classifier.*'
 """
 
 
 def grid(text: str) -> list[float]:
     """A comma-separated list of finite numbers ≥ 0 (``0.2,0.5,1``; ``1e-3`` notation allowed),
-    the values every grid of tune takes (α's scale, δ, the prior's scale); else an argparse
+    the values every grid of tune takes (the scale, δ, the prior's scale); else an argparse
     error (exit 2), as for text that is no number.
 
     Example:
@@ -168,7 +170,7 @@ def add_parser(sub: Any) -> None:
     """Register ``gradmerge tune``."""
     p = sub.add_parser(
         "tune",
-        help="choose α (and δ) of a merge on the tasks' training data, without test labels",
+        help="choose the scale (and δ) of a merge on the tasks' training data, without test labels",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
@@ -181,12 +183,13 @@ def add_parser(sub: Any) -> None:
         help=f"each model's training data, in CONFIG's order: {DATA_HELP}",
     )
     p.add_argument(
-        "--alphas",
+        "--scales",
         type=grid,
         required=True,
         metavar="GRID",
-        help="values of CONFIG's scale (every α_t is multiplied by it), e.g. 0.2,0.5,1",
+        help="values of CONFIG's scale (every model's α_t is multiplied by it), e.g. 0.2,0.5,1",
     )
+    p.add_argument("--alphas", action=Renamed, new="--scales", example="0.2,0.5,1")
     p.add_argument(
         "--deltas", type=grid, default=None, metavar="GRID", help="values of prior.delta"
     )
@@ -305,7 +308,7 @@ def validate(args: argparse.Namespace, config: Any) -> list[Any]:
             f"{len(args.validation)} --validation DATA were given: one per model, in order"
         )
     task_lengths(args)
-    return settings(config, scales=args.alphas, deltas=args.deltas, prior_scales=args.prior_scales)
+    return settings(config, scales=args.scales, deltas=args.deltas, prior_scales=args.prior_scales)
 
 
 def writes(args: argparse.Namespace) -> Writes:

@@ -51,7 +51,7 @@ from gradmerge.jobs.options import Options, ordered
 from gradmerge.jobs.setting_values import read_one
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.methods import iso_cts, registry, regmean
-from gradmerge.methods.base import JobKind, MergeMethod
+from gradmerge.methods.base import Command, MergeMethod
 from gradmerge.settings import REQUIRED, Setting, declared, default_of, setting
 from gradmerge.solvers.spec import SolverSpec
 
@@ -284,14 +284,14 @@ class Remerge:
     )
 
 
-READS: dict[JobKind, tuple[type, ...]] = {
+READS: dict[Command, tuple[type, ...]] = {
     "merge": (MergeConfig, ModelInput),
     "remove": (RemoveConfig, Remerge),
 }
 """The declarations each job's YAML files are read with (a merge's models are ModelInputs; a
 removal's ``method: remerge`` reads :class:`Remerge`)."""
 
-KEYS: dict[JobKind, tuple[str, ...]] = {
+KEYS: dict[Command, tuple[str, ...]] = {
     job: tuple(dict.fromkeys(k for c in classes for k, s in declared(c).items() if s.per_method))
     for job, classes in READS.items()
 }
@@ -303,7 +303,7 @@ _WHAT_KEYS = {
 }
 
 
-def help_keys(job: JobKind) -> str:
+def help_keys(job: Command) -> str:
     """The keys of a job's YAML for ``--help``, from the declarations: each mapping's own keys
     in parentheses, ``models[]`` last.
 
@@ -327,15 +327,15 @@ def _check_registry() -> None:
     """Every record names only method-specific keys of its job (on import: a wrong record
     fails at once, not in a user's run)."""
     for m in registry.REGISTRY:
-        unknown = set(m.keys) - set(KEYS[m.job])
+        unknown = set(m.keys) - set(KEYS[m.command])
         if unknown:
-            raise ArgumentError(f"{m.name}: keys {sorted(unknown)} are not keys of a {m.job}")
+            raise ArgumentError(f"{m.name}: keys {sorted(unknown)} are not keys of a {m.command}")
 
 
 _check_registry()
 
 
-def load(path: str | os.PathLike[str], job: JobKind) -> MergeConfig | RemoveConfig:
+def load(path: str | os.PathLike[str], job: Command) -> MergeConfig | RemoveConfig:
     """The configuration of ``gradmerge JOB`` at ``path``: a :class:`MergeConfig` or
     :class:`RemoveConfig`, or, for a method that runs as another job (``remerge``: its record's
     ``runs``), the configuration it runs (:func:`remerge_config`).
@@ -362,7 +362,7 @@ def load(path: str | os.PathLike[str], job: JobKind) -> MergeConfig | RemoveConf
     return config.from_dict(data, root=root, source=Path(path))
 
 
-def _method(r: Reader, job: JobKind) -> MergeMethod:
+def _method(r: Reader, job: Command) -> MergeMethod:
     """The record of the ``method`` named in ``r``, one of ``job``'s that runs as ``job``."""
     spec = registry.get(r.choice("method", registry.names(job)))
     if spec.runs != job:
@@ -386,7 +386,7 @@ def _read_declared(
     method's own ``max_relative_step``). Unknown keys are refused first, naming the allowed
     ones. ``models`` is left to the caller."""
     own = declared(cls)
-    siblings = [k for k in KEYS[spec.job] if k not in own and _top_level(cls, k, spec.job)]
+    siblings = [k for k in KEYS[spec.command] if k not in own and _top_level(cls, k, spec.command)]
     r.allow(*ordered(cls), *siblings)
     values: dict[str, Any] = {}
     for key in siblings:
@@ -410,7 +410,7 @@ def _read_declared(
     return values
 
 
-def _top_level(cls: Any, key: str, job: JobKind) -> bool:
+def _top_level(cls: Any, key: str, job: Command) -> bool:
     """Whether ``key`` (a method-specific key of ``job``) is read at ``cls``'s level: a key of
     a sibling top-level declaration (a removal's ``merge`` beside ``model``), not a nested one
     (a merge's ``models[i].curvature``)."""
@@ -423,7 +423,7 @@ def _refused(key: str, s: Setting, spec: MergeMethod) -> str | None:
     """Why ``spec`` refuses setting ``key`` (None: it may be given)."""
     if s.per_method and spec.need(key) == "forbidden":
         return registry.refusal(spec, key, s.what)
-    if s.requires in KEYS[spec.job] and s.requires not in spec.uses:
+    if s.requires in KEYS[spec.command] and s.requires not in spec.uses:
         return f"it goes with `{s.requires}`, which {spec.name} does not use"
     return None
 
@@ -452,7 +452,7 @@ def remerge_config(
     """
     r = Reader(data, "the remove config", Path(root), True)
     spec = registry.get(
-        r.choice("method", tuple(m.name for m in registry.REGISTRY if m.runs != m.job))
+        r.choice("method", tuple(m.name for m in registry.REGISTRY if m.runs != m.command))
     )
     values = _read_declared(r, Remerge, spec)
     merge_path = values["merge"]

@@ -44,12 +44,12 @@ from gradmerge.jobs.job import Job
 from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.kernels import select
+from gradmerge.merge.inputs import CurvatureLike
 from gradmerge.merge.spectral import iso_cts_split
 from gradmerge.methods import registry
 from gradmerge.methods.base import (
     MergeRule,
     MergeUnit,
-    Precision,
     RemoveRule,
     RemoveUnit,
     precision,
@@ -392,7 +392,7 @@ def _term_precision(
     device: torch.device,
     dtype: torch.dtype | None,
     rows: slice | None = None,
-) -> Precision | None:
+) -> CurvatureLike | None:
     """δ·I + scale·ΣC of a term on one unit (the sum of its files' parts; ``rows``: as
     :func:`_restrict`)."""
     if term is None:

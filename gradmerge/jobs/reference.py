@@ -29,7 +29,7 @@ from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
 from gradmerge.jobs.options import Options, ordered
 from gradmerge.jobs.refine import RefineConfig, TaskInput
 from gradmerge.methods import registry
-from gradmerge.methods.base import JobKind
+from gradmerge.methods.base import Command
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
 from gradmerge.solvers.spec import SolverSpec
 
@@ -59,7 +59,7 @@ def tables() -> dict[str, str]:
     }
 
 
-def _table(cls: Any, keys: list[str], job: JobKind | None, *, flags: bool = False) -> str:
+def _table(cls: Any, keys: list[str], job: Command | None, *, flags: bool = False) -> str:
     """The rows of ``keys``: the key, the methods that use it (``job``), its command-line flag
     (``flags``), its default and its meaning."""
     settings = declared(cls)
@@ -82,7 +82,7 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _methods(key: str, s: Setting, job: JobKind) -> str:
+def _methods(key: str, s: Setting, job: Command) -> str:
     """Which methods of ``job`` require or allow the key ("all": every method reads it)."""
     if key == "method":
         return "—"
@@ -104,7 +104,7 @@ def _methods(key: str, s: Setting, job: JobKind) -> str:
     return "; ".join(parts) + "; refused by the others"
 
 
-def _per_method(job: JobKind) -> set[str]:
+def _per_method(job: Command) -> set[str]:
     from gradmerge.jobs.config import KEYS
 
     return set(KEYS[job])

@@ -1,4 +1,4 @@
-r"""Choosing a merge's α (and δ, or the prior's scale) without test labels: a grid search.
+r"""Choosing a merge's scale (and δ, or the prior's scale) without test labels: a grid search.
 
 A merge configuration (:class:`~gradmerge.jobs.config.MergeConfig`) is run once per SETTING of a
 grid — the ``scale`` s that multiplies every α_t, and for gradient matching the prior's δ and the
@@ -18,7 +18,7 @@ task weighted alike:
   / N_t, Eq. 2's gradient mismatch per task (ℓ̄_t a SUM over the N_t examples of D_t, so each term
   is a mismatch of MEAN gradients), the base task's against θ_LLM.
 
-Why ``mismatch`` does not choose α (docs/guide.md, "Choosing α without labels"). On quadratic
+Why ``mismatch`` does not choose the scale (docs/guide.md, "Choosing the scale without labels"). On quadratic
 losses a task's term is ‖Ā_t(θ − θ_t)‖, the distance of θ to that task's fine-tune: J is least
 where θ is nearest to all the fine-tunes at once, whatever the data say beyond them. Take every
 task and the base with mean Hessian aI, N_0 base examples and N_t per task, r = N_0/N_t, and the
@@ -53,8 +53,8 @@ Example:
 
 References:
     Daheim et al., "Model Merging by Uncertainty-Based Gradient Matching", ICLR 2024 (Eq. 2 and
-    Eq. 6); Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023 (α chosen on held-out
-    data, which this replaces by the tasks' training data).
+    Eq. 6); Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023 (their λ, the
+    ``scale`` here, chosen on held-out data, which this replaces by the tasks' training data).
 """
 
 from __future__ import annotations
@@ -87,13 +87,13 @@ CRITERIA = ("loss", "mismatch")
 DIAGNOSTIC_ONLY = {
     "mismatch": "--criterion mismatch is a diagnostic, not a way to choose: Eq. 2's gradient "
     "mismatch measures how far the merge is from each fine-tune, so it prefers the point nearest "
-    "to them (α = 1/T for tasks alike) whatever the data say, and chose the grid's lowest α where "
-    "tasks interfere; choose with --criterion loss and --base-data (the base model's own "
+    "to them (scale = 1/T for tasks alike) whatever the data say, and chose the grid's lowest "
+    "scale where tasks interfere; choose with --criterion loss and --base-data (the base model's own "
     "training data)"
 }
 """The criteria kept to report, not to choose, each with the warning `gradmerge tune` prints."""
 
-AXES = {"scale": "--alphas", "delta": "--deltas", "prior_scale": "--prior-scales"}
+AXES = {"scale": "--scales", "delta": "--deltas", "prior_scale": "--prior-scales"}
 """The grid's axes (attributes of :class:`Setting`) and the flags of `gradmerge tune` that set them."""
 
 
@@ -250,7 +250,7 @@ def grid_edges(
     Example:
         >>> grid = [Setting(0.3), Setting(0.6), Setting(1.0)]
         >>> grid_edges(grid, [1.0, 2.0, None], 0)
-        [{'axis': 'scale', 'side': 'lowest', 'value': 0.3, 'flag': '--alphas'}]
+        [{'axis': 'scale', 'side': 'lowest', 'value': 0.3, 'flag': '--scales'}]
         >>> grid_edges(grid, [2.0, 1.0, 3.0], 1)
         []
     """

@@ -6,7 +6,7 @@ A method is one module of :mod:`gradmerge.methods` holding its streamed rule and
 ``METHOD``; :mod:`gradmerge.methods.registry` lists them. The record says everything the jobs
 know about a method:
 
-- ``name`` and ``job``: the YAML ``method:`` value and the command that runs it (``merge``,
+- ``name`` and ``command``: the YAML ``method:`` value and the command that runs it (``merge``,
   ``remove``);
 - ``keys``: which of the method-specific YAML keys it requires, allows or refuses (the settings
   declared ``per_method`` in :mod:`gradmerge.jobs.config`, :data:`~gradmerge.jobs.config.KEYS`,
@@ -60,12 +60,13 @@ from gradmerge.curvature import Curvature, Diagonal
 from gradmerge.elementwise.matching import Kernel
 from gradmerge.errors import StructureError
 from gradmerge.merge import spectral
+from gradmerge.merge.inputs import CurvatureLike
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import SolverSpec
 
 Need = Literal["required", "optional", "forbidden"]
-JobKind = Literal["merge", "remove"]
+Command = Literal["merge", "remove"]
 """Which command a method serves: ``gradmerge merge`` or ``gradmerge remove`` (the running job
 itself is :class:`gradmerge.jobs.job.Job`)."""
 
@@ -74,13 +75,11 @@ Coverage = Literal["all", "kfac", "none"]
 structure (``kfac``: RegMean, the rest averaged), or ``none`` (the plan,
 :func:`gradmerge.jobs.plan.build_plan`, checks it before any tensor is read)."""
 
-Precision = Curvature | float
-
 Solved = tuple[dict[str, Tensor], Solution | None]
 """A rule's result: the unit's tensors, and the report of its solve (``None``: none ran)."""
 
 
-def precision(delta: float, scale: float, curvature: Curvature | None) -> Precision:
+def precision(delta: float, scale: float, curvature: Curvature | None) -> CurvatureLike:
     """δ·I + scale·C (a prior H_0 or a remaining curvature H̄_\\t); δ alone without a curvature.
 
     A diagonal C gives :meth:`Diagonal.shifted` (the same values, formed only where used: the
@@ -107,7 +106,7 @@ class MergeUnit:
     finetuned: Sequence[Params]
     curvatures: Sequence[Curvature | None]
     alphas: Sequence[float]
-    prior: Precision | None = None
+    prior: CurvatureLike | None = None
     damping: float = 0.0
     kernel: Kernel | None = None
     off_diagonal: float = merge.REGMEAN_OFF_DIAGONAL
@@ -141,11 +140,11 @@ class RemoveUnit:
     H_t, the prior H_0 and the gradient ∇ℓ̄_t(θ_LLM)."""
 
     base: Params
-    remaining: Precision
+    remaining: CurvatureLike
     alpha: float
     finetuned: Params | None = None
     curvature: Curvature | None = None
-    prior: Precision | None = None
+    prior: CurvatureLike | None = None
     gradient: Params | None = None
     solver: SolverSpec | None = None
 
@@ -199,7 +198,7 @@ class MergeMethod:
     """One merge or removal method of the YAML jobs (module docstring)."""
 
     name: str
-    job: JobKind
+    command: Command
     summary: str
     keys: Mapping[str, Need]
     rule: MergeRule | RemoveRule | None
@@ -209,14 +208,14 @@ class MergeMethod:
     damping_key: str | None = None
     hint: str = ""
     max_relative_step: float | None = None
-    runs: JobKind | None = None
+    runs: Command | None = None
     rowwise: bool = False
     uses: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         uses = frozenset(k for k, need in self.keys.items() if need != "forbidden")
         object.__setattr__(self, "uses", uses)
-        object.__setattr__(self, "runs", self.runs or self.job)
+        object.__setattr__(self, "runs", self.runs or self.command)
 
     def need(self, key: str) -> Need:
         """Whether the method requires, allows or refuses the method-specific ``key``."""

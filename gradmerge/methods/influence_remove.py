@@ -4,7 +4,7 @@ It needs only the gradient ∇ℓ̄_t(θ_LLM) of the data to remove (``gradient:
 and the remaining curvature H̄_\\t; its default ``max_relative_step`` is 1 (× ‖θ_LLM‖).
 
 Example:
-    >>> METHOD.job, METHOD.max_relative_step, sorted(METHOD.uses)
+    >>> METHOD.command, METHOD.max_relative_step, sorted(METHOD.uses)
     ('remove', 1.0, ['gradient'])
 """
 

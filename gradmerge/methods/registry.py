@@ -31,7 +31,7 @@ from gradmerge.methods import (
     task_arithmetic,
     tsv_merge,
 )
-from gradmerge.methods.base import JobKind, MergeMethod
+from gradmerge.methods.base import Command, MergeMethod
 
 REGISTRY: tuple[MergeMethod, ...] = (
     task_arithmetic.METHOD,
@@ -50,12 +50,12 @@ REGISTRY: tuple[MergeMethod, ...] = (
 _BY_NAME = {m.name: m for m in REGISTRY}
 
 
-def methods(job: JobKind) -> tuple[MergeMethod, ...]:
+def methods(job: Command) -> tuple[MergeMethod, ...]:
     """The methods of one job, in registry order."""
-    return tuple(m for m in REGISTRY if m.job == job)
+    return tuple(m for m in REGISTRY if m.command == job)
 
 
-def names(job: JobKind) -> tuple[str, ...]:
+def names(job: Command) -> tuple[str, ...]:
     """The ``method:`` values one job accepts."""
     return tuple(m.name for m in methods(job))
 
@@ -78,7 +78,7 @@ def get(name: str) -> MergeMethod:
 def refusal(method: MergeMethod, key: str, what: str = "") -> str:
     """Why ``key`` (``what`` it holds, for the message) is refused by ``method``: which methods
     of its job use it instead."""
-    users = [m.name for m in methods(method.job) if key in m.uses]
+    users = [m.name for m in methods(method.command) if key in m.uses]
     listed = " and ".join(filter(None, [", ".join(users[:-1]), *users[-1:]]))
     why = f"{what or f'`{key}`'} is for {listed or 'no method'}"
     if key == "damping" and method.damping_key is not None:
@@ -86,7 +86,7 @@ def refusal(method: MergeMethod, key: str, what: str = "") -> str:
     return why
 
 
-def help_table(job: JobKind, indent: int = 2, width: int = 19) -> str:
+def help_table(job: Command, indent: int = 2, width: int = 19) -> str:
     """The ``methods:`` lines of a command's help: each name and its summary."""
     lines = []
     for m in methods(job):
@@ -96,7 +96,7 @@ def help_table(job: JobKind, indent: int = 2, width: int = 19) -> str:
     return "\n".join(lines)
 
 
-def docs_list(job: JobKind) -> str:
+def docs_list(job: Command) -> str:
     """The methods of ``job`` as docs/config.md lists them: one Markdown line each, from the
     records' ``docs``."""
     return "".join(f"- `{m.name}`: {m.docs}\n" for m in methods(job))

@@ -5,7 +5,7 @@ It has no rule of its own: its configuration becomes that merge's (``runs="merge
 :func:`gradmerge.jobs.config.remerge_config`), which runs with its method's rule.
 
 Example:
-    >>> METHOD.job, METHOD.runs, METHOD.rule is None
+    >>> METHOD.command, METHOD.runs, METHOD.rule is None
     ('remove', 'merge', True)
 """
 

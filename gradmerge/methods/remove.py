@@ -5,7 +5,7 @@ curvature H_t, the prior H_0 and the remaining curvature H̄_\\t (``remaining:``
 dry run checks). Its default ``max_relative_step`` is 100 (× ‖θ_t − θ_LLM‖).
 
 Example:
-    >>> METHOD.job, METHOD.max_relative_step, METHOD.damping_key
+    >>> METHOD.command, METHOD.max_relative_step, METHOD.damping_key
     ('remove', 100.0, 'remaining: {delta: ...}')
 """
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from gradmerge.theory.problems import (
     DTYPE,
-    Precision,
+    PrecisionLike,
     as_float64,
     cholesky_solve,
     feature_scales,
@@ -96,7 +96,7 @@ def hessian(
 def fit_weighted(
     datasets: Sequence[tuple[Tensor, Tensor, float]],
     *,
-    prior_precision: Precision,
+    prior_precision: PrecisionLike,
     prior_mean: Tensor | float | None = None,
 ) -> Tensor:
     """argmin_θ Σ_k w_k ½‖y_k − X_kθ‖² + ½‖θ − m‖²_P, in closed form.
@@ -130,7 +130,7 @@ def fit(
     X: Tensor,
     y: Tensor,
     *,
-    prior_precision: Precision,
+    prior_precision: PrecisionLike,
     prior_mean: Tensor | float | None = None,
     weight: float = 1.0,
 ) -> Tensor:

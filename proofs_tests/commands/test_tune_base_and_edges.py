@@ -63,7 +63,7 @@ def test_the_base_task_is_scored_like_the_others_and_reported_apart(
     held_out = [_write(tmp_path / f"{t}.val.jsonl", rows) for t, rows in HELD_OUT.items()]
     base_held_out = _write(tmp_path / "base.val.jsonl", BASE_HELD_OUT)
     out, scales = tmp_path / "tune.json", [0.0, 0.5, 1.0]
-    flags = ["--alphas", "0,0.5,1", "--base-data", base_data, "--out", out]
+    flags = ["--scales", "0,0.5,1", "--base-data", base_data, "--out", out]
     flags += ["--validation", held_out[0], "--validation", held_out[1]]
     assert _tune(setup, config, *flags, "--base-validation", base_held_out) == 0
     table = capsys.readouterr().out
@@ -103,7 +103,7 @@ def test_the_base_tasks_mismatch_is_against_the_base_model(
 ):
     config = _config(setup, "ta.yaml", "task_arithmetic")
     out = tmp_path / "mm.json"
-    flags = ["--alphas", "0.5", "--criterion", "mismatch", "--base-data", base_data, "--out", out]
+    flags = ["--scales", "0.5", "--criterion", "mismatch", "--base-data", base_data, "--out", out]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert _tune(setup, config, *flags) == 0
@@ -124,12 +124,12 @@ def test_a_choice_on_the_grids_edge_warns_and_is_recorded(setup, tmp_path, capsy
     config = _config(setup, "ta.yaml", "task_arithmetic")
     out = tmp_path / "edge.json"
     with pytest.warns(SelectionWarning) as caught:
-        assert _tune(setup, config, "--alphas", "0.5,1", "--out", out) == 0  # two points: an edge
+        assert _tune(setup, config, "--scales", "0.5,1", "--out", out) == 0  # two points: an edge
     report = json.loads(out.read_text())
     side = "lowest" if report["chosen_index"] == 0 else "highest"
     assert report["at_grid_edge"] is True
     assert report["grid_edges"] == [
-        {"axis": "scale", "side": side, "value": report["chosen"]["scale"], "flag": "--alphas"}
+        {"axis": "scale", "side": side, "value": report["chosen"]["scale"], "flag": "--scales"}
     ]
     (warning,) = caught
     assert str(warning.message).startswith(f"the chosen setting is at the {side} scale of the grid")
@@ -137,14 +137,14 @@ def test_a_choice_on_the_grids_edge_warns_and_is_recorded(setup, tmp_path, capsy
     # a one-point grid has no edge to speak of
     with warnings.catch_warnings():
         warnings.simplefilter("error", SelectionWarning)
-        assert _tune(setup, config, "--alphas", "1", "--out", tmp_path / "one.json") == 0
+        assert _tune(setup, config, "--scales", "1", "--out", tmp_path / "one.json") == 0
     assert json.loads((tmp_path / "one.json").read_text())["at_grid_edge"] is False
 
 
 def test_the_command_prints_each_warning_on_one_line(setup, tmp_path):  # noqa: F811
     config = _config(setup, "ta.yaml", "task_arithmetic")
     argv = [sys.executable, "-m", "gradmerge", "tune", str(config), str(setup / "a.jsonl")]
-    argv += [str(setup / "b.jsonl"), "--alphas", "0.5,1", "--criterion", "mismatch"]
+    argv += [str(setup / "b.jsonl"), "--scales", "0.5,1", "--criterion", "mismatch"]
     done = subprocess.run([*argv, "--no-progress"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "warning" in line]
@@ -175,7 +175,7 @@ def test_grid_edges_names_each_axis_whose_extreme_holds_the_choice(scales, delta
         return
     chosen = points.index(data.draw(st.sampled_from(scored)))
     expected = []
-    for axis, flag in (("scale", "--alphas"), ("delta", "--deltas")):
+    for axis, flag in (("scale", "--scales"), ("delta", "--deltas")):
         values = sorted({getattr(p, axis) for p in scored})
         value = getattr(points[chosen], axis)
         if len(values) >= 2 and value == values[-1]:

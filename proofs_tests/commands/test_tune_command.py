@@ -1,4 +1,4 @@
-"""`gradmerge tune CONFIG DATA... --alphas GRID`: the criterion against brute force, the choice.
+"""`gradmerge tune CONFIG DATA... --scales GRID`: the criterion against brute force, the choice.
 
 Tiny float64 BERT classifiers (proofs_tests/text_models.py): a base and two fine-tunes (a few
 Adam steps on their own training data). References, computed here without gradmerge's merge or
@@ -172,7 +172,7 @@ def test_the_training_loss_criterion_and_the_choice(setup, tmp_path):
     scales = [0.0, 0.5, 1.0, 1.5]
     out, merged = tmp_path / "tune.json", tmp_path / "chosen"
     grid = ",".join(map(str, scales))
-    assert _tune(setup, config, "--alphas", grid, "--out", out, "--out-dir", merged) == 0
+    assert _tune(setup, config, "--scales", grid, "--out", out, "--out-dir", merged) == 0
     report = _report(out)
     expected = []
     for point, scale in zip(report["points"], scales, strict=True):
@@ -222,9 +222,9 @@ def test_validation_data_are_reported_and_never_used_to_choose(setup, tmp_path):
     config = _config(setup, "ta.yaml", "task_arithmetic")
     scales = [0.0, 0.5, 1.0, 1.5]
     grid = ",".join(map(str, scales))
-    assert _tune(setup, config, "--alphas", grid, "--out", tmp_path / "plain.json") == 0
+    assert _tune(setup, config, "--scales", grid, "--out", tmp_path / "plain.json") == 0
     flags = ["--validation", tmp_path / "a.val.jsonl", "--validation", tmp_path / "b.val.jsonl"]
-    assert _tune(setup, config, "--alphas", grid, "--out", tmp_path / "v.json", *flags) == 0
+    assert _tune(setup, config, "--scales", grid, "--out", tmp_path / "v.json", *flags) == 0
     plain, report = _report(tmp_path / "plain.json"), _report(tmp_path / "v.json")
     assert report["chosen_index"] == plain["chosen_index"]  # the choice ignores them
     assert [p["criterion"] for p in report["points"]] == [p["criterion"] for p in plain["points"]]
@@ -241,10 +241,10 @@ def test_validation_data_are_reported_and_never_used_to_choose(setup, tmp_path):
     assert summary["regret"] == scores[best] - scores[report["chosen_index"]] >= 0
 
 
-def test_an_alpha_by_delta_grid_for_gradient_matching(setup, tmp_path):
+def test_a_scale_by_delta_grid_for_gradient_matching(setup, tmp_path):
     config = _config(setup, "gm.yaml", "gradient_matching", prior={"delta": 1.0})
     out = tmp_path / "gm.json"
-    assert _tune(setup, config, "--alphas", "0.5,1", "--deltas", "0.01,10", "--out", out) == 0
+    assert _tune(setup, config, "--scales", "0.5,1", "--deltas", "0.01,10", "--out", out) == 0
     report = _report(out)
     grid = [(0.5, 0.01), (0.5, 10.0), (1.0, 0.01), (1.0, 10.0)]
     values = []
@@ -261,7 +261,7 @@ def test_an_alpha_by_delta_grid_for_gradient_matching(setup, tmp_path):
 def test_the_gradient_mismatch_criterion(setup, tmp_path):
     config = _config(setup, "ta.yaml", "task_arithmetic")
     out = tmp_path / "mm.json"
-    flags = ["--alphas", "0.5,1", "--criterion", "mismatch", "--out", out]
+    flags = ["--scales", "0.5,1", "--criterion", "mismatch", "--out", out]
     assert _tune(setup, config, *flags) == 0
     report = _report(out)
     fts = {t: _load(setup, _weights(setup / f"ft-{t}")) for t in TASKS}
@@ -283,36 +283,36 @@ def test_the_gradient_mismatch_criterion(setup, tmp_path):
 def test_a_failing_point_is_reported_and_skipped(setup, tmp_path, capsys):
     config = _config(setup, "ta.yaml", "task_arithmetic")
     out = tmp_path / "f.json"
-    assert _tune(setup, config, "--alphas", "1,1e300", "--out", out) == 0
+    assert _tune(setup, config, "--scales", "1,1e300", "--out", out) == 0
     report = _report(out)
     assert report["points"][1]["criterion"] is None and report["points"][1]["error"]
     assert report["chosen_index"] == 0
-    assert _tune(setup, config, "--alphas", "1e300", "--out", tmp_path / "g.json") == 1
+    assert _tune(setup, config, "--scales", "1e300", "--out", tmp_path / "g.json") == 1
     assert "every setting failed" in capsys.readouterr().err
     assert _report(tmp_path / "g.json")["chosen"] is None
 
 
 BAD = [
     # (name, config method and extras, flags, exit code, message)
-    ("DATA count", ("task_arithmetic", {}), ["--alphas", "1"], "drop-data", 2, "merges 2 models"),
-    ("deltas without a prior", ("task_arithmetic", {}), ["--alphas", "1", "--deltas", "1"], None,
+    ("DATA count", ("task_arithmetic", {}), ["--scales", "1"], "drop-data", 2, "merges 2 models"),
+    ("deltas without a prior", ("task_arithmetic", {}), ["--scales", "1", "--deltas", "1"], None,
      2, "has no prior"),
     ("prior scales without a prior curvature", ("gradient_matching", {"prior": {"delta": 1.0}}),
-     ["--alphas", "1", "--prior-scales", "1"], None, 2, "has none"),
-    ("a negative alpha", ("task_arithmetic", {}), ["--alphas", "-1"], None, 2, ">= 0"),
+     ["--scales", "1", "--prior-scales", "1"], None, 2, "has none"),
+    ("a negative alpha", ("task_arithmetic", {}), ["--scales", "-1"], None, 2, ">= 0"),
     ("a zero prior", ("gradient_matching", {"prior": {"delta": 1.0}}),
-     ["--alphas", "1", "--deltas", "0"], None, 2, "makes the prior H_0 zero"),
-    ("not a grid", ("task_arithmetic", {}), ["--alphas", "a,b"], None, 2, "comma-separated"),
+     ["--scales", "1", "--deltas", "0"], None, 2, "makes the prior H_0 zero"),
+    ("not a grid", ("task_arithmetic", {}), ["--scales", "a,b"], None, 2, "comma-separated"),
     ("one --validation for two models", ("task_arithmetic", {}),
-     ["--alphas", "1", "--validation", "@a"], None, 2, "--validation DATA were given"),
+     ["--scales", "1", "--validation", "@a"], None, 2, "--validation DATA were given"),
     ("--out-dir inside the base", ("task_arithmetic", {}),
-     ["--alphas", "1", "--out-dir", "@base/tuned"], None, 2, "lies inside base_model"),
+     ["--scales", "1", "--out-dir", "@base/tuned"], None, 2, "lies inside base_model"),
     ("a base that is no model folder", ("task_arithmetic", {"base_model": "base/model.safetensors"}),
-     ["--alphas", "1"], None, 1, "is not a Hugging Face folder"),
-    ("--out-dir exists", ("task_arithmetic", {}), ["--alphas", "1", "--out-dir", "@dir"], None,
+     ["--scales", "1"], None, 1, "is not a Hugging Face folder"),
+    ("--out-dir exists", ("task_arithmetic", {}), ["--scales", "1", "--out-dir", "@dir"], None,
      2, "exists; pass --overwrite"),
     ("a --base-data that does not exist", ("task_arithmetic", {}),
-     ["--alphas", "1", "--base-data", "no-base.jsonl"], None, 2, "no-base.jsonl does not exist"),
+     ["--scales", "1", "--base-data", "no-base.jsonl"], None, 2, "no-base.jsonl does not exist"),
 ]  # fmt: skip
 
 
@@ -381,7 +381,7 @@ def test_issue29_every_failed_points_reason_is_printed_in_every_mode(setup, tmp_
                                                                      progress):  # fmt: skip
     """``--no-progress`` printed "every setting failed (errors above)" with nothing above."""
     config = _config(setup, "ta.yaml", "task_arithmetic")
-    argv = ["tune", str(config), str(setup / "a.jsonl"), str(setup / "b.jsonl"), "--alphas",
+    argv = ["tune", str(config), str(setup / "a.jsonl"), str(setup / "b.jsonl"), "--scales",
             "1e300,2e300"] + ([] if progress else ["--no-progress"])  # fmt: skip
     assert cli.main(argv) == 1
     captured = capsys.readouterr()
@@ -399,7 +399,7 @@ def test_issue29_data_without_labels_are_refused_before_the_first_merge(setup, t
     monkeypatch.setattr(engine, "run_merge", lambda *a, **k: merges.append(1))
     config = _config(setup, "ta.yaml", "task_arithmetic")
     argv = ["tune", str(config), str(setup / "a.jsonl"), str(tmp_path / "unlabelled.jsonl"),
-            "--alphas", "0.5,1", "--no-progress"]  # fmt: skip
+            "--scales", "0.5,1", "--no-progress"]  # fmt: skip
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "unlabelled.jsonl" in err and "label" in err and "every setting failed" not in err
@@ -413,7 +413,7 @@ def test_autocast_scores_each_point_within_bfloat16_rounding(setup, tmp_path):
     reports = {}
     for flags in ([], ["--autocast", "bfloat16"]):
         out = tmp_path / f"tune{len(flags)}.json"
-        assert _tune(setup, config, "--alphas", "0.5,1", "--out", out, *flags) == 0
+        assert _tune(setup, config, "--scales", "0.5,1", "--out", out, *flags) == 0
         reports[bool(flags)] = _report(out)
     for low, exact in zip(reports[True]["points"], reports[False]["points"], strict=True):
         assert low["scale"] == exact["scale"]

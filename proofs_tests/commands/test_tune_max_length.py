@@ -100,7 +100,7 @@ def _mean_loss(model, root, rows, length):
 
 def _tune(root, out, *flags):
     argv = ["tune", str(root / "ta.yaml"), str(root / "a.jsonl"), str(root / "b.jsonl")]
-    argv += ["--alphas", "0,1", "--out", str(out), "--no-progress", *flags]
+    argv += ["--scales", "0,1", "--out", str(out), "--no-progress", *flags]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a choice at the grid's edge warns
         assert cli.main(argv) == 0
@@ -162,7 +162,7 @@ COUNTS = [  # (--max-length, extra flags, the message)
 @pytest.mark.parametrize(("lengths", "flags", "message"), COUNTS)
 def test_lengths_that_do_not_fit_the_tasks_exit_2(ws, tmp_path, capsys, lengths, flags, message):
     flags = [str(ws / f) if f.endswith(".jsonl") else f for f in flags]
-    argv = ["tune", str(ws / "ta.yaml"), str(ws / "a.jsonl"), str(ws / "b.jsonl"), "--alphas", "1"]
+    argv = ["tune", str(ws / "ta.yaml"), str(ws / "a.jsonl"), str(ws / "b.jsonl"), "--scales", "1"]
     with pytest.raises(SystemExit) as exit_:
         cli.main([*argv, "--max-length", lengths, *flags, "--out", str(tmp_path / "t.json")])
     assert exit_.value.code == 2

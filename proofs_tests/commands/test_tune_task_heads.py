@@ -31,7 +31,7 @@ def test_each_task_is_scored_with_its_own_head(setup, tmp_path):  # noqa: F811
     scales = [0.5, 1.0]
     out = tmp_path / "tune.json"
     grid = ",".join(map(str, scales))
-    flags = ["--alphas", grid, "--out", out, "--task-heads", "classifier.*"]
+    flags = ["--scales", grid, "--out", out, "--task-heads", "classifier.*"]
     assert _tune(setup, config, *flags) == 0
     report = json.loads(out.read_text())
     base = _weights(setup / "base")
@@ -46,7 +46,7 @@ def test_each_task_is_scored_with_its_own_head(setup, tmp_path):  # noqa: F811
         assert math.isclose(point["criterion"], total, rel_tol=1e-9)
     # without the flag every task reads the merged (here: the base's) head: other losses
     plain = tmp_path / "plain.json"
-    assert _tune(setup, config, "--alphas", grid, "--out", plain) == 0
+    assert _tune(setup, config, "--scales", grid, "--out", plain) == 0
     assert (
         json.loads(plain.read_text())["points"][0]["criterion"] != report["points"][0]["criterion"]
     )
@@ -54,7 +54,7 @@ def test_each_task_is_scored_with_its_own_head(setup, tmp_path):  # noqa: F811
 
 def test_a_glob_that_matches_nothing_is_an_error(setup, tmp_path, capsys):  # noqa: F811
     config = _config(setup, "heads.yaml", "task_arithmetic", passthrough=["classifier.*"])
-    flags = ["--alphas", "1", "--out", tmp_path / "o.json", "--task-heads", "head.*"]
+    flags = ["--scales", "1", "--out", tmp_path / "o.json", "--task-heads", "head.*"]
     assert _tune(setup, config, *flags) == 1
     assert "every setting failed" in capsys.readouterr().err
     (point,) = json.loads((tmp_path / "o.json").read_text())["points"]  # the point's error
@@ -69,7 +69,7 @@ def test_the_base_task_is_scored_with_the_base_models_head(setup, tmp_path):  # 
     out = tmp_path / "tune.json"
     base_data = _write(tmp_path / "base.jsonl", BASE)
     flags = [
-        "--alphas",
+        "--scales",
         "1",
         "--out",
         out,

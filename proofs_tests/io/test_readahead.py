@@ -55,31 +55,46 @@ def test_hints_are_given_in_order_by_the_background_thread(files, given):
 def test_advise_returns_while_a_hint_blocks_and_close_drops_the_waiting_ones(
     files, given, monkeypatch
 ):
+    """The order is forced, not timed: the hint being given blocks until ``release``, which
+    ``close`` sets only once it has found that hint's lock held (so close must wait for it)."""
     release, entered = threading.Event(), threading.Event()
     record = os.posix_fadvise
+    order: list[str] = []
 
     def slow(fd, offset, length, advice):
         entered.set()
-        assert release.wait(10)
+        assert release.wait(60)
+        order.append("hint given")
         return record(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", slow)
     ahead = Readahead(files)
+    lock = ahead._lock
+
+    class Watched:  # the object's lock, telling when close finds it held
+        def __enter__(self):
+            if threading.current_thread() is closer and lock.locked():
+                order.append("close waits")
+                release.set()
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+
+    ahead._lock = Watched()
+    closer = threading.Thread(target=ahead.close)
     ahead.advise(0, 0, 10)  # the thread blocks in this one
-    assert entered.wait(10)
+    assert entered.wait(60)
     ahead.advise(1, 0, 20)  # returns at once although the thread is busy
     ahead.advise(0, 10, 30)
-    closer = threading.Thread(target=ahead.close)
     closer.start()
-    closer.join(0.2)
-    assert closer.is_alive()  # close waits for the hint being given on its files ...
-    release.set()
-    closer.join(10)
+    closer.join(60)
     assert not closer.is_alive()
-    assert _readahead.settle(10)
+    assert order == ["close waits", "hint given"]  # close waited for the hint on its files ...
+    assert _readahead.settle(60)
     assert [g[:3] for g in given] == [("a.bin", 0, 10)]  # ... and drops the ones still waiting
     ahead.advise(0, 0, 10)  # a closed object asks nothing
-    assert _readahead.settle(10)
+    assert _readahead.settle(60)
     assert len(given) == 1
 
 

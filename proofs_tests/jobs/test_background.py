@@ -23,22 +23,34 @@ def test_calls_run_in_order_on_one_other_thread():
 
 @pytest.mark.parametrize("depth", [1, 2, 4])
 def test_at_most_depth_calls_are_pending(depth):
+    """The order is forced, not timed: each pending call blocks until ``release``, and its
+    future records when ``submit`` waits for it (and then releases the calls). The first
+    ``depth`` submits never wait; the next waits for the oldest, before it returns."""
     release = threading.Event()
     started: list[int] = []
+    waits: list[str] = []
 
     def blocked(i):
         started.append(i)
-        assert release.wait(10)
+        assert release.wait(60)
+
+    def watched(future, i):
+        result = future.result
+
+        def waited(*args, **kwargs):  # submit (or drain) waits for call i
+            waits.append(f"wait {i}")
+            release.set()
+            return result(*args, **kwargs)
+
+        future.result = waited
 
     bg = Background(depth=depth)
     for i in range(depth):
-        bg.submit(blocked, i)  # returns at once: fewer than ``depth`` pending before each
-    waiter = threading.Thread(target=bg.submit, args=(blocked, depth))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()  # the next one waits for the oldest to finish
-    release.set()
-    waiter.join(10)
+        watched(bg.submit(blocked, i), i)  # fewer than ``depth`` pending before each: no wait
+    assert waits == [] and not release.is_set()
+    watched(bg.submit(blocked, depth), depth)  # ``depth`` pending: waits for the oldest first
+    waits.append("returned")
+    assert waits == ["wait 0", "returned"]
     bg.drain()
     bg.close()
     assert started == list(range(depth + 1))

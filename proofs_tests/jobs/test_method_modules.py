@@ -52,14 +52,14 @@ def problems(module: types.ModuleType) -> list[str]:
     found = []
     if method.name != name:
         found.append(f"{name}: its record is named {method.name!r}, not after its module")
-    if method.job not in KEYS:
-        return [*found, f"{name}: job {method.job!r} is neither merge nor remove"]
+    if method.command not in KEYS:
+        return [*found, f"{name}: job {method.command!r} is neither merge nor remove"]
     if not method.keys:
         found.append(f"{name}: declares no keys")
-    unknown = sorted(set(method.keys) - set(KEYS[method.job]))
+    unknown = sorted(set(method.keys) - set(KEYS[method.command]))
     if unknown:
-        found.append(f"{name}: keys {unknown} are not method-specific keys of a {method.job}")
-    if method.rule is None and method.runs == method.job:
+        found.append(f"{name}: keys {unknown} are not method-specific keys of a {method.command}")
+    if method.rule is None and method.runs == method.command:
         found.append(f"{name}: no rule, and it runs as its own job")
     if method.rule is not None and (
         not inspect.isfunction(method.rule) or method.rule.__module__ != module.__name__
@@ -95,7 +95,7 @@ def test_the_registry_lists_each_module_once_in_its_order():
 
 
 def listed_of(job: str) -> list[MergeMethod]:
-    return [m for m in registry.REGISTRY if m.job == job]
+    return [m for m in registry.REGISTRY if m.command == job]
 
 
 def test_every_method_specific_key_is_used_by_some_method():

@@ -184,11 +184,15 @@ def test_yaml_dry_run_and_merge(method, ws, tmp_path, capsys):
     job, ``remerge``, becomes that job's configuration) and runs it as its record says."""
     config_type, plan, run = JOBS[method.runs]
     path = ws.yaml(f"{method.name}.yaml", {"method": method.name, **CASES[method.name].config(ws)})
-    cfg = load(path, method.job)
+    cfg = load(path, method.command)
     assert isinstance(cfg, config_type)
-    ran = method.name if method.runs == method.job else "gradient_matching"  # remerge's merge
+    ran = method.name if method.runs == method.command else "gradient_matching"  # remerge's merge
     assert cfg.method == ran and cfg.to_dict()["method"] == ran
-    name, job, method = method.name, method.job, registry.get(ran)  # remerge: as the merge it runs
+    name, job, method = (
+        method.name,
+        method.command,
+        registry.get(ran),
+    )  # remerge: as the merge it runs
 
     # the dry run: the command writes nothing; every checked system is positive definite
     out = tmp_path / "out"
@@ -226,21 +230,23 @@ VALUES = {
     "without": [0],
 }
 
-REFUSED = [(m, key) for m in registry.REGISTRY for key in KEYS[m.job] if m.need(key) == "forbidden"]
+REFUSED = [
+    (m, key) for m in registry.REGISTRY for key in KEYS[m.command] if m.need(key) == "forbidden"
+]
 
 
 @pytest.mark.parametrize(("method", "key"), REFUSED, ids=lambda x: getattr(x, "name", x))
 def test_keys_a_method_does_not_use_are_refused(method, key, ws):
     """Each key the record refuses is refused by the YAML reader, with the methods using it."""
     config = {"method": method.name, **CASES[method.name].config(ws)}
-    read = JOBS[method.job][0].from_dict if method.runs == method.job else _remerge
-    if method.job == "merge" and key == "curvature":
+    read = JOBS[method.command][0].from_dict if method.runs == method.command else _remerge
+    if method.command == "merge" and key == "curvature":
         config["models"] = [{**config["models"][0], "curvature": VALUES[key]}]
         where = "models[0].curvature"
     else:
         config[key] = VALUES[key]
         where = key
-    users = [m.name for m in registry.methods(method.job) if key in m.uses]
+    users = [m.name for m in registry.methods(method.command) if key in m.uses]
     assert users, key
     with pytest.raises(
         ConfigError, match=rf"`{re.escape(where)}` is not used by method {method.name}:"

@@ -116,16 +116,16 @@ def test_a_path_declared_as_another_kind_is_found():
 
 def _top(m: MergeMethod) -> type:
     """The declaration ``m``'s YAML is read with."""
-    if m.runs != m.job:
+    if m.runs != m.command:
         return job_config.Remerge
-    return job_config.MergeConfig if m.job == "merge" else job_config.RemoveConfig
+    return job_config.MergeConfig if m.command == "merge" else job_config.RemoveConfig
 
 
 def _uses(m: MergeMethod, key: str, s: Setting) -> bool:
     """Whether method ``m`` takes setting ``key`` (its record, and what the key goes with)."""
     if s.per_method and m.need(key) == "forbidden":
         return False
-    return not (s.requires in job_config.KEYS[m.job] and s.requires not in m.uses)
+    return not (s.requires in job_config.KEYS[m.command] and s.requires not in m.uses)
 
 
 def _path_keys(m: MergeMethod, cls: type) -> int:
@@ -229,12 +229,12 @@ def refused_everywhere(m: MergeMethod, root: Path, capsys) -> dict[str, Path]:
         holders = {r for r, p in paths.items() if p == path}
         before = _snapshot(root)
         with pytest.raises(SystemExit) as exit_:
-            cli.main([m.job, str(config), str(path), "--overwrite", "--no-progress"])
+            cli.main([m.command, str(config), str(path), "--overwrite", "--no-progress"])
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert exit_.value.code == 2, f"{m.name}: OUT_DIR = {role} was not refused: {err}"
         found = re.search(rf"OUT_DIR {re.escape(str(path))} is (\S+) ", err)
         assert found and found.group(1) in holders, f"{m.name}, {role}: {err}"
-        loaded = job_config.load(config, m.job)
+        loaded = job_config.load(config, m.command)
         with pytest.raises(OutputOverlapError, match=re.escape(f"OUT_DIR {path} is ")):
             check_output(loaded, path, overwrite=True)
         assert _snapshot(root) == before
@@ -247,10 +247,12 @@ def test_every_path_valued_key_of_every_method_is_an_input(tmp_path, capsys, met
     checked = refused_everywhere(m, tmp_path, capsys)
     named = {re.sub(r"\[\d+\]", "[]", role) for role in checked}
     # the grid covers every key the method uses (its record) and every model's paths
-    wanted = {"models[].model", "models[].adapter_base"} if m.job == "merge" else set()
+    wanted = {"models[].model", "models[].adapter_base"} if m.command == "merge" else set()
     wanted |= {k for k in m.uses if k not in ("damping", "off_diagonal", "embeddings",
                                               "common_space_fraction", "average")}  # fmt: skip
-    wanted = {"models[].curvature" if k == "curvature" and m.job == "merge" else k for k in wanted}
+    wanted = {
+        "models[].curvature" if k == "curvature" and m.command == "merge" else k for k in wanted
+    }
     wanted = {"prior.curvature[]" if k == "prior" else k for k in wanted}
     wanted = {"without[]" if k == "without" else k for k in wanted}
     assert wanted <= named, sorted(wanted - named)

@@ -163,7 +163,7 @@ def _yaml(command: str, name: str, *flags: str) -> Callable[[Path, Path], list[s
 
 def _tune(flag: str) -> Callable[[Path, Path], list[str]]:
     def argv(ws: Path, out: Path) -> list[str]:
-        head = ["tune", str(ws / "merge.yaml"), str(ws / "data.jsonl"), "--alphas", "1"]
+        head = ["tune", str(ws / "merge.yaml"), str(ws / "data.jsonl"), "--scales", "1"]
         return [*head, "--no-progress", "--device", "cpu", flag, str(out)]
 
     return argv

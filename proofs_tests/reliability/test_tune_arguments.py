@@ -1,7 +1,7 @@
 """`gradmerge tune`'s argument errors: one class, one code, before any work (issue 38, cases 9
 and 10).
 
-9: ``--alphas=-1`` (and ``nan``, ``inf``) exited 1 after CONFIG and the DATA were read, while
+9: ``--scales=-1`` (and ``nan``, ``inf``) exited 1 after CONFIG and the DATA were read, while
 ``abc`` and an empty grid exited 2: every value a grid cannot take is now an argparse error
 (exit 2, one line), and so is every count or grid that does not fit CONFIG (a DATA per model, a
 ``--validation`` per model, δ for a method without a prior, a prior made zero).
@@ -75,15 +75,15 @@ def _argv(ws, *flags):
 
 
 GRIDS = [
-    ("--alphas", "-1"),
-    ("--alphas", "nan"),
-    ("--alphas", "inf"),
-    ("--alphas", "-inf"),
-    ("--alphas", "0.5,-0.5"),
-    ("--alphas", "1,NaN"),
-    ("--alphas", "abc"),
-    ("--alphas", ""),
-    ("--alphas", ","),
+    ("--scales", "-1"),
+    ("--scales", "nan"),
+    ("--scales", "inf"),
+    ("--scales", "-inf"),
+    ("--scales", "0.5,-0.5"),
+    ("--scales", "1,NaN"),
+    ("--scales", "abc"),
+    ("--scales", ""),
+    ("--scales", ","),
     ("--deltas", "-1e-3"),
     ("--deltas", "nan"),
     ("--prior-scales", "inf"),
@@ -92,7 +92,7 @@ GRIDS = [
 
 @pytest.mark.parametrize(("flag", "value"), GRIDS, ids=[f"{f}={v}" for f, v in GRIDS])
 def test_case9_every_value_a_grid_cannot_take_exits_2(ws, capsys, no_work, flag, value):
-    flags = [f"{flag}={value}"] + (["--alphas", "1"] if flag != "--alphas" else [])
+    flags = [f"{flag}={value}"] + (["--scales", "1"] if flag != "--scales" else [])
     line = _refused(_argv(ws, *flags), capsys)
     assert line == (
         f"gradmerge tune: error: argument {flag}: expected comma-separated finite numbers >= 0, "
@@ -100,11 +100,22 @@ def test_case9_every_value_a_grid_cannot_take_exits_2(ws, capsys, no_work, flag,
     )
 
 
+@pytest.mark.parametrize(
+    "flags", [["--alphas", "0.5,1"], ["--alphas=0.5,1"], ["--scales", "1", "--alphas"]]
+)
+def test_the_old_grid_flag_alphas_is_refused_naming_scales(ws, capsys, no_work, flags):
+    """--alphas was the grid of CONFIG's scale; α now names only a model's own weight
+    (models[].alpha), so the old flag exits 2 with one line naming --scales."""
+    line = _refused(_argv(ws, *flags), capsys)
+    value = "0.5,1" if "0.5,1" in " ".join(flags) else "0.2,0.5,1"
+    assert line == f"gradmerge tune: error: --alphas was renamed --scales: give --scales {value}"
+
+
 FITS = [
-    (["--alphas", "1", "--deltas", "0.1"], "method task_arithmetic has no prior"),
-    (["--alphas", "1", "--validation", "@a.jsonl"], "1 --validation DATA were given for 2 DATA"),
-    (["--alphas", "1", "--max-length", "8,8,8"], "--max-length gives 3 values for 2 DATA"),
-    (["--alphas", "1", "--max-length", "0"], "argument --max-length: expected a whole number"),
+    (["--scales", "1", "--deltas", "0.1"], "method task_arithmetic has no prior"),
+    (["--scales", "1", "--validation", "@a.jsonl"], "1 --validation DATA were given for 2 DATA"),
+    (["--scales", "1", "--max-length", "8,8,8"], "--max-length gives 3 values for 2 DATA"),
+    (["--scales", "1", "--max-length", "0"], "argument --max-length: expected a whole number"),
 ]
 
 
@@ -117,7 +128,7 @@ def test_case9_arguments_that_do_not_fit_config_exit_2_before_any_work(
 
 
 def test_case9_a_data_count_that_does_not_fit_config_exits_2(ws, capsys, no_work):
-    argv = ["tune", str(ws / "ta.yaml"), str(ws / "a.jsonl"), "--alphas", "1"]
+    argv = ["tune", str(ws / "ta.yaml"), str(ws / "a.jsonl"), "--scales", "1"]
     assert "merges 2 models but 1 DATA were given" in _refused(argv, capsys)
 
 
@@ -136,7 +147,7 @@ def test_case10_overlapping_outputs_are_refused_before_any_work(
 ):
     (tmp_path / "link").symlink_to(tmp_path / "x")
     o, d = tmp_path / out, tmp_path / out_dir
-    flags = ["--alphas", "0,1", "--out", str(o), "--out-dir", str(d)]
+    flags = ["--scales", "0,1", "--out", str(o), "--out-dir", str(d)]
     line = _refused(_argv(ws, *flags, *(["--overwrite"] if overwrite else [])), capsys)
     shown = str(o) + (f" (= {tmp_path / 'x'})" if out == "link" else "")
     assert message.format(o=shown, d=d) in line
@@ -147,7 +158,7 @@ def test_case10_overlapping_outputs_are_refused_before_any_work(
 def test_case10_separate_outputs_are_both_written(ws, tmp_path, capsys):
     """The control: the same call with --out beside --out-dir runs the grid and writes both."""
     out, keep = tmp_path / "x" / "report.json", tmp_path / "x-model"
-    flags = ["--alphas", "0,1", "--out", str(out), "--out-dir", str(keep), "--no-progress"]
+    flags = ["--scales", "0,1", "--out", str(out), "--out-dir", str(keep), "--no-progress"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a choice at the grid's edge warns
         assert cli.main(_argv(ws, *flags)) == 0

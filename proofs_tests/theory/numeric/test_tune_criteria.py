@@ -175,7 +175,7 @@ def test_the_mismatch_picks_the_grids_lowest_point_where_the_loss_finds_the_best
     chosen = choose(by_mismatch)
     assert chosen == 0
     assert grid_edges(points, by_mismatch, chosen) == [
-        {"axis": "scale", "side": "lowest", "value": 0.3, "flag": "--alphas"}
+        {"axis": "scale", "side": "lowest", "value": 0.3, "flag": "--scales"}
     ]
     # the base task's mismatch grows with s: adding it cannot lift the choice off the edge
     with_base = [_criterion(problem, s, "mismatch", base=True) for s in grid]
