@@ -125,7 +125,7 @@ def test_a_key_one_method_declares_is_that_configurations_field():
     assert sorted(found) == sorted(own.values())  # each one bound as a field ...
     for (name, _attr), key in found.items():  # ... and used by its method
         assert key in registry.get(name).uses
-        assert declared(READS[registry.get(name).job][0])[key].per_method
+        assert declared(READS[registry.get(name).command][0])[key].per_method
 
 
 def test_the_checks_catch_a_method_without_keys_rule_or_docs():
