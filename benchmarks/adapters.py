@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         args.curvature_examples, args.epochs, args.base_epochs = 8, 1, 1
         args.base_train, args.multitask_epochs = 32, 1
         args.max_length, args.alphas, args.bootstrap = 16, [0.5, 1.0], 200
-        args.structures, args.mergekit, args.datasets = ["diag"], False, 2
+        args.structures, args.mergekit, args.datasets = ["diag"], False, 1
         args.data_free, args.data_free_full = [], ["tsv_merge"]
     # what benchmarks.interference.Study reads and this study does not vary
     args.removal_only, args.delta, args.lr = False, 0.0, None
