@@ -1,7 +1,7 @@
 """The tables of docs/config.md, generated from the settings' declarations.
 
 Each YAML key is declared once (:mod:`gradmerge.settings`, the fields of
-:mod:`gradmerge.jobs.config` and :class:`gradmerge.SolverSpec`); this module renders those
+:mod:`gradmerge.jobs.config` and :class:`gradmerge.KroneckerCG`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
 between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
 ``proofs_tests/docs/test_config_reference.py`` checks that the committed page equals what
@@ -26,7 +26,7 @@ from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
 from gradmerge.jobs.options import Options, ordered
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG
 
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
@@ -43,7 +43,7 @@ def tables() -> dict[str, str]:
         "remerge": _table(Remerge, list(declared(Remerge)), "remove"),
         "term": _table(CurvatureTerm, list(declared(CurvatureTerm)), None),
         "options": _table(Options, list(shared), None),
-        "solver": _table(SolverSpec, list(declared(SolverSpec)), None),
+        "solver": _table(KroneckerCG, list(declared(KroneckerCG)), None),
         "names": _names(),
     }
 

@@ -32,7 +32,7 @@ from gradmerge.merge.inputs import (
 from gradmerge.merge.matching import Merged, solve
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import Solver
 
 
 def remove(
@@ -43,7 +43,7 @@ def remove(
     remaining: CurvatureLike,
     prior: CurvatureLike,
     alpha: float = 1.0,
-    solver: SolverSpec | None = None,
+    solver: Solver | None = None,
     **removed: NoReturn,
 ) -> dict[str, Tensor]:
     r"""Remove data (or a task) D_t from a model by gradient matching (Eq. 13).
@@ -65,7 +65,9 @@ def remove(
             INCLUDING the base model's own regulariser δ·I (``C_remaining + delta``).
         prior: H_0 used when fine-tuning θ_t.
         alpha: α_t.
-        solver: how H̄_\t⁻¹ is applied where it is iterative (:class:`gradmerge.SolverSpec`).
+        solver: the solver object of H̄_\t x = rhs where it is iterative (:class:`gradmerge.KroneckerCG`
+            for K-FAC, :class:`gradmerge.CG` for sums and matrix-free operators); ``None``:
+            their defaults.
 
     Returns:
         The parameters without D_t; ``gm.with_solution(gm.remove, ...)`` returns them in a
@@ -88,7 +90,7 @@ def _remove(
     remaining: CurvatureLike,
     prior: CurvatureLike,
     alpha: float,
-    solver: SolverSpec | None,
+    solver: Solver | None,
 ) -> Merged:
     """:func:`remove` with the solve's report (its arguments, checked here)."""
     P.check_params(base, name="base", finite=False)
@@ -139,7 +141,7 @@ def influence_remove(
     *,
     remaining: CurvatureLike,
     alpha: float = 1.0,
-    solver: SolverSpec | None = None,
+    solver: Solver | None = None,
     **removed: NoReturn,
 ) -> dict[str, Tensor]:
     r"""Remove data D_t with the influence-function step of Koh & Liang (2017) (Sec. 1.4).
@@ -167,7 +169,7 @@ def _influence_remove(
     gradient: Params,
     remaining: CurvatureLike,
     alpha: float,
-    solver: SolverSpec | None,
+    solver: Solver | None,
 ) -> Merged:
     """:func:`influence_remove` with the solve's report (its arguments, checked here)."""
     P.check_params(base, name="base")

@@ -32,8 +32,9 @@ def with_solution(
     H̄ x = Σ_t α_t (H_0 + H_t) τ_t), :func:`remove` (Eq. 13) or :func:`influence_remove` — and
     the arguments are its own, checked as it checks them. The parameters are those the rule
     returns, bit for bit. The one way to a merge's report: where it matters most is an
-    approximate solve (``solver=gm.SolverSpec(approximate=True, maxiter=N)``), whose
-    ``solution.success`` is False for a layer left above the tolerance.
+    approximate solve (``solver=gm.KroneckerCG(approximate=True, maxiter=N)``), whose
+    ``solution.result`` is ``Result.max_iterations_reached`` for a layer left above the
+    tolerance.
 
     Raises:
         ArgumentError: ``rule`` is not one of the three (the others solve no system to report).

@@ -229,7 +229,7 @@ def test_every_declared_setting_has_a_row():
         ("models", gm.jobs.inputs.ModelInput),
         ("remove", gm.RemoveConfig),
         ("term", gm.jobs.inputs.CurvatureTerm),
-        ("solver", gm.SolverSpec),
+        ("solver", gm.KroneckerCG),
     ]:
         rows = set(re.findall(r"^\| `([a-z_]+)` \|", generated[name], flags=re.M))
         shared = set(declared(gm.jobs.options.Options)) if name in ("merge", "remove") else set()

@@ -88,7 +88,7 @@ def test_the_report_is_the_residual_of_eq6_recomputed_here():
         ks,
         prior=delta,
         alphas=alphas,
-        solver=gm.SolverSpec(tol=1e-9),
+        solver=gm.KroneckerCG(tol=1e-9),
     )
     x = merged.params["m.weight"] - base["m.weight"]
     taus = [ft["m.weight"] - base["m.weight"] for ft in fts]
