@@ -16,9 +16,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, cast
+from typing import NoReturn, ParamSpec, cast
 
 from torch import Tensor
 
@@ -55,6 +55,35 @@ class Merged:
 
     params: dict[str, Tensor]
     solution: Solution
+
+
+_Args = ParamSpec("_Args")
+
+SOLUTION = "__solution__"
+"""The attribute of a public solving rule that holds its implementation with the report
+(:func:`reports`), which :func:`gradmerge.with_solution` calls."""
+
+
+def reports(
+    rule: Callable[_Args, dict[str, Tensor]],
+) -> Callable[[Callable[_Args, Merged]], Callable[_Args, Merged]]:
+    """Declare the decorated function as ``rule`` with the report of its solve: the same
+    parameters (checked by the type checker through the shared ``ParamSpec``), returning a
+    :class:`Merged`; ``rule`` returns its ``params``. Each solving rule declares this where it
+    is defined, so :func:`gradmerge.with_solution` needs no list of rules and no re-binding of
+    arguments: it calls ``rule``'s implementation with the caller's arguments as they are.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> getattr(gm.gradient_matching, SOLUTION).__name__
+        '_gradient_matching'
+    """
+
+    def declare(solved: Callable[_Args, Merged]) -> Callable[_Args, Merged]:
+        setattr(rule, SOLUTION, solved)
+        return solved
+
+    return declare
 
 
 def task_arithmetic(
@@ -185,21 +214,33 @@ def gradient_matching(
         >>> gm.gradient_matching(base, fts, Hs, prior=1.0)
         {'w': tensor([1., 1.])}
     """
-    refuse_removed("gradient_matching", removed)
-    solved = _gradient_matching(base, finetuned, curvatures, prior, alphas, kernel, solver)
+    solved = _gradient_matching(
+        base,
+        finetuned,
+        curvatures,
+        prior=prior,
+        alphas=alphas,
+        kernel=kernel,
+        solver=solver,
+        **removed,
+    )
     return solved.params
 
 
+@reports(gradient_matching)
 def _gradient_matching(
     base: Params,
     finetuned: Sequence[Params],
     curvatures: Sequence[CurvatureLike],
+    *,
     prior: CurvatureLike,
-    alphas: float | Sequence[float],
-    kernel: Kernel | None,
-    solver: Solver | None,
+    alphas: float | Sequence[float] = 1.0,
+    kernel: Kernel | None = SELECTED,
+    solver: Solver | None = None,
+    **removed: NoReturn,
 ) -> Merged:
     """:func:`gradient_matching` with the solve's report (its arguments, checked here)."""
+    refuse_removed("gradient_matching", removed)
     tasks = len(finetuned)
     if tasks == 0:
         raise ArgumentError("gradient_matching needs at least one fine-tuned model, got none")
