@@ -1,6 +1,6 @@
 """Each K-FAC solve choice on real GPT-2-124M merge systems: CG iterations, Kronecker products by
 precision, certified residual and wall time per layer, for the solver settings of
-:class:`gradmerge.SolverSpec`.
+:class:`gradmerge.KroneckerCG`.
 
 The systems are the merge's own (Eq. 6 with H_0 = δI, α_t = 1): per layer
 H̄ = δI + Σ_t A_t ⊗ G_t and b = Σ_t (δ τ_t + G_t τ_t A_t), τ_t = θ_t − θ_LLM, read from a folder
@@ -32,14 +32,14 @@ from safetensors import safe_open
 
 from benchmarks.record import Run, load, write_result
 from gradmerge.solvers import kfac_cg
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG
 
-CHOICES: dict[str, SolverSpec] = {
-    "working": SolverSpec(arithmetic="working", warm_start=False),
-    "warm": SolverSpec(arithmetic="working", warm_start=True),
-    "bfloat16": SolverSpec(arithmetic="bfloat16", warm_start=True),
-    "approximate-0": SolverSpec(approximate=True, maxiter=0),
-    "approximate-10": SolverSpec(approximate=True, maxiter=10),
+CHOICES: dict[str, KroneckerCG] = {
+    "working": KroneckerCG(arithmetic="working", warm_start=False),
+    "warm": KroneckerCG(arithmetic="working", warm_start=True),
+    "bfloat16": KroneckerCG(arithmetic="bfloat16", warm_start=True),
+    "approximate-0": KroneckerCG(approximate=True, maxiter=0),
+    "approximate-10": KroneckerCG(approximate=True, maxiter=10),
 }
 
 

@@ -75,7 +75,7 @@ def cg_with(terms: list[Term], delta: float, prec_terms: list[Term], b: torch.Te
         return {"x": kronecker.apply_inverse(parts, v["x"])}
 
     try:
-        r = solve_or_raise(apply, {"x": b}, precondition=prec, tol=None, maxiter=MAXITER, what="")
+        r = solve_or_raise(apply, {"x": b}, gm.CG(maxiter=MAXITER), precondition=prec, what="")
         its, res = r.iterations, r.residual
     except NotConvergedError:
         its, res = None, float("nan")  # did not converge within MAXITER
@@ -83,10 +83,10 @@ def cg_with(terms: list[Term], delta: float, prec_terms: list[Term], b: torch.Te
 
 
 def after(terms: list[Term], delta: float, b: torch.Tensor) -> dict:
-    k = gm.KFAC({"m": list(terms)}, solver=gm.SolverSpec(maxiter=MAXITER)) + delta
+    k = gm.KFAC({"m": list(terms)}) + delta
     t0 = time.perf_counter()
     try:
-        part = k.solve_info({"m.weight": b}).parts["m"]
+        part = k.solve_info({"m.weight": b}, gm.KroneckerCG(maxiter=MAXITER)).parts["m"]
     except NotConvergedError:
         return {"iterations": None, "seconds": time.perf_counter() - t0, "residual": float("nan")}
     return {

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import builtins
 import copy
-import dataclasses
 import importlib
 import inspect
 import os
@@ -634,20 +633,16 @@ def merge_candidates(
                     f"gradient matching ({structure})",
                     f"δ={c:g}×mean F",
                     lambda s=structure, d=delta: gm.gradient_matching(
-                        theta_llm, thetas, [_capped(x[s], args.cg_maxiter) for x in curv], prior=d
+                        theta_llm,
+                        thetas,
+                        [x[s] for x in curv],
+                        prior=d,
+                        # the K-FAC solves' CG budget (sums of more than two Kronecker terms)
+                        solver=gm.KroneckerCG(maxiter=args.cg_maxiter),
                     ),
                 )
             )
     return out
-
-
-def _capped(c: gm.Curvature, maxiter: int) -> gm.Curvature:
-    """K-FAC blocks with a CG budget (sums of more than two Kronecker terms are solved by CG)."""
-    parts = c.blocks if isinstance(c, gm.Blocks) else [c]
-    for part in parts:
-        if isinstance(part, gm.KFAC):
-            part.solver = dataclasses.replace(part.solver, maxiter=maxiter)
-    return c
 
 
 def _head_donors(

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -263,13 +262,10 @@ def grams(model: nn.Module, theta: Params, data: list[Batch]) -> dict[str, Tenso
     return out
 
 
-def capped(c: gm.Curvature, maxiter: int) -> gm.Curvature:
-    """K-FAC blocks with a CG budget (sums of more than two Kronecker terms are solved by CG,
-    which raises NotConvergedError past it)."""
-    for part in c.blocks if isinstance(c, gm.Blocks) else [c]:
-        if isinstance(part, gm.KFAC):
-            part.solver = dataclasses.replace(part.solver, maxiter=maxiter)
-    return c
+def capped(args: argparse.Namespace) -> gm.KroneckerCG:
+    """The K-FAC solves' CG budget, passed to each solving call (sums of more than two
+    Kronecker terms are solved by CG, which raises NotConvergedError past it)."""
+    return gm.KroneckerCG(maxiter=args.cg_maxiter)
 
 
 def cached(grad: Callable[[Params], Params], at: Params) -> Callable[[Params], Params]:
@@ -338,7 +334,7 @@ def run_seed(
             for th, d in zip(finetuned, domains, strict=True)
         ]
         kfac = [
-            capped(curvature(model, th, tok[d]["train"], "kfac"), args.cg_maxiter)
+            curvature(model, th, tok[d]["train"], "kfac")
             for th, d in zip(finetuned, domains, strict=True)
         ]
         gram = [grams(model, th, tok[d]["train"]) for th, d in zip(finetuned, domains, strict=True)]
@@ -418,7 +414,7 @@ def run_seed(
                     "grad. matching, K-FAC",
                     alpha,
                     lambda a=alpha: gm.gradient_matching(
-                        theta_llm, finetuned, kfac, prior=args.delta, alphas=a
+                        theta_llm, finetuned, kfac, prior=args.delta, alphas=a, solver=capped(args)
                     ),
                 )
     if seed in args.refine_seeds:
@@ -459,7 +455,7 @@ def refine_rows(
     gradients = [gm.gradient_fn(model, b) for b in data]
 
     def at(b: list[Batch]) -> Callable[[Params], gm.Curvature]:
-        return lambda theta: capped(curvature(model, theta, b, "kfac"), args.cg_maxiter)
+        return lambda theta: curvature(model, theta, b, "kfac")
 
     try:
         iterates = gm.refine(
@@ -470,6 +466,7 @@ def refine_rows(
             prior=args.delta,
             alphas=1.0,
             steps=args.refine_steps,
+            solver=capped(args),
         )
     except Exception as err:  # recorded in the report, the seed goes on
         measure("grad. matching + refine", 1.0, _raise(f"{type(err).__name__}: {err}"))

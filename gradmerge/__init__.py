@@ -71,7 +71,7 @@ if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge.merge.removal import influence_remove, remove
     from gradmerge.merge.report import with_solution
     from gradmerge.merge.spectral import iso_c, iso_cts, tsv_merge
-    from gradmerge.solvers import Solution, SolverSpec
+    from gradmerge.solvers import CG, KroneckerCG, Result, Solution, Solver, SolverSpec
 
 _MODULES = (
     *("distributed", "io", "jobs", "kernels", "params"),
@@ -105,7 +105,9 @@ _LAZY = {
     "regmean": "gradmerge.merge.regression",
     **dict.fromkeys(("influence_remove", "remove"), "gradmerge.merge.removal"),
     "with_solution": "gradmerge.merge.report",
-    **dict.fromkeys(("Solution", "SolverSpec"), "gradmerge.solvers"),
+    **dict.fromkeys(
+        ("CG", "KroneckerCG", "Result", "Solution", "Solver", "SolverSpec"), "gradmerge.solvers"
+    ),
     **dict.fromkeys(("iso_c", "iso_cts", "tsv_merge"), "gradmerge.merge.spectral"),
 }
 """Public names whose modules are imported on first access (PEP 562): ``import gradmerge`` loads
@@ -169,8 +171,13 @@ __all__ = [
     "Blocks",
     "Sum",
     "MatrixFree",
-    "Solution",
+    # solvers: one object per algorithm, passed to the call that solves; one Solution
+    "Solver",
+    "CG",
+    "KroneckerCG",
     "SolverSpec",
+    "Solution",
+    "Result",
     "load_curvature",
     # curvature estimation (SUMS over examples)
     "estimate_curvature",

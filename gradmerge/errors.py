@@ -48,7 +48,7 @@ class ComparisonError(ArgumentError):
 
 class RemovedArgumentError(GradmergeError, TypeError):
     """A keyword argument gradmerge no longer takes (the package is 0.x); the message names what
-    replaced it (e.g. ``KFAC(cg_tol=...)``: ``KFAC(solver=gm.SolverSpec(tol=...))``)."""
+    replaced it (e.g. ``KFAC(cg_tol=...)``: ``K.solve_info(v, gm.KroneckerCG(tol=...))``)."""
 
 
 class AdapterBaseError(ArgumentError):

@@ -35,7 +35,7 @@ from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import Solver, solver_for
 
 if TYPE_CHECKING:  # the types of PROVIDED only: at run time the package provides them
     from gradmerge.curvature.identity import ScaledIdentity
@@ -91,14 +91,28 @@ class Curvature(ABC):
         """
 
     def solve_info(
-        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+        self, v: Params, solver: Solver | None = None, *, guess: Params | None = None
     ) -> Solution:
         """:meth:`solve` with its report (:class:`gradmerge.Solution`): method, iterations,
-        residual and per-block parts. Direct solves of elementwise and dense structures report
-        the method only (their residual is round-off) and need no ``spec``; K-FAC and CG solves
-        run as ``spec`` says (:class:`gradmerge.SolverSpec`; ``None``: the operator's own
-        defaults) and measure their residual; ``guess`` (an estimate of x) may start an
-        iterative solve (K-FAC) and is otherwise unused."""
+        residual, :class:`~gradmerge.solvers.solution.Result` and per-block parts.
+
+        The one call that takes a solver (the settings of one algorithm,
+        :mod:`gradmerge.solvers.spec`): K-FAC runs a :class:`gradmerge.KroneckerCG`, sums and
+        matrix-free operators a :class:`gradmerge.CG` (a ``KroneckerCG`` is one), each with
+        its defaults for ``None``, and measure their residual; a solver that does not fit the
+        structure is an :class:`~gradmerge.errors.ArgumentError`. Direct solves of elementwise
+        and dense structures take any solver and use none: they report the method only (their
+        residual is round-off). ``guess`` (an estimate of x) may start an iterative solve
+        (K-FAC with ``warm_start``) and is otherwise unused.
+
+        Example:
+            >>> import torch, gradmerge as gm
+            >>> D = gm.Diagonal({"w": torch.tensor([2.0, 4.0])})
+            >>> s = D.solve_info({"w": torch.ones(2)}, gm.KroneckerCG())
+            >>> s.value["w"], s.method, s.result
+            (tensor([0.5000, 0.2500]), 'exact (Diagonal)', <Result.successful: 'successful'>)
+        """
+        solver_for(solver, Solver, type(self).__name__)
         return Solution(self.solve(v), f"exact ({type(self).__name__})")
 
     @abstractmethod

@@ -17,8 +17,8 @@ from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
 from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
-from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.solution import Result, Solution
+from gradmerge.solvers.spec import Solver
 
 
 class Blocks(Curvature):
@@ -84,9 +84,9 @@ class Blocks(Curvature):
         return self.solve_info(v).value
 
     def solve_info(
-        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+        self, v: Params, solver: Solver | None = None, *, guess: Params | None = None
     ) -> Solution:
-        """Each block's :meth:`solve_info`; the parts are the blocks' own parts (e.g. K-FAC
+        """Each block's :meth:`solve_info` with the same ``solver``; the parts are the blocks' own parts (e.g. K-FAC
         layers), or the block itself under its index."""
         out: dict[str, Tensor] = {}
         parts: dict[str, Solution] = {}
@@ -94,7 +94,7 @@ class Blocks(Curvature):
         for i, (block, part, start) in enumerate(
             zip(self.blocks, self._parts(v), guesses, strict=True)
         ):
-            solution = block.solve_info(part, spec, guess=start)
+            solution = block.solve_info(part, solver, guess=start)
             out.update(solution.value)
             parts.update(solution.parts or {f"block{i}": solution})
         return Solution(
@@ -102,7 +102,7 @@ class Blocks(Curvature):
             "per block",
             iterations=sum(p.iterations for p in parts.values()),
             residual=max((p.residual for p in parts.values()), default=float("nan")),
-            success=all(p.success for p in parts.values()),
+            result=Result.of(all(p.success for p in parts.values())),
             parts=parts,
         )
 

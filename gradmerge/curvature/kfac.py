@@ -15,8 +15,9 @@ which would be a different, approximate operator); ``K + δ`` adds the term I �
 - one or two terms without δ·I: exact eigendecompositions (:mod:`gradmerge.solvers.kronecker`);
 - three or more terms without δ·I: the CG of the first case with δ = 0.
 
-``solve_info`` reports each layer's method, iterations and residual (:class:`Solution`); a
-solve that does not reach its tolerance raises.
+``solve_info(v, solver)`` runs the solver it is given (:class:`gradmerge.KroneckerCG`, its
+defaults for ``None``; the operator holds no settings) and reports each layer's method,
+iterations and residual (:class:`Solution`); a solve that does not reach its tolerance raises.
 
 Terms with an identity factor are folded exactly before any of this: A₁ ⊗ c₁I + A₂ ⊗ c₂I =
 (c₁A₁ + c₂A₂) ⊗ I and c₁I ⊗ G₁ + c₂I ⊗ G₂ = I ⊗ (c₁G₁ + c₂G₂), so δ·I joins such a term.
@@ -33,13 +34,13 @@ from torch import Tensor
 from gradmerge import params as P
 from gradmerge.curvature.base import Curvature, IncompatibleStructures
 from gradmerge.curvature.identity import ScaledIdentity
-from gradmerge.errors import ArgumentError, RemovedArgumentError, StructureError
+from gradmerge.errors import RemovedArgumentError, StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers import kfac_cg, kronecker
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eye_like, identity_multiple
-from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.solution import Result, Solution
+from gradmerge.solvers.spec import KroneckerCG, Solver, solver_for
 
 EXACT_EIG_MAX_SIZE = 4096
 """Layers with several Kronecker terms and at most this many parameters get their exact
@@ -47,31 +48,45 @@ smallest eigenvalue from the dense sum of Kronecker products; larger ones a lowe
 
 
 _REMOVED = {"cg_tol": "tol", "cg_maxiter": "maxiter", "cg_approximate": "approximate"}
-"""K-FAC's solver keywords and attributes in gradmerge 0.1.0 → their :class:`SolverSpec` field."""
+"""K-FAC's solver keywords and attributes in gradmerge 0.1.0 → their :class:`KroneckerCG` field."""
+
+_AT_THE_CALL = "K.solve_info(v, SOLVER) or the rule's solver=SOLVER"
+"""Where a K-FAC solve's settings go: the call that solves."""
 
 
 def _refuse_removed(given: Mapping[str, Any]) -> None:
-    """Refuse the keywords ``KFAC`` no longer takes, naming their replacement."""
+    """Refuse the keywords ``KFAC`` no longer takes (``cg_*`` of 0.1.0, and ``solver``),
+    naming their replacement: a :class:`KroneckerCG` passed to the call that solves."""
     for name in given:
-        if name not in _REMOVED:
+        if name not in (*_REMOVED, "solver"):
             raise TypeError(f"KFAC() got an unexpected keyword argument {name!r}")
+    if "solver" in given:
+        raise RemovedArgumentError(
+            f"KFAC no longer takes solver=: an operator holds no solver "
+            f"settings; pass the solver to the call that solves, "
+            f"{_AT_THE_CALL.replace('SOLVER', repr(given['solver']))}"
+        )
     if given:
         spec = ", ".join(f"{_REMOVED[k]}={v!r}" for k, v in given.items())
         raise RemovedArgumentError(
-            f"KFAC no longer takes {', '.join(given)}: pass solver=gm.SolverSpec({spec}) "
-            "(removed after gradmerge 0.1.0: the K-FAC solves are configured only through SolverSpec)"
+            f"KFAC no longer takes {', '.join(given)}: pass gm.KroneckerCG({spec}) to the call "
+            f"that solves, {_AT_THE_CALL.replace('SOLVER', f'gm.KroneckerCG({spec})')} "
+            "(removed after gradmerge 0.1.0)"
         )
 
 
 class _RemovedSetting:
-    """A removed solver attribute (``K.cg_maxiter``): reading or setting it raises, naming the
-    field of ``K.solver`` that replaced it, instead of a setting silently ignored."""
+    """A removed solver attribute (``K.cg_maxiter``, ``K.solver``): reading or setting it
+    raises, naming the solver object at the call that replaced it, instead of a setting
+    silently ignored."""
 
     def __set_name__(self, owner: type, name: str) -> None:
+        field = _REMOVED.get(name)
+        given = f"gm.KroneckerCG({field}=...)" if field else "gm.KroneckerCG(...)"
         self.message = (
-            f"KFAC.{name} was removed after gradmerge 0.1.0: the settings are K.solver, a "
-            f"gm.SolverSpec (K.solver.{_REMOVED[name]}; to change it, "
-            f"K.solver = dataclasses.replace(K.solver, {_REMOVED[name]}=...))"
+            f"KFAC.{name} was removed: an operator "
+            f"holds no solver settings; pass {given} to the call that solves, "
+            f"{_AT_THE_CALL.replace('SOLVER', given)}"
         )
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
@@ -91,17 +106,16 @@ class KFAC(Curvature):
             ``Conv1D`` and ``nn.Embedding`` (y = onehot(x) W) — and is transposed to (out, in).
         weight_shapes: the stored weight shape of modules whose weight is not a matrix, e.g. a
             ``Conv2d`` weight (out, in, kh, kw), which is viewed as (out, in·kh·kw).
-        solver: how :meth:`solve` and :meth:`solve_info` without a ``spec`` run the solves
-            (:class:`gradmerge.SolverSpec`: tolerance, CG iterations, ``approximate``,
-            ``arithmetic``, ``warm_start``); ``None``: ``SolverSpec()``. Kept by ``to``,
-            ``scaled`` and ``K + δ``. The merge rules and the YAML jobs pass their own
-            ``solver=`` to each solve instead. (The keywords ``cg_tol``, ``cg_maxiter`` and
-            ``cg_approximate`` of gradmerge 0.1.0 are refused with
-            :class:`~gradmerge.errors.RemovedArgumentError`.)
         counts: module name → M, the number of rows (kept positions, or examples) the layer's
             A is a mean over, as estimated (``KFACFactors.counts``); M·A = Σ a aᵀ is the raw
             input Gram that RegMean needs. Kept by ``to`` and ``scaled`` (they leave A alone),
             saved in curvature files; a sum of terms has no single M and keeps none.
+
+    The operator holds no solver settings: they go to the call that solves,
+    ``K.solve_info(v, gm.KroneckerCG(...))`` or a rule's ``solver=`` (``K.solve(v)`` runs
+    ``gm.KroneckerCG()``). The keywords ``solver`` (before this release) and ``cg_tol``,
+    ``cg_maxiter``, ``cg_approximate`` (0.1.0) are refused with
+    :class:`~gradmerge.errors.RemovedArgumentError` naming that call.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -110,13 +124,14 @@ class KFAC(Curvature):
         >>> x = {"fc.weight": torch.ones(2, 2), "fc.bias": torch.ones(2)}
         >>> (K + 2.0).solve(x)["fc.bias"]
         tensor([0.2500, 0.2500])
-        >>> K = gm.KFAC({"fc": (A, G)}, bias=["fc"], solver=gm.SolverSpec(tol=1e-8, maxiter=50))
-        >>> (K + 2.0).solver.maxiter
-        50
+        >>> s = (K + 2.0).solve_info(x, gm.KroneckerCG(tol=1e-8, maxiter=50))
+        >>> s.parts["fc"].residual <= 1e-8, s.result
+        (True, <Result.successful: 'successful'>)
     """
 
     rank = 3
     cg_tol, cg_maxiter, cg_approximate = _RemovedSetting(), _RemovedSetting(), _RemovedSetting()
+    solver = _RemovedSetting()
 
     def __init__(
         self,
@@ -125,16 +140,10 @@ class KFAC(Curvature):
         bias: Iterable[str] = (),
         transposed: Iterable[str] = (),
         weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
-        solver: SolverSpec | None = None,
         counts: Mapping[str, int] | None = None,
         **removed: Any,
     ) -> None:
         _refuse_removed(removed)
-        if solver is not None and not isinstance(solver, SolverSpec):
-            raise ArgumentError(
-                f"KFAC's solver must be a gradmerge.SolverSpec, got {type(solver).__name__}: "
-                "e.g. solver=gm.SolverSpec(tol=1e-6, maxiter=2000)"
-            )
         if not factors:
             raise StructureError("KFAC needs factors for at least one module")
         self.bias, self.transposed = frozenset(bias), frozenset(transposed)
@@ -148,7 +157,6 @@ class KFAC(Curvature):
         for name, value in factors.items():
             terms = list(value) if isinstance(value, list) else [value]
             self.terms[name] = [self._check_term(name, a, g) for a, g in terms]
-        self.solver = SolverSpec() if solver is None else solver
         self._cache: dict[str, Any] = {}
 
     # ----- construction checks ------------------------------------------------------------
@@ -223,7 +231,7 @@ class KFAC(Curvature):
         return self.solve_info(v).value
 
     def solve_info(
-        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+        self, v: Params, solver: Solver | None = None, *, guess: Params | None = None
     ) -> Solution:
         """The solution of K x = v with, per layer, the method, CG iterations and the relative
         residual ‖b − Kx‖/‖b‖ (recomputed in float64 for coarser dtypes); raises
@@ -231,14 +239,16 @@ class KFAC(Curvature):
 
         Args:
             v: the right-hand side.
-            spec: how to solve (:class:`gradmerge.SolverSpec`); ``None``: the operator's
-                ``solver``.
+            solver: how to solve, a :class:`gradmerge.KroneckerCG`; ``None``: its defaults.
             guess: an estimate of x (e.g. the task-arithmetic solution of a merge), a starting
-                point of the layers' CG where ``spec.warm_start`` and its residual is the
+                point of the layers' CG where ``solver.warm_start`` and its residual is the
                 smaller one (:func:`gradmerge.solvers.kfac_cg.solve`).
+
+        Raises:
+            ArgumentError: ``solver`` is not a :class:`gradmerge.KroneckerCG`.
         """
+        spec = solver_for(solver, KroneckerCG, "KFAC")
         self.check_covers(v, name="the vector", ref_name="the vector")
-        spec = self.solver if spec is None else spec
         out: dict[str, Tensor] = {}
         parts: dict[str, Solution] = {}
         for name, terms in self.terms.items():
@@ -253,14 +263,14 @@ class KFAC(Curvature):
             self._split(name, layer.x, values)
             out.update(values)
             parts[name] = Solution(
-                values, layer.method, layer.iterations, layer.residual, layer.success
+                values, layer.method, layer.iterations, layer.residual, Result.of(layer.success)
             )
         return Solution(
             out,
             "K-FAC per layer",
             iterations=sum(p.iterations for p in parts.values()),
             residual=max((p.residual for p in parts.values()), default=0.0),
-            success=all(p.success for p in parts.values()),
+            result=Result.of(all(p.success for p in parts.values())),
             parts=parts,
         )
 
@@ -287,7 +297,6 @@ class KFAC(Curvature):
             bias=self.bias,
             transposed=self.transposed,
             weight_shapes=self.weight_shapes,
-            solver=self.solver,
             counts=self.counts if keep_counts else None,
         )
 

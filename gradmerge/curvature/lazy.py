@@ -3,8 +3,9 @@
 Structures that can absorb each other sum exactly into one structure (δ·I into anything, a
 diagonal into a dense matrix, K-FAC terms into K-FAC). Any other pair — K-FAC plus a diagonal,
 a dense matrix plus a matrix-free Hessian — becomes a :class:`Sum`: ``mv`` adds the terms'
-products, ``solve`` runs CG (:func:`gradmerge.solvers.cg.conjugate_gradient`) and raises if it does
-not reach ``tol``; ``solve_info`` returns the CG report.
+products, ``solve_info(v, solver)`` runs CG (:func:`gradmerge.solvers.cg.conjugate_gradient`) as
+the solver given says (a :class:`gradmerge.CG`, its defaults for ``None``) and raises if it does
+not reach its ``tol``; ``solve`` is that with the defaults.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from gradmerge.errors import StructureError
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.cg import solve_or_raise
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import MAXITER, SolverSpec
+from gradmerge.solvers.spec import CG, Solver, refuse_settings, solver_for
 
 
 class Sum(Curvature):
@@ -34,9 +35,8 @@ class Sum(Curvature):
 
     rank = 5
 
-    def __init__(
-        self, terms: list[Curvature], *, tol: float | None = None, maxiter: int = MAXITER
-    ) -> None:
+    def __init__(self, terms: list[Curvature], **removed: object) -> None:
+        refuse_settings("Sum", removed)
         layouts = [dict(t.layout) for t in terms if t.layout is not None]
         if not layouts:
             raise StructureError("a Sum needs at least one term that covers parameters")
@@ -48,7 +48,6 @@ class Sum(Curvature):
                 structured[0]._like(), t._like(), ref_name="the first term", name="a term"
             )
         self.terms = list(terms)
-        self.tol, self.maxiter = tol, maxiter
 
     def __repr__(self) -> str:
         return f"Sum({' + '.join(repr(t) for t in self.terms)})"
@@ -76,29 +75,24 @@ class Sum(Curvature):
         return out
 
     def solve_info(
-        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+        self, v: Params, solver: Solver | None = None, *, guess: Params | None = None
     ) -> Solution:
-        """CG on Σ_k C_k x = v (unpreconditioned); raises :class:`NotConvergedError` if it fails.
-
-        ``tol=None`` (default) aims for :func:`gradmerge.solvers.cg.default_tol` of the dtype.
-        """
+        """CG on Σ_k C_k x = v (unpreconditioned) as ``solver`` says (:class:`gradmerge.CG`,
+        or a :class:`gradmerge.KroneckerCG`: its ``tol`` and ``maxiter``; ``None``: ``CG()``,
+        which aims for :data:`gradmerge.solvers.spec.DEFAULT_TOL` of the dtype); raises
+        :class:`NotConvergedError` if it fails."""
+        cg = solver_for(solver, CG, "a Sum")
         self.check_covers(v, name="the vector", ref_name="the vector")
-        tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)
-        assert maxiter is not None  # SolverSpec resolves its default
-        return solve_or_raise(self.mv, v, tol=tol, maxiter=maxiter, what="a sum of curvatures")
+        return solve_or_raise(self.mv, v, cg, what="a sum of curvatures")
 
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Sum:
-        return Sum(
-            [t.to(device=device, dtype=dtype) for t in self.terms],
-            tol=self.tol,
-            maxiter=self.maxiter,
-        )
+        return Sum([t.to(device=device, dtype=dtype) for t in self.terms])
 
     def scaled(self, c: float) -> Sum:
-        return Sum([t.scaled(c) for t in self.terms], tol=self.tol, maxiter=self.maxiter)
+        return Sum([t.scaled(c) for t in self.terms])
 
     def min_eigenvalue(self) -> float:
         """A lower bound: the sum of the terms' smallest eigenvalues (Weyl), exact only for a
@@ -114,7 +108,7 @@ class Sum(Curvature):
 
     def _add_same(self, other: Curvature) -> Sum:
         extra = other.terms if isinstance(other, Sum) else [other]
-        return Sum([*self.terms, *extra], tol=self.tol, maxiter=self.maxiter)
+        return Sum([*self.terms, *extra])
 
     def _promote(self, other: Curvature) -> Curvature:
         return other  # a Sum takes any term as it is

@@ -27,7 +27,7 @@ from gradmerge.estimate.options import EstimateOptions, LossFunction, LossName
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.cg import solve_or_raise
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import CG, Solver, refuse_settings, solver_for
 
 
 class MatrixFree(Curvature):
@@ -39,8 +39,12 @@ class MatrixFree(Curvature):
         kind: ``"ggn"`` (PSD by construction) or ``"hessian"``.
         loss: ``"cross_entropy"`` or ``"mse"``.
         params: names of the parameters covered (default: all trainable ones).
-        tol, maxiter: CG settings of ``solve`` (``tol=None``: by the dtype,
-            :data:`gradmerge.solvers.spec.DEFAULT_TOL`).
+
+    It holds no solver settings: ``H.solve_info(v, gm.CG(tol=..., maxiter=...))`` (or a rule's
+    ``solver=``) runs CG as that solver says; ``H.solve(v)`` with ``gm.CG()`` (its defaults:
+    :data:`gradmerge.solvers.spec.DEFAULT_TOL` by the dtype, :data:`gradmerge.solvers.spec.
+    MAXITER` iterations). The keywords ``tol`` and ``maxiter`` of gradmerge 0.1.0 are refused
+    with :class:`~gradmerge.errors.RemovedArgumentError`.
 
     Example:
         >>> import torch, gradmerge as gm
@@ -62,16 +66,15 @@ class MatrixFree(Curvature):
         loss: LossFunction | LossName = EstimateOptions.loss,
         ignore_index: int = EstimateOptions.ignore_index,
         params: Sequence[str] | None = None,
-        tol: float | None = None,
-        maxiter: int = 500,
+        **removed: object,
     ) -> None:
+        refuse_settings("MatrixFree", removed)
         if kind not in ("ggn", "hessian"):
             raise ArgumentError(f"kind must be 'ggn' or 'hessian', got {kind!r}")
         self.model, self.kind, self.loss = model, kind, Loss(loss, ignore_index)
         self.params = {k: v.detach() for k, v in trainable(model, params).items()}
         device = next(iter(self.params.values())).device
         self.data = list(batches(data, device=device))  # validated once, on the model's device
-        self.tol, self.maxiter = tol, maxiter
         self.coefficient = 1.0  # c in c·H (scalar multiples stay matrix-free)
 
     def __repr__(self) -> str:
@@ -118,12 +121,13 @@ class MatrixFree(Curvature):
         return pullback(OutputHessian(out, targets, self.loss).mv(jv))[0]  # Jᵀ Λ J v
 
     def solve_info(
-        self, v: Params, spec: SolverSpec | None = None, *, guess: Params | None = None
+        self, v: Params, solver: Solver | None = None, *, guess: Params | None = None
     ) -> Solution:
-        """CG on this operator; raises :class:`NotConvergedError` if it does not converge."""
-        tol, maxiter = (self.tol, self.maxiter) if spec is None else (spec.tol, spec.maxiter)
-        assert maxiter is not None  # SolverSpec resolves its default
-        return solve_or_raise(self.mv, v, tol=tol, maxiter=maxiter, what=f"the {self.kind}")
+        """CG on this operator as ``solver`` says (:class:`gradmerge.CG`, or a
+        :class:`gradmerge.KroneckerCG`: its ``tol`` and ``maxiter``; ``None``: ``CG()``);
+        raises :class:`NotConvergedError` if it does not converge."""
+        cg = solver_for(solver, CG, "MatrixFree")
+        return solve_or_raise(self.mv, v, cg, what=f"the {self.kind}")
 
     def solve(self, v: Params) -> dict[str, Tensor]:
         return self.solve_info(v).value

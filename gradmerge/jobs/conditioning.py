@@ -328,7 +328,7 @@ def _cg_delta(system: Curvature, config: MergeConfig | RemoveConfig) -> float:
 
     tol = config.solver.tol or default_tol(config.math_dtype)
     maxiter = config.solver.maxiter
-    assert maxiter is not None  # SolverSpec resolves its default
+    assert maxiter is not None  # KroneckerCG resolves its default
     kappa = (2 * maxiter / math.log(2 / tol)) ** 2
     high, low = _magnitude(system), max(float(system.min_eigenvalue()), 0.0)
     return max((high - kappa * low) / (kappa - 1), torch.finfo(torch.float64).tiny)

@@ -4,7 +4,7 @@
 :class:`RemoveConfig` ``gradmerge remove CONFIG OUT_DIR`` (Eq. 13, Koh & Liang); both share the
 :class:`~gradmerge.jobs.options.Options` (output dtype, compute dtype, device, passthrough, shard
 size, mixed dtypes, curvature/weights pairing, and the K-FAC ``solver`` settings, a
-:class:`gradmerge.SolverSpec`). Every key is declared once, as a field of these dataclasses with
+:class:`gradmerge.KroneckerCG`). Every key is declared once, as a field of these dataclasses with
 its :class:`~gradmerge.settings.Setting` (meaning, checks, default and the default's source, its
 name in the ``gm.*`` rules): the reader's checks and messages, the registry's method-specific
 keys (:data:`KEYS`) and the tables of ``docs/config.md`` (:mod:`gradmerge.jobs.reference`) come
@@ -53,7 +53,7 @@ from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.methods import iso_cts, registry, regmean
 from gradmerge.methods.base import Command, MergeMethod
 from gradmerge.settings import REQUIRED, Setting, declared, default_of, setting
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG
 
 STEP_CHECKS = ("refuse", "warn", "ignore")
 
@@ -311,7 +311,7 @@ def help_keys(job: Command) -> str:
         >>> help_keys("merge").split(", models[]")[0].split(", ")[:3]
         ['method', 'base_model', 'prior (delta']
     """
-    nested = {"solver": SolverSpec, "prior": CurvatureTerm, "remaining": CurvatureTerm}
+    nested = {"solver": KroneckerCG, "prior": CurvatureTerm, "remaining": CurvatureTerm}
     top = READS[job][0]
     parts = []
     for key in ordered(top):

@@ -3,7 +3,7 @@ configuration (:class:`FromYaml`: ``from_yaml``, ``from_dict``, ``inputs``).
 
 :class:`Options` declares the output dtype, the compute dtype, the device, passthrough, the shard
 size, mixed dtypes, the curvature/weights pairing and the K-FAC ``solver`` settings (a
-:class:`gradmerge.SolverSpec`), each once, as a field with its
+:class:`gradmerge.KroneckerCG`), each once, as a field with its
 :class:`~gradmerge.settings.Setting`; :class:`~gradmerge.jobs.config.MergeConfig` and
 :class:`~gradmerge.jobs.config.RemoveConfig` add their own. :func:`plain` turns a configuration
 into the JSON values of a run's record.
@@ -23,7 +23,7 @@ from gradmerge._guard import Input
 from gradmerge.jobs.inputs import NOT_KEYS, path_inputs
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.settings import Setting, declared, setting
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -138,15 +138,15 @@ class Options(FromYaml):
         kind="choice",
         choices=CURVATURE_WEIGHTS,
     )
-    solver: SolverSpec = field(
-        default_factory=SolverSpec,
+    solver: KroneckerCG = field(
+        default_factory=KroneckerCG,
         metadata={
             "setting": Setting(
                 "the K-FAC solves: a mapping with the keys of the `solver` table below, the "
-                "fields of `gm.SolverSpec` one to one.",
+                "fields of `gm.KroneckerCG` one to one.",
                 kind="mapping",
                 default_doc="see below",
-                python="`solver=gm.SolverSpec(...)`, its fields named as the keys",
+                python="`solver=gm.KroneckerCG(...)`, its fields named as the keys",
             )
         },
     )
@@ -195,7 +195,9 @@ def plain(value: Any) -> Any:
     mapping of its fields (optional keys not given left out), tuples as lists."""
     if isinstance(value, Path):
         return str(value)
-    if is_dataclass(value) and not isinstance(value, type):  # ModelInput, CurvatureTerm, SolverSpec
+    if is_dataclass(value) and not isinstance(
+        value, type
+    ):  # ModelInput, CurvatureTerm, KroneckerCG
         return {
             f.name: plain(getattr(value, f.name))
             for f in fields(value)

@@ -1,7 +1,7 @@
 """The tables of docs/config.md, generated from the settings' declarations.
 
 Each YAML key and option is declared once (:mod:`gradmerge.settings`, the fields of
-:mod:`gradmerge.jobs.config`, :class:`gradmerge.SolverSpec`, :class:`gradmerge.EstimateOptions`
+:mod:`gradmerge.jobs.config`, :class:`gradmerge.KroneckerCG`, :class:`gradmerge.EstimateOptions`
 and :class:`gradmerge.jobs.refine.RefineConfig`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
 and the records' ``docs`` lines as its lists of methods, between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
@@ -31,7 +31,7 @@ from gradmerge.jobs.refine import RefineConfig, TaskInput
 from gradmerge.methods import registry
 from gradmerge.methods.base import Command
 from gradmerge.settings import REQUIRED, Setting, declared, default_of
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG
 
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
@@ -48,7 +48,7 @@ def tables() -> dict[str, str]:
         "remerge": _table(Remerge, list(declared(Remerge)), "remove"),
         "term": _table(CurvatureTerm, list(declared(CurvatureTerm)), None),
         "options": _table(Options, list(shared), None),
-        "solver": _table(SolverSpec, list(declared(SolverSpec)), None),
+        "solver": _table(KroneckerCG, list(declared(KroneckerCG)), None),
         "estimate": _table(EstimateOptions, list(declared(EstimateOptions)), None, flags=True),
         "refine": _table(RefineConfig, list(declared(RefineConfig)), None),
         "refine_models": _table(TaskInput, list(declared(TaskInput)), None),

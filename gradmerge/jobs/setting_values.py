@@ -1,6 +1,6 @@
 """One declared setting's value, read from a job's YAML (:func:`read_one`): a scalar checked by
 its :class:`~gradmerge.settings.Setting`, a path, a size, a device, or a mapping of its own — a
-precision term δ·I + s·C (:func:`read_term`), ``solver:`` (a :class:`gradmerge.SolverSpec`), a
+precision term δ·I + s·C (:func:`read_term`), ``solver:`` (a :class:`gradmerge.KroneckerCG`), a
 re-merge's ``without``.
 
 Example:
@@ -19,7 +19,7 @@ from gradmerge.errors import ConfigError
 from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.yaml_reader import Reader
 from gradmerge.settings import REQUIRED, Setting, check, declared, default_of
-from gradmerge.solvers.spec import SolverSpec, refuse_renamed
+from gradmerge.solvers.spec import KroneckerCG, refuse_renamed
 from gradmerge.solvers.spec import checked as checked_solver
 
 
@@ -43,16 +43,17 @@ def _term_or_default(r: Reader, key: str, default: Any) -> CurvatureTerm | None:
     return read_term(r, key, required=default is REQUIRED)
 
 
-def _solver(r: Reader, key: str, default: Any) -> SolverSpec:
-    """``solver:``, the fields of :class:`gradmerge.SolverSpec` one to one, each checked by its
-    declaration (:func:`gradmerge.solvers.spec.checked`, naming ``solver.KEY``)."""
+def _solver(r: Reader, key: str, default: Any) -> KroneckerCG:
+    """``solver:``, the fields of :class:`gradmerge.KroneckerCG` (the K-FAC solves' solver) one
+    to one, each checked by its declaration (:func:`gradmerge.solvers.spec.checked`, naming
+    ``solver.KEY``)."""
     if r.data.get(key) is None:
-        return SolverSpec()
+        return KroneckerCG()
     s = r.sub(r.data[key], key)
     refuse_renamed(s.data, key, ConfigError)
-    s.allow(*declared(SolverSpec))
+    s.allow(*declared(KroneckerCG))
     given = {k: v for k, v in s.data.items() if v is not None}
-    return SolverSpec(**checked_solver(given, key, ConfigError))
+    return KroneckerCG(**checked_solver(given, key, ConfigError))
 
 
 def _curvature_sum(r: Reader, key: str, default: Any) -> Path | tuple[Path, ...] | None:

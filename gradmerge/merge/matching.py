@@ -16,9 +16,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, cast
+from typing import NoReturn, ParamSpec, cast
 
 from torch import Tensor
 
@@ -38,7 +38,7 @@ from gradmerge.merge.inputs import (
 )
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG, Solver
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,35 @@ class Merged:
 
     params: dict[str, Tensor]
     solution: Solution
+
+
+_Args = ParamSpec("_Args")
+
+SOLUTION = "__solution__"
+"""The attribute of a public solving rule that holds its implementation with the report
+(:func:`reports`), which :func:`gradmerge.with_solution` calls."""
+
+
+def reports(
+    rule: Callable[_Args, dict[str, Tensor]],
+) -> Callable[[Callable[_Args, Merged]], Callable[_Args, Merged]]:
+    """Declare the decorated function as ``rule`` with the report of its solve: the same
+    parameters (checked by the type checker through the shared ``ParamSpec``), returning a
+    :class:`Merged`; ``rule`` returns its ``params``. Each solving rule declares this where it
+    is defined, so :func:`gradmerge.with_solution` needs no list of rules and no re-binding of
+    arguments: it calls ``rule``'s implementation with the caller's arguments as they are.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> getattr(gm.gradient_matching, SOLUTION).__name__
+        '_gradient_matching'
+    """
+
+    def declare(solved: Callable[_Args, Merged]) -> Callable[_Args, Merged]:
+        setattr(rule, SOLUTION, solved)
+        return solved
+
+    return declare
 
 
 def task_arithmetic(
@@ -120,7 +149,7 @@ def gradient_matching(
     prior: CurvatureLike,
     alphas: float | Sequence[float] = 1.0,
     kernel: Kernel | None = SELECTED,
-    solver: SolverSpec | None = None,
+    solver: Solver | None = None,
     **removed: NoReturn,
 ) -> dict[str, Tensor]:
     r"""The uncertainty-based gradient-matching merge (Eq. 6).
@@ -158,9 +187,11 @@ def gradient_matching(
             ``gm.fused_kernels("off")`` or ``$GRADMERGE_FUSED=off`` turns it off, as for the
             engine). ``None``: the chunked torch pass of :mod:`gradmerge.elementwise.matching` alone,
             which compiles nothing. Or a :class:`gradmerge.kernels.Fused` (``Fused("on")``).
-        solver: how H̄⁻¹ is applied where it is iterative (K-FAC, sums, matrix-free):
-            :class:`gradmerge.SolverSpec`; ``None``: each operator's defaults. With
-            ``warm_start``, K-FAC layers may start from the task-arithmetic solution Σ_t α_t τ_t.
+        solver: the solver object of H̄ x = rhs where it is iterative, passed to that solve:
+            :class:`gradmerge.KroneckerCG` for K-FAC (its ``tol`` and ``maxiter`` also run the
+            CG of sums), :class:`gradmerge.CG` for sums and matrix-free operators; ``None``:
+            their defaults; direct solves use none. With ``KroneckerCG(warm_start=True)``,
+            K-FAC layers may start from the task-arithmetic solution Σ_t α_t τ_t.
 
     Returns:
         The merged parameters, a new dict with the keys of ``base``. ``gm.with_solution(
@@ -183,21 +214,33 @@ def gradient_matching(
         >>> gm.gradient_matching(base, fts, Hs, prior=1.0)
         {'w': tensor([1., 1.])}
     """
-    refuse_removed("gradient_matching", removed)
-    solved = _gradient_matching(base, finetuned, curvatures, prior, alphas, kernel, solver)
+    solved = _gradient_matching(
+        base,
+        finetuned,
+        curvatures,
+        prior=prior,
+        alphas=alphas,
+        kernel=kernel,
+        solver=solver,
+        **removed,
+    )
     return solved.params
 
 
+@reports(gradient_matching)
 def _gradient_matching(
     base: Params,
     finetuned: Sequence[Params],
     curvatures: Sequence[CurvatureLike],
+    *,
     prior: CurvatureLike,
-    alphas: float | Sequence[float],
-    kernel: Kernel | None,
-    solver: SolverSpec | None,
+    alphas: float | Sequence[float] = 1.0,
+    kernel: Kernel | None = SELECTED,
+    solver: Solver | None = None,
+    **removed: NoReturn,
 ) -> Merged:
     """:func:`gradient_matching` with the solve's report (its arguments, checked here)."""
+    refuse_removed("gradient_matching", removed)
     tasks = len(finetuned)
     if tasks == 0:
         raise ArgumentError("gradient_matching needs at least one fine-tuned model, got none")
@@ -244,7 +287,7 @@ def _generic_merge(
     h0: Curvature,
     hs: Sequence[Curvature],
     names: Sequence[str],
-    solver: SolverSpec | None,
+    solver: Solver | None,
 ) -> tuple[dict[str, Tensor], Solution]:
     """Eq. 6 through the operator algebra (any structure); inputs checked here."""
     P.check_finite(base, name="base")
@@ -261,7 +304,7 @@ def _generic_merge(
         # agree bit for bit
         rhs = P.add(rhs, P.scale(alpha, P.add(h0.mv(tau), h.mv(tau))))
     guess = None  # the task-arithmetic solution Σ_t α_t τ_t, where a warm start may use it
-    if solver is not None and solver.warm_start:
+    if isinstance(solver, KroneckerCG) and solver.warm_start:
         guess = P.zeros_like(base)
         for alpha, tau in zip(weights, task_vectors, strict=True):
             guess = P.axpy(alpha, tau, guess)
@@ -272,8 +315,9 @@ def _generic_merge(
 
 
 def solve(
-    precision: Curvature, rhs: Params, solver: SolverSpec | None, guess: Params | None = None
+    precision: Curvature, rhs: Params, solver: Solver | None, guess: Params | None = None
 ) -> tuple[dict[str, Tensor], Solution]:
-    """(precision⁻¹ rhs, the solve's report), run as ``solver`` says."""
+    """(precision⁻¹ rhs, the solve's report), run as ``solver`` says (passed to the call that
+    solves, :meth:`Curvature.solve_info`)."""
     solved = precision.solve_info(rhs, solver, guess=guess)
     return solved.value, solved

@@ -24,6 +24,7 @@ from gradmerge.curvature import Curvature
 from gradmerge.errors import ArgumentError, NonFiniteError
 from gradmerge.merge.inputs import CurvatureLike, checked_alphas, checked_curvature
 from gradmerge.params import Params
+from gradmerge.solvers.spec import Solver
 
 
 def refine(
@@ -35,6 +36,7 @@ def refine(
     prior: CurvatureLike,
     alphas: float | Sequence[float] = 1.0,
     steps: int = 1,
+    solver: Solver | None = None,
 ) -> list[dict[str, Tensor]]:
     r"""Iterative refinement of a merge towards the exact multi-task MAP (Sec. 1.5, future work).
 
@@ -64,6 +66,9 @@ def refine(
         prior: H_0.
         alphas: α_t.
         steps: how many steps.
+        solver: the solver object of each step's H̄ solve where it is iterative, passed to it
+            (:class:`gradmerge.KroneckerCG` for K-FAC, :class:`gradmerge.CG` for sums and
+            matrix-free operators); ``None``: their defaults.
 
     Returns:
         The iterates θ^1, …, θ^steps.
@@ -100,7 +105,7 @@ def refine(
             # non-convex loss may be indefinite (H̄'s solve refuses an indefinite sum)
             h_t = checked_curvature(h_t, base, name=f"curvatures[{t}]", psd=False)
             precision = precision + alpha * h_t
-        direction = precision.solve(residual)
+        direction = precision.solve_info(residual, solver).value
         # backtracking on ‖R‖, which a Newton direction decreases: far from θ_{1:T} a full step
         # can overshoot (the expansion is local)
         size, norm = 1.0, P.norm(residual)

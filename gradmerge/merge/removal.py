@@ -29,10 +29,10 @@ from gradmerge.merge.inputs import (
     refuse_removed,
     task_vector,
 )
-from gradmerge.merge.matching import Merged, solve
+from gradmerge.merge.matching import Merged, reports, solve
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import Solver
 
 
 def remove(
@@ -43,7 +43,7 @@ def remove(
     remaining: CurvatureLike,
     prior: CurvatureLike,
     alpha: float = 1.0,
-    solver: SolverSpec | None = None,
+    solver: Solver | None = None,
     **removed: NoReturn,
 ) -> dict[str, Tensor]:
     r"""Remove data (or a task) D_t from a model by gradient matching (Eq. 13).
@@ -65,7 +65,9 @@ def remove(
             INCLUDING the base model's own regulariser δ·I (``C_remaining + delta``).
         prior: H_0 used when fine-tuning θ_t.
         alpha: α_t.
-        solver: how H̄_\t⁻¹ is applied where it is iterative (:class:`gradmerge.SolverSpec`).
+        solver: the solver object of H̄_\t x = rhs where it is iterative (:class:`gradmerge.KroneckerCG`
+            for K-FAC, :class:`gradmerge.CG` for sums and matrix-free operators); ``None``:
+            their defaults.
 
     Returns:
         The parameters without D_t; ``gm.with_solution(gm.remove, ...)`` returns them in a
@@ -77,20 +79,32 @@ def remove(
         >>> gm.remove(base, ft, gm.Diagonal({"w": torch.tensor([1.0])}), remaining=4.0, prior=1.0)
         {'w': tensor([0.5000])}
     """
-    refuse_removed("remove", removed)
-    return _remove(base, finetuned, curvature, remaining, prior, alpha, solver).params
+    return _remove(
+        base,
+        finetuned,
+        curvature,
+        remaining=remaining,
+        prior=prior,
+        alpha=alpha,
+        solver=solver,
+        **removed,
+    ).params
 
 
+@reports(remove)
 def _remove(
     base: Params,
     finetuned: Params,
     curvature: CurvatureLike,
+    *,
     remaining: CurvatureLike,
     prior: CurvatureLike,
-    alpha: float,
-    solver: SolverSpec | None,
+    alpha: float = 1.0,
+    solver: Solver | None = None,
+    **removed: NoReturn,
 ) -> Merged:
     """:func:`remove` with the solve's report (its arguments, checked here)."""
+    refuse_removed("remove", removed)
     P.check_params(base, name="base", finite=False)
     base, finetuned = P.detached(base), P.detached(finetuned)
     (weight,) = checked_alphas([alpha], 1, dtype=dtype_of(base), name="alpha")
@@ -107,9 +121,9 @@ def _remove(
     ht = checked_curvature(curvature, base, name="curvature")
     rest = checked_curvature(remaining, base, name="remaining")
     correction, report = solve(rest, P.add(h0.mv(tau), ht.mv(tau)), solver)
-    removed = P.axpy(-weight, correction, base)  # Eq. 13
-    P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return Merged(removed, report)
+    result = P.axpy(-weight, correction, base)  # Eq. 13
+    P.check_result_finite(result, what="removal result", alphas=[weight], small="remaining")
+    return Merged(result, report)
 
 
 def _remove_elementwise(
@@ -139,7 +153,7 @@ def influence_remove(
     *,
     remaining: CurvatureLike,
     alpha: float = 1.0,
-    solver: SolverSpec | None = None,
+    solver: Solver | None = None,
     **removed: NoReturn,
 ) -> dict[str, Tensor]:
     r"""Remove data D_t with the influence-function step of Koh & Liang (2017) (Sec. 1.4).
@@ -158,18 +172,23 @@ def influence_remove(
         >>> gm.influence_remove({"w": torch.tensor([1.0])}, {"w": torch.tensor([-2.0])}, remaining=4.0)
         {'w': tensor([0.5000])}
     """
-    refuse_removed("influence_remove", removed)
-    return _influence_remove(base, gradient, remaining, alpha, solver).params
+    return _influence_remove(
+        base, gradient, remaining=remaining, alpha=alpha, solver=solver, **removed
+    ).params
 
 
+@reports(influence_remove)
 def _influence_remove(
     base: Params,
     gradient: Params,
+    *,
     remaining: CurvatureLike,
-    alpha: float,
-    solver: SolverSpec | None,
+    alpha: float = 1.0,
+    solver: Solver | None = None,
+    **removed: NoReturn,
 ) -> Merged:
     """:func:`influence_remove` with the solve's report (its arguments, checked here)."""
+    refuse_removed("influence_remove", removed)
     P.check_params(base, name="base")
     P.check_params(gradient, name="gradient")
     P.check_compatible(base, gradient, ref_name="base", name="gradient")
@@ -177,6 +196,6 @@ def _influence_remove(
     (weight,) = checked_alphas([alpha], 1, dtype=dtype_of(base), name="alpha")
     rest = checked_curvature(remaining, base, name="remaining")
     x, report = solve(rest, gradient, solver)
-    removed = P.axpy(weight, x, base)
-    P.check_result_finite(removed, what="removal result", alphas=[weight], small="remaining")
-    return Merged(removed, report)
+    result = P.axpy(weight, x, base)
+    P.check_result_finite(result, what="removal result", alphas=[weight], small="remaining")
+    return Merged(result, report)

@@ -34,7 +34,7 @@ tensors and the unit's restriction of each curvature, so a streamed merge comput
 unit, exactly what the in-memory call computes on whole state dicts (the curvature structures
 never couple two units). A merge rule takes a :class:`MergeUnit`, a removal rule a
 :class:`RemoveUnit`. Each unit carries the job's solver settings (``solver``, a
-:class:`gradmerge.SolverSpec` from its ``solver:`` block), passed to the solve; each rule
+:class:`gradmerge.KroneckerCG` from its ``solver:`` block), passed to the solve; each rule
 returns the unit's tensors with the report of its solve (``None`` where nothing is solved).
 
 Example:
@@ -63,7 +63,7 @@ from gradmerge.merge import spectral
 from gradmerge.merge.inputs import CurvatureLike
 from gradmerge.params import Params
 from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import SolverSpec
+from gradmerge.solvers.spec import KroneckerCG
 
 Need = Literal["required", "optional", "forbidden"]
 Command = Literal["merge", "remove"]
@@ -111,7 +111,7 @@ class MergeUnit:
     kernel: Kernel | None = None
     off_diagonal: float = merge.REGMEAN_OFF_DIAGONAL
     curvature_scales: Sequence[float] | None = None
-    solver: SolverSpec | None = None
+    solver: KroneckerCG | None = None
     embeddings: str = "average"
     common_space_fraction: float = spectral.ISO_CTS_COMMON_SPACE_FRACTION
     average: frozenset[str] = frozenset()
@@ -146,7 +146,7 @@ class RemoveUnit:
     curvature: Curvature | None = None
     prior: CurvatureLike | None = None
     gradient: Params | None = None
-    solver: SolverSpec | None = None
+    solver: KroneckerCG | None = None
 
 
 MergeRule = Callable[[MergeUnit], Solved]

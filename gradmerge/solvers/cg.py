@@ -3,6 +3,8 @@
 Structured curvatures solve exactly (elementwise, Cholesky, Kronecker eigendecompositions); sums
 that no structure can solve exactly, and matrix-free operators, use :func:`conjugate_gradient`.
 It never returns a silently wrong answer: ``solve`` methods raise when CG does not converge.
+The settings come from the caller's solver object (:class:`gradmerge.solvers.spec.CG`:
+:func:`solve_or_raise`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from torch import Tensor
 from gradmerge import params as P
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError
 from gradmerge.params import Params
-from gradmerge.solvers.solution import Solution
-from gradmerge.solvers.spec import DEFAULT_TOL, LOW_PRECISION_TOL, MAXITER
+from gradmerge.solvers.solution import Result, Solution
+from gradmerge.solvers.spec import CG, DEFAULT_TOL, LOW_PRECISION_TOL, MAXITER
 
 Operator = Callable[[Params], dict[str, Tensor]]
 
@@ -39,18 +41,18 @@ def default_tol(dtype: torch.dtype) -> float:
 def solve_or_raise(
     apply: Operator,
     b: Params,
+    solver: CG,
     *,
-    tol: float | None,
-    maxiter: int,
     what: str,
     precondition: Operator | None = None,
 ) -> Solution:
-    """:func:`conjugate_gradient`, raising :class:`NotConvergedError` if it does not converge.
-
-    ``tol=None`` takes :func:`default_tol` of ``b``'s dtype.
-    """
+    """:func:`conjugate_gradient` run as ``solver`` says (its ``tol``, ``None``:
+    :func:`default_tol` of ``b``'s dtype; its ``maxiter``), raising :class:`NotConvergedError`
+    if it does not converge."""
     dtype = next(iter(b.values())).dtype
-    tol = default_tol(dtype) if tol is None else tol
+    tol = default_tol(dtype) if solver.tol is None else solver.tol
+    maxiter = solver.maxiter
+    assert maxiter is not None  # CG resolves its default
     result = conjugate_gradient(
         apply, b, precondition=precondition, tol=tol, maxiter=maxiter, what=what
     )
@@ -91,7 +93,7 @@ def conjugate_gradient(
     prec = precondition if precondition is not None else (lambda v: dict(v))
     bnorm = P.norm(b)
     if bnorm == 0:
-        return Solution(P.zeros_like(b), "CG", 0, 0.0, True)
+        return Solution(P.zeros_like(b), "CG", 0, 0.0)
     x = dict(x0) if x0 is not None else (prec(b) if precondition is not None else P.zeros_like(b))
     iterations, residual = 0, float("inf")
     # restart from the true residual whenever the recursive one has converged but drifted
@@ -120,4 +122,4 @@ def conjugate_gradient(
             iterations += 1
     residual = P.norm(P.sub(b, apply(x))) / bnorm
     method = "preconditioned CG" if precondition is not None else "CG"
-    return Solution(x, method, iterations, residual, residual <= tol)
+    return Solution(x, method, iterations, residual, Result.of(residual <= tol))

@@ -50,7 +50,7 @@ from torch import Tensor
 from gradmerge.errors import NotConvergedError, NotPositiveDefiniteError, not_pd
 from gradmerge.solvers.cg import default_tol
 from gradmerge.solvers.kronecker import Term, eigh, identity_multiple
-from gradmerge.solvers.spec import ArithmeticMode, SolverSpec
+from gradmerge.solvers.spec import ArithmeticMode, KroneckerCG
 
 REFINEMENTS = 5
 """Rounds of iterative refinement after the first solve (each one a solve of K e = r)."""
@@ -114,7 +114,7 @@ def solve(
     delta: float,
     terms: list[Term],
     b: Tensor,
-    spec: SolverSpec | None = None,
+    spec: KroneckerCG | None = None,
     *,
     x0: Tensor | None = None,
     reduce: bool = True,
@@ -126,8 +126,9 @@ def solve(
         delta: δ ≥ 0 (δ = 0 needs the terms' sum to be positive definite).
         terms: (A_k, G_k), at least one, PSD factors of one dtype and device.
         b: B, (out × in[+1]).
-        spec: :class:`SolverSpec` (default ``SolverSpec()``): ``tol``, the relative residual to
-            certify (default: by the dtype, :data:`gradmerge.solvers.spec.DEFAULT_TOL`); ``maxiter``, CG iterations per
+        spec: the solver, a :class:`KroneckerCG` (default ``KroneckerCG()``): ``tol``, the
+            relative residual to certify (default: by the dtype,
+            :data:`gradmerge.solvers.spec.DEFAULT_TOL`); ``maxiter``, CG iterations per
             round before :class:`NotConvergedError`; ``approximate``, stop after at most
             ``maxiter`` CG iterations (0: the preconditioner's solve D⁻¹ in the common
             eigenbasis alone, which is exact for one term) and return that x with its measured
@@ -157,10 +158,10 @@ def solve(
         >>> torch.allclose(s.x.reshape(-1), torch.linalg.solve(dense, b.reshape(-1)), atol=1e-5)
         True
     """
-    spec = SolverSpec() if spec is None else spec
+    spec = KroneckerCG() if spec is None else spec
     tol = default_tol(b.dtype) if spec.tol is None else spec.tol
     maxiter = spec.maxiter
-    assert maxiter is not None  # SolverSpec resolves its default
+    assert maxiter is not None  # KroneckerCG resolves its default
     bnorm = float(torch.linalg.norm(b.to(torch.float64)))
     if bnorm == 0:
         return LayerSolve(torch.zeros_like(b), "zero right-hand side", 0, 0.0)
@@ -197,7 +198,7 @@ def solve(
         # residual certified is the float64 solution's, and the method says what rounding it to
         # the working dtype (as the merged tensors will be) leaves
         wide = [(a.to(torch.float64), g.to(torch.float64)) for a, g in terms]
-        exact = solve(name, delta, wide, b.to(torch.float64), SolverSpec(tol, maxiter))
+        exact = solve(name, delta, wide, b.to(torch.float64), KroneckerCG(tol, maxiter))
         x, iterations, rel = exact.x.to(b.dtype), iterations + exact.iterations, exact.residual
         rounded = float(torch.linalg.norm(residual(delta, terms, b, x))) / bnorm
         dtype = str(b.dtype).removeprefix("torch.")

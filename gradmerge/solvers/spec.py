@@ -1,15 +1,33 @@
-"""How an iterative solve K x = b is to be run: one frozen record, passed to each solve.
+"""The solvers: one frozen settings object per algorithm, passed to the call that solves.
 
-The YAML ``solver:`` block of a merge or removal config maps onto it key for key; the
-streaming engine builds one per job and hands it to every unit's solve (no setting travels on
-the operators). The in-memory rules take it as ``solver=``.
+In the shape of lineax (Rader et al.): a solver object holds only its own algorithm's settings
+and is handed to the solve itself — ``C.solve_info(v, solver)``, or a rule's ``solver=``
+(:func:`gradmerge.gradient_matching`, :func:`gradmerge.remove`,
+:func:`gradmerge.influence_remove`); no operator carries settings of its own. Every solve
+returns one :class:`gradmerge.Solution` whose ``result`` (:class:`gradmerge.solvers.solution.
+Result`) says how it ended.
+
+- :class:`CG`: conjugate gradients over parameter dicts — lazy sums of structures
+  (:class:`gradmerge.Sum`) and matrix-free operators (:class:`gradmerge.MatrixFree`); settings
+  ``tol``, ``maxiter``.
+- :class:`KroneckerCG`: the K-FAC layers' solve, δ·I plus Kronecker products, by CG in the
+  eigenbasis of the collapsed factors, certified in float64
+  (:func:`gradmerge.solvers.kfac_cg.solve`); it adds ``approximate``, ``arithmetic`` and
+  ``warm_start``. A :class:`KroneckerCG` is a :class:`CG`: where the system it meets is a
+  sum or matrix-free, it runs plain CG with its ``tol`` and ``maxiter``.
+
+Direct solves (δ·I, diagonal, dense, one or two Kronecker products without δ·I) take no
+settings: they run whatever solver is passed. The YAML ``solver:`` block of a merge or removal
+config maps onto a :class:`KroneckerCG` key for key (the solves of a job are K-FAC's), which the
+streaming engine hands to every unit's solve. ``SolverSpec``, the one settings record that
+came before these objects, is :class:`KroneckerCG` under its old name (a thin alias).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from gradmerge.errors import ArgumentError, RemovedArgumentError
 from gradmerge.settings import check, declared, setting
@@ -57,40 +75,36 @@ means the prior's precision matrix in gradmerge, so the float arithmetic has its
 
 
 @dataclass(frozen=True)
-class SolverSpec:
-    """Settings of the iterative (K-FAC, CG) solves of a merge or removal.
+class Solver:
+    """A solver: the settings of one algorithm for K x = b, passed to the call that solves.
 
-    Every field is declared once (its meaning, range and default: :func:`gradmerge.settings.
-    declared`; docs/config.md's ``solver`` table is generated from them):
+    The subclasses are the algorithms (:class:`CG`, :class:`KroneckerCG`); an operator runs
+    the one it is given where it applies (:meth:`gradmerge.Curvature.solve_info`) and refuses
+    one that does not fit its structure with an :class:`~gradmerge.errors.ArgumentError`.
+    """
 
-    - ``tol``: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
-      ``None``: by the solve's dtype, :data:`DEFAULT_TOL` (:func:`gradmerge.solvers.cg.default_tol`).
-    - ``maxiter``: CG iterations per round before :class:`NotConvergedError`; ``None``:
-      :data:`MAXITER`, or 0 with ``approximate``; the record holds the resolved number.
-    - ``approximate``: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
-      with whatever residual it has, still measured and reported; never the default.
-    - ``arithmetic``: the dtype of the K-FAC CG's inner Kronecker products: ``"working"``,
-      ``"bfloat16"`` (inside an iterative refinement certified the same way) or ``"auto"``:
-      ``"bfloat16"`` for float32 layers with both sides ≥
-      :data:`gradmerge.solvers.kfac_cg.LOW_MIN_SIDE` on a device whose bfloat16 GEMMs are
-      measurably faster (a CUDA device that supports bfloat16; a CPU where a timed 512²
-      product is ≥ 1.5× faster in bfloat16), else ``"working"``.
-    - ``warm_start``: start each K-FAC layer's CG from the best of the caller's guess (the
-      task-arithmetic solution for a merge) and the preconditioner's solve, by their residuals.
+
+@dataclass(frozen=True)
+class CG(Solver):
+    """Conjugate gradients on K x = b over parameter dicts, to a relative residual.
+
+    The solve of a lazy sum of structures (:class:`gradmerge.Sum`) and of a matrix-free
+    operator (:class:`gradmerge.MatrixFree`): unpreconditioned CG restarted from the true
+    residual, stopping when ‖b − Kx‖/‖b‖ ≤ ``tol``; above it after ``maxiter`` iterations
+    it raises :class:`~gradmerge.errors.NotConvergedError` (never a silent wrong result).
+
+    - ``tol``: the relative residual ‖b − Kx‖/‖b‖ to reach; ``None``: by the solve's dtype,
+      :data:`DEFAULT_TOL` (:func:`gradmerge.solvers.cg.default_tol`).
+    - ``maxiter``: the iteration budget; ``None``: :data:`MAXITER` (the record holds the
+      resolved number).
 
     Example:
-        >>> import gradmerge as gm
-        >>> gm.SolverSpec(tol=1e-4, maxiter=200)
-        SolverSpec(tol=0.0001, maxiter=200, approximate=False, arithmetic='auto', warm_start=False)
-        >>> gm.SolverSpec().maxiter, gm.SolverSpec(approximate=True).maxiter
-        (1000, 0)
-        >>> gm.SolverSpec(tol=2.0)
-        Traceback (most recent call last):
-        ...
-        gradmerge.errors.ArgumentError: `SolverSpec.tol` (a relative residual) must be > 0 and < 1, got 2.0 (e.g. 1.0e-6)
-
-    The field ``precision`` of gradmerge 0.1.0 is ``arithmetic`` (:data:`RENAMED`); the old
-    keyword raises :class:`~gradmerge.errors.RemovedArgumentError` naming it.
+        >>> import torch, gradmerge as gm
+        >>> K = gm.KFAC({"fc": (torch.eye(2), torch.eye(1))})
+        >>> S = K + gm.Diagonal({"fc.weight": torch.tensor([[1.0, 3.0]])})   # a Sum
+        >>> s = S.solve_info({"fc.weight": torch.tensor([[2.0, 4.0]])}, gm.CG(tol=1e-6, maxiter=50))
+        >>> s.result, s.value["fc.weight"].round(decimals=4)
+        (<Result.successful: 'successful'>, tensor([[1., 1.]]))
     """
 
     tol: float | None = setting(
@@ -113,6 +127,64 @@ class SolverSpec:
         source="`gradmerge.solvers.spec.MAXITER`, a budget; with `approximate`, 0: the "
         "preconditioner's solve alone",
     )
+
+    def __post_init__(self) -> None:
+        values = checked(
+            {k: getattr(self, k) for k in declared(self)}, type(self).__name__, ArgumentError, self
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class KroneckerCG(CG):
+    """The K-FAC layers' solve: δ·I plus Kronecker products, by eigenbasis-preconditioned CG.
+
+    Each layer's system (δI + Σ_k A_k ⊗ G_k) X = B is solved by CG in the eigenbasis of the
+    collapsed factors, preconditioned by the exact diagonal there, with iterative refinement
+    until the relative residual, certified in float64, is at most ``tol``
+    (:func:`gradmerge.solvers.kfac_cg.solve`). On a sum or a matrix-free operator it is a
+    :class:`CG` with its ``tol`` and ``maxiter``. The settings of the iterative solves of a
+    merge or removal (the YAML ``solver:`` block, key for key).
+
+    Every field is declared once (its meaning, range and default: :func:`gradmerge.settings.
+    declared`; docs/config.md's ``solver`` table is generated from them):
+
+    - ``tol``: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
+      ``None``: by the solve's dtype, :data:`DEFAULT_TOL` (:func:`gradmerge.solvers.cg.default_tol`).
+    - ``maxiter``: CG iterations per round before :class:`NotConvergedError`; ``None``:
+      :data:`MAXITER`, or 0 with ``approximate``; the record holds the resolved number.
+    - ``approximate``: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations
+      with whatever residual it has, still measured and reported; never the default.
+    - ``arithmetic``: the dtype of the K-FAC CG's inner Kronecker products: ``"working"``,
+      ``"bfloat16"`` (inside an iterative refinement certified the same way) or ``"auto"``:
+      ``"bfloat16"`` for float32 layers with both sides ≥
+      :data:`gradmerge.solvers.kfac_cg.LOW_MIN_SIDE` on a device whose bfloat16 GEMMs are
+      measurably faster (a CUDA device that supports bfloat16; a CPU where a timed 512²
+      product is ≥ 1.5× faster in bfloat16), else ``"working"``.
+    - ``warm_start``: start each K-FAC layer's CG from the best of the caller's guess (the
+      task-arithmetic solution for a merge) and the preconditioner's solve, by their residuals.
+
+    Example:
+        >>> import torch, gradmerge as gm
+        >>> gm.KroneckerCG(tol=1e-4, maxiter=200)
+        KroneckerCG(tol=0.0001, maxiter=200, approximate=False, arithmetic='auto', warm_start=False)
+        >>> gm.KroneckerCG().maxiter, gm.KroneckerCG(approximate=True).maxiter
+        (1000, 0)
+        >>> K = gm.KFAC({"fc": (torch.diag(torch.tensor([1.0, 3.0])), 2 * torch.eye(2))})
+        >>> s = (K + 2.0).solve_info({"fc.weight": torch.ones(2, 2)}, gm.KroneckerCG(tol=1e-6))
+        >>> s.result, s.value["fc.weight"][0]
+        (<Result.successful: 'successful'>, tensor([0.2500, 0.1250]))
+        >>> gm.KroneckerCG(tol=2.0)
+        Traceback (most recent call last):
+        ...
+        gradmerge.errors.ArgumentError: `KroneckerCG.tol` (a relative residual) must be > 0 and < 1, got 2.0 (e.g. 1.0e-6)
+
+    The field ``precision`` of gradmerge 0.1.0 is ``arithmetic`` (:data:`RENAMED`); the old
+    keyword raises :class:`~gradmerge.errors.RemovedArgumentError` naming it. ``gm.SolverSpec``
+    is this class under its former name.
+    """
+
     approximate: bool = setting(
         False,
         "`true` (never the default) accepts each layer after at most `maxiter` CG iterations "
@@ -143,43 +215,47 @@ class SolverSpec:
         kind="flag",
     )
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> SolverSpec:
+    def __new__(cls, *args: Any, **kwargs: Any) -> KroneckerCG:
         """Refuse the keywords of :data:`RENAMED` (the dataclass's ``__init__`` takes the rest)."""
-        refuse_renamed(kwargs, "SolverSpec", RemovedArgumentError)
+        refuse_renamed(kwargs, cls.__name__, RemovedArgumentError)
         return super().__new__(cls)
 
-    def __post_init__(self) -> None:
-        values = checked({k: getattr(self, k) for k in declared(self)}, "SolverSpec", ArgumentError)
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+
+SolverSpec = KroneckerCG
+"""The former name of :class:`KroneckerCG` (same fields, same YAML keys): a thin alias."""
 
 
 def refuse_renamed(
-    given: Mapping[str, Any], where: str = "SolverSpec", error: type[Exception] = ArgumentError
+    given: Mapping[str, Any], where: str = "KroneckerCG", error: type[Exception] = ArgumentError
 ) -> None:
     """Raise ``error`` for a key of ``given`` that :data:`RENAMED` lists, naming its new name
-    (``where``: ``SolverSpec``, a keyword; the YAML reader's ``solver``, a key)."""
+    (``where``: a class name, a keyword; the YAML reader's ``solver``, a key)."""
+    keyword = where in ("KroneckerCG", "SolverSpec")
     for old, new in RENAMED.items():
         if old in given:
             said = (
-                f"SolverSpec({old}=...) is SolverSpec({new}=...)"
-                if where == "SolverSpec"
+                f"{where}({old}=...) is {where}({new}=...)"
+                if keyword
                 else f"`{where}.{old}` is `{where}.{new}`"
             )
             raise error(
                 f"{said} (renamed after gradmerge 0.1.0): the floating-point arithmetic of the "
                 f'K-FAC solves ({", ".join(ARITHMETIC_MODES)}); "precision" names the prior\'s '
-                f"precision matrix only. Rename the {'keyword' if where == 'SolverSpec' else 'key'}: "
+                f"precision matrix only. Rename the {'keyword' if keyword else 'key'}: "
                 f"{new}={given[old]!r}"
             )
 
 
 def checked(
-    given: Mapping[str, Any], where: str = "SolverSpec", error: type[Exception] = ArgumentError
+    given: Mapping[str, Any],
+    where: str = "KroneckerCG",
+    error: type[Exception] = ArgumentError,
+    solver: Any = None,
 ) -> dict[str, Any]:
-    """The :class:`SolverSpec` fields in ``given`` checked by their declarations, ``maxiter``
-    resolved; messages name each as ``{where}.{key}`` (the YAML reader: ``solver.tol``)."""
-    settings = declared(SolverSpec)
+    """The fields of ``solver`` (a solver class or instance; default :class:`KroneckerCG`) in
+    ``given`` checked by their declarations, ``maxiter`` resolved; messages name each as
+    ``{where}.{key}`` (the YAML reader: ``solver.tol``)."""
+    settings = declared(KroneckerCG if solver is None else solver)
     out = {
         k: v
         if v is None and k in ("tol", "maxiter")
@@ -190,7 +266,62 @@ def checked(
     if out.get("maxiter") is None:
         out["maxiter"] = 0 if approximate else MAXITER
     if out["maxiter"] == 0 and not approximate:
-        raise error(
-            f"`{where}.maxiter` must be a whole number ≥ 1 (≥ 0 with approximate: true), got 0"
-        )
+        clause = " (≥ 0 with approximate: true)" if "approximate" in settings else ""
+        raise error(f"`{where}.maxiter` must be a whole number ≥ 1{clause}, got 0")
     return out
+
+
+_S = TypeVar("_S", bound=Solver)
+
+
+def solver_for(given: object, kind: type[_S], where: str) -> _S:
+    """``given`` where it is a ``kind`` (``None``: ``kind()``, its defaults); else an
+    :class:`~gradmerge.errors.ArgumentError` naming the solver ``where`` (the structure being
+    solved) takes.
+
+    Example:
+        >>> solver_for(None, CG, "a Sum").maxiter
+        1000
+        >>> solver_for(CG(tol=1e-6), KroneckerCG, "KFAC")
+        Traceback (most recent call last):
+        ...
+        gradmerge.errors.ArgumentError: KFAC solves with a gm.KroneckerCG, got CG(tol=1e-06, maxiter=1000): pass e.g. gm.KroneckerCG(tol=1e-06, maxiter=1000)
+    """
+    if given is None:
+        return kind()
+    if isinstance(given, kind):
+        return given
+    hint = (
+        f"gm.{kind.__name__}(tol={given.tol!r}, maxiter={given.maxiter!r})"
+        if isinstance(given, CG) and issubclass(kind, CG)
+        else f"gm.{kind.__name__}(...)"
+    )
+    raise ArgumentError(
+        f"{where} solves with a gm.{kind.__name__}, got {given!r}: pass e.g. {hint}"
+        if isinstance(given, Solver)
+        else f"{where} takes a solver object (gm.CG, gm.KroneckerCG), got "
+        f"{type(given).__name__}: pass e.g. {hint}"
+    )
+
+
+def refuse_settings(where: str, given: Mapping[str, object]) -> None:
+    """Refuse the solver keywords ``tol``/``maxiter`` that the operator ``where`` (``Sum``,
+    ``MatrixFree``) took before the solver objects, naming the call that takes them now; any
+    other unknown keyword is Python's ``TypeError``.
+
+    Example:
+        >>> refuse_settings("Sum", {"maxiter": 5})
+        Traceback (most recent call last):
+        ...
+        gradmerge.errors.RemovedArgumentError: Sum no longer takes maxiter: an operator holds no solver settings; pass gm.CG(maxiter=5) to the call that solves, C.solve_info(v, gm.CG(maxiter=5)) or the rule's solver=gm.CG(maxiter=5)
+    """
+    for name in given:
+        if name not in ("tol", "maxiter"):
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+    if given:
+        cg = "gm.CG(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")"
+        raise RemovedArgumentError(
+            f"{where} no longer takes {', '.join(given)}: an operator holds no solver settings; "
+            f"pass {cg} to the call that solves, C.solve_info(v, {cg}) or the rule's "
+            f"solver={cg}"
+        )

@@ -229,7 +229,7 @@ def test_every_declared_setting_has_a_row():
         ("models", gm.jobs.inputs.ModelInput),
         ("remove", gm.RemoveConfig),
         ("term", gm.jobs.inputs.CurvatureTerm),
-        ("solver", gm.SolverSpec),
+        ("solver", gm.KroneckerCG),
         ("estimate", gm.EstimateOptions),
         ("refine", RefineConfig),
         ("refine_models", gm.jobs.refine.TaskInput),

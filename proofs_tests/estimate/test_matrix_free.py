@@ -36,21 +36,38 @@ def test_mv_equals_dense_matrix(kind, seq):
 
 def test_damped_solve_and_merge_equal_dense():
     model, data = _model_and_data(1)
-    op = gm.MatrixFree(model, data, kind="ggn", tol=1e-12, maxiter=2000)
+    op = gm.MatrixFree(model, data, kind="ggn")
+    solver = gm.CG(tol=1e-12, maxiter=2000)  # to the calls that solve, not onto the operator
     dense = estimate_dense(model, data, fisher="ggn")
     lay = dense.layout
     torch.manual_seed(2)
     v = {k: torch.randn(s, dtype=DT) for k, s in lay}
-    got = (op + 0.1).solve(v)
+    got = (op + 0.1).solve_info(v, solver).value
     expected = (dense + 0.1).solve(v)
     torch.testing.assert_close(P.flatten(got), P.flatten(expected), rtol=1e-8, atol=1e-10)
     base = {k: p.detach() for k, p in model.named_parameters()}
     fts = [{k: b + 0.1 * torch.randn_like(b) for k, b in base.items()} for _ in range(2)]
-    merged_free = gm.gradient_matching(base, fts, [op, op], prior=0.1)
+    merged_free = gm.gradient_matching(base, fts, [op, op], prior=0.1, solver=solver)
     merged_dense = gm.gradient_matching(base, fts, [dense, dense], prior=0.1)
     torch.testing.assert_close(
         P.flatten(merged_free), P.flatten(merged_dense), rtol=1e-7, atol=1e-9
     )
+
+
+def test_solver_settings_go_to_the_call_not_the_operator():
+    """``MatrixFree(tol=, maxiter=)`` (gradmerge 0.1.0) is refused naming ``gm.CG`` at the
+    call; ``solve_info(v, gm.CG(maxiter=1))`` obeys its budget (NotConvergedError where the
+    default converges) and a K-FAC-only solver runs as the CG it is (tol, maxiter)."""
+    model, data = _model_and_data(1)
+    with pytest.raises(gm.RemovedArgumentError, match=r"solve_info\(v, gm\.CG\(tol=1e-12\)\)"):
+        gm.MatrixFree(model, data, kind="ggn", tol=1e-12)
+    op = gm.MatrixFree(model, data, kind="ggn") + 0.1
+    v = {k: torch.ones_like(p) for k, p in model.named_parameters()}
+    with pytest.raises(gm.NotConvergedError, match="after 1 iterations"):
+        op.solve_info(v, gm.CG(tol=1e-12, maxiter=1))
+    loose, kron = op.solve_info(v, gm.CG(tol=1e-3)), op.solve_info(v, gm.KroneckerCG(tol=1e-3))
+    assert loose.result is kron.result is gm.Result.successful and loose.residual <= 1e-3
+    assert kron.iterations == loose.iterations and kron.residual == loose.residual
 
 
 def test_indefinite_hessian_is_reported():

@@ -164,8 +164,7 @@ def test_a_solve_that_does_not_converge_advises_float64_only_when_not_in_float64
         solve_or_raise(
             lambda v: {"w": v["w"] * torch.tensor([1.0, 1e-9, 1e9], dtype=dtype)},
             b,
-            tol=1e-14,
-            maxiter=1,
+            gm.CG(tol=1e-14, maxiter=1),
             what="H̄",
         )
 

@@ -2,7 +2,7 @@
 Kronecker products under a working-precision refinement, warm starts, and the low-rank
 reduction of factors estimated from few rows. Each path must reach the same certified residual
 as the plain solve, report the true residual (recomputed here from the dense matrix), and keep
-the NotConvergedError contract. Also the explicit solver settings (gm.SolverSpec) from the
+the NotConvergedError contract. Also the explicit solver settings (gm.KroneckerCG) from the
 in-memory rules' ``solver=`` and ``gm.with_solution``."""
 
 import dataclasses
@@ -73,11 +73,11 @@ def test_bfloat16_products_under_refinement_reach_the_certified_tolerance(
         (_spd(gen, n_in, orders, dtype), _spd(gen, n_out, orders, dtype)) for _ in range(tasks)
     ]
     b = torch.randn(n_out, n_in, dtype=DT, generator=gen).to(dtype)
-    spec = gm.SolverSpec(tol=tol, arithmetic="bfloat16")
+    spec = gm.KroneckerCG(tol=tol, arithmetic="bfloat16")
     solved = kfac_cg.solve("m", delta, terms, b, spec)
     assert "bfloat16 products" in solved.method
     _check(delta, terms, b, solved, tol)
-    plain = kfac_cg.solve("m", delta, terms, b, gm.SolverSpec(tol=tol))
+    plain = kfac_cg.solve("m", delta, terms, b, gm.KroneckerCG(tol=tol))
     assert "bfloat16" not in plain.method
 
 
@@ -109,10 +109,10 @@ def test_bfloat16_rounding_that_meets_negative_curvature_hands_over_to_working_p
         )
     assert refused.value.suggested_delta > 1e-4 * scale  # a larger δ, never the one refused
     solved = kfac_cg.solve(
-        "m", 1e-4 * scale, terms, b, gm.SolverSpec(arithmetic="bfloat16"), reduce=False
+        "m", 1e-4 * scale, terms, b, gm.KroneckerCG(arithmetic="bfloat16"), reduce=False
     )
     plain = kfac_cg.solve(
-        "m", 1e-4 * scale, terms, b, gm.SolverSpec(arithmetic="working"), reduce=False
+        "m", 1e-4 * scale, terms, b, gm.KroneckerCG(arithmetic="working"), reduce=False
     )
     assert solved.residual <= 1e-5 and "bfloat16 products" in solved.method
     wide = [(a.double(), g.double()) for a, g in terms]
@@ -144,7 +144,7 @@ def test_bfloat16_solve_that_cannot_converge_still_raises():
     b = torch.randn(6, 7, dtype=DT, generator=gen)
     with pytest.raises(NotConvergedError, match="solved only to relative residual"):
         kfac_cg.solve(
-            "m", 1e-9, terms, b, gm.SolverSpec(tol=1e-12, maxiter=2, arithmetic="bfloat16")
+            "m", 1e-9, terms, b, gm.KroneckerCG(tol=1e-12, maxiter=2, arithmetic="bfloat16")
         )
 
 
@@ -165,10 +165,10 @@ def test_warm_start_from_any_guess_gives_the_certified_solution(seed, tasks, ble
     exact = torch.linalg.solve(_dense(delta, terms), b.to(DT).reshape(-1)).reshape(5, 6)
     noise = torch.randn(5, 6, dtype=DT, generator=gen) * float(exact.norm())
     x0 = (blend * exact + (1 - blend) * noise).to(dtype)
-    solved = kfac_cg.solve("m", delta, terms, b, gm.SolverSpec(tol=tol, warm_start=True), x0=x0)
+    solved = kfac_cg.solve("m", delta, terms, b, gm.KroneckerCG(tol=tol, warm_start=True), x0=x0)
     _check(delta, terms, b, solved, tol)
     if dtype == torch.float64:
-        warm = gm.SolverSpec(tol=1e-8, warm_start=True)
+        warm = gm.KroneckerCG(tol=1e-8, warm_start=True)
         at_solution = kfac_cg.solve("m", delta, terms, b, warm, x0=exact)
         assert at_solution.iterations == 0
 
@@ -178,7 +178,7 @@ def test_warm_start_off_ignores_the_guess():
     terms = [(_spd(gen, 6, 3.0, DT), _spd(gen, 5, 3.0, DT)) for _ in range(2)]
     b = torch.randn(5, 6, dtype=DT, generator=gen)
     exact = torch.linalg.solve(_dense(1e-2, terms), b.reshape(-1)).reshape(5, 6)
-    off = gm.SolverSpec(tol=1e-8, warm_start=False)
+    off = gm.KroneckerCG(tol=1e-8, warm_start=False)
     cold = kfac_cg.solve("m", 1e-2, terms, b, off, x0=exact)
     assert cold.iterations == kfac_cg.solve("m", 1e-2, terms, b, off).iterations > 0
 
@@ -206,7 +206,7 @@ def test_low_rank_factors_are_solved_on_their_joint_range(
         for _ in range(tasks)
     ]
     b = torch.randn(n_out, n_in, dtype=DT, generator=gen).to(dtype)
-    solved = kfac_cg.solve("m", delta, terms, b, gm.SolverSpec(tol=tol))
+    solved = kfac_cg.solve("m", delta, terms, b, gm.KroneckerCG(tol=tol))
     assert solved.method.startswith("low-rank reduction to "), solved.method
     shape = solved.method.removeprefix("low-rank reduction to ").split(" ")[0]
     r_out, r_in = (int(n) for n in shape.split("×"))
@@ -225,21 +225,44 @@ def test_full_rank_factors_are_not_reduced(monkeypatch):
 
 
 SPEC_ERRORS = [  # each message names the field, what it must be and what came
-    ({"tol": 0.0}, r"`SolverSpec.tol` \(a relative residual\) must be > 0 and < 1, got 0.0"),
-    ({"tol": 1.5}, r"`SolverSpec.tol` \(a relative residual\) must be > 0 and < 1, got 1.5"),
-    ({"tol": float("nan")}, r"`SolverSpec.tol` must be a finite number, got nan"),
-    ({"maxiter": 0}, r"`SolverSpec.maxiter` must be a whole number ≥ 1 \(≥ 0 with approximate"),
-    ({"maxiter": -1, "approximate": True}, r"`SolverSpec.maxiter` must be ≥ 0, got -1"),
+    ({"tol": 0.0}, r"`KroneckerCG.tol` \(a relative residual\) must be > 0 and < 1, got 0.0"),
+    ({"tol": 1.5}, r"`KroneckerCG.tol` \(a relative residual\) must be > 0 and < 1, got 1.5"),
+    ({"tol": float("nan")}, r"`KroneckerCG.tol` must be a finite number, got nan"),
+    ({"maxiter": 0}, r"`KroneckerCG.maxiter` must be a whole number ≥ 1 \(≥ 0 with approximate"),
+    ({"maxiter": -1, "approximate": True}, r"`KroneckerCG.maxiter` must be ≥ 0, got -1"),
     ({"maxiter": 2.5}, "whole number"),
     ({"approximate": "yes"}, "true or false"),
-    ({"arithmetic": "float16"}, "`SolverSpec.arithmetic` must be one of auto, working, bfloat16"),
+    ({"arithmetic": "float16"}, "`KroneckerCG.arithmetic` must be one of auto, working, bfloat16"),
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), SPEC_ERRORS)
 def test_solver_spec_refuses_bad_settings(kwargs, message):
     with pytest.raises(ArgumentError, match=message):
-        gm.SolverSpec(**kwargs)
+        gm.KroneckerCG(**kwargs)
+
+
+CG_ERRORS = [  # CG declares tol and maxiter only: the K-FAC settings are not its keywords
+    ({"tol": 0.0}, r"`CG.tol` \(a relative residual\) must be > 0 and < 1, got 0.0"),
+    ({"maxiter": 0}, r"`CG.maxiter` must be a whole number ≥ 1, got 0$"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), CG_ERRORS)
+def test_cg_refuses_bad_settings_and_holds_only_its_own(kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        gm.CG(**kwargs)
+    assert [f.name for f in dataclasses.fields(gm.CG)] == ["tol", "maxiter"]
+    for kfac_only in ("approximate", "arithmetic", "warm_start"):
+        with pytest.raises(TypeError, match=kfac_only):
+            gm.CG(**{kfac_only: True})
+
+
+def test_solver_spec_is_the_former_name_of_kronecker_cg():
+    """``gm.SolverSpec`` is kept as a thin alias: the same class, fields and checks."""
+    assert gm.SolverSpec is gm.KroneckerCG
+    assert gm.SolverSpec(tol=1e-4, maxiter=200) == gm.KroneckerCG(tol=1e-4, maxiter=200)
+    assert isinstance(gm.KroneckerCG(), gm.CG) and isinstance(gm.CG(), gm.Solver)
 
 
 def test_the_old_name_of_arithmetic_is_refused_naming_the_new_one():
@@ -250,19 +273,19 @@ def test_the_old_name_of_arithmetic_is_refused_naming_the_new_one():
     import pickle
 
     for kwargs in ({"precision": "working"}, {"tol": 1e-6, "precision": "working"}):
-        with pytest.raises(gm.RemovedArgumentError, match=r"SolverSpec\(arithmetic=\.\.\.\)"):
-            gm.SolverSpec(**kwargs)
+        with pytest.raises(gm.RemovedArgumentError, match=r"KroneckerCG\(arithmetic=\.\.\.\)"):
+            gm.KroneckerCG(**kwargs)
         with pytest.raises(TypeError, match="arithmetic='working'"):
-            gm.SolverSpec(**kwargs)
-    spec = gm.SolverSpec(1e-6, 5, False, "working")
-    assert spec == gm.SolverSpec(tol=1e-6, maxiter=5, arithmetic="working")
+            gm.KroneckerCG(**kwargs)
+    spec = gm.KroneckerCG(1e-6, 5, False, "working")
+    assert spec == gm.KroneckerCG(tol=1e-6, maxiter=5, arithmetic="working")
     assert dataclasses.replace(spec, arithmetic="bfloat16").arithmetic == "bfloat16"
     assert pickle.loads(pickle.dumps(spec)) == spec
     assert not hasattr(spec, "precision")
 
 
 def test_solver_spec_is_frozen():
-    spec = gm.SolverSpec(approximate=True, maxiter=0)
+    spec = gm.KroneckerCG(approximate=True, maxiter=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.tol = 1e-3  # type: ignore[misc]
 
@@ -274,13 +297,13 @@ def test_rules_take_the_spec_and_return_the_solution_without_touching_the_operat
     base = {"m.weight": torch.zeros(4, 5, dtype=DT)}
     fts = [{"m.weight": torch.randn(4, 5, dtype=DT, generator=gen)} for _ in range(2)]
     before = [vars(k).copy() for k in ks]
-    loose = gm.SolverSpec(tol=1e-3, approximate=True, maxiter=1)
+    loose = gm.KroneckerCG(tol=1e-3, approximate=True, maxiter=1)
     merged = gm.with_solution(gm.gradient_matching, base, fts, ks, prior=1e-2, solver=loose)
     part = merged.solution.parts["m"]
     assert part.iterations <= 1 and part.method.endswith("CG iterations") == (part.residual > 1e-3)
     assert [vars(k) for k in ks] == before  # the spec went to the solve, not onto the operators
     tight = gm.with_solution(
-        gm.gradient_matching, base, fts, ks, prior=1e-2, solver=gm.SolverSpec(tol=1e-12)
+        gm.gradient_matching, base, fts, ks, prior=1e-2, solver=gm.KroneckerCG(tol=1e-12)
     )
     assert tight.solution.parts["m"].residual <= 1e-12
     plain = gm.gradient_matching(base, fts, ks, prior=1e-2)

@@ -130,9 +130,11 @@ def test_float32_beyond_its_precision_falls_back_to_float64():
 def test_unconvergeable_budget_raises_with_the_fix():
     gen = torch.Generator().manual_seed(1)
     terms = [(_decaying_spd(gen, 10), _decaying_spd(gen, 7)) for _ in range(3)]
-    op = gm.KFAC({"m": terms}, solver=gm.SolverSpec(maxiter=1)) + 1e-8
+    op = gm.KFAC({"m": terms}) + 1e-8
     with pytest.raises(gm.NotConvergedError, match=r"prior: \{delta"):
-        op.solve({"m.weight": torch.randn(7, 10, dtype=DT, generator=gen)})
+        op.solve_info(
+            {"m.weight": torch.randn(7, 10, dtype=DT, generator=gen)}, gm.KroneckerCG(maxiter=1)
+        )
 
 
 def test_singular_system_without_prior_is_refused():
@@ -278,18 +280,18 @@ def test_kfac_cg_preconditioner_accepts_ill_conditioned_but_positive_definite_sy
 
 @pytest.mark.parametrize("maxiter", [0, 2, 1000])
 def test_approximate_solve_returns_its_true_residual_and_never_raises(maxiter):
-    """``SolverSpec(approximate=True)``: at most ``maxiter`` CG iterations (0: the eigenbasis preconditioner
+    """``KroneckerCG(approximate=True)``: at most ``maxiter`` CG iterations (0: the eigenbasis preconditioner
     D⁻¹ alone), no error when the residual stays above tol; the reported residual is the one
     recomputed from the dense matrix, ``success`` says whether tol was met, and with enough
     iterations the answer is the exact solve's."""
     gen = torch.Generator().manual_seed(7)
     n_out, n_in = 6, 5
     terms = [(_decaying_spd(gen, n_in + 1), _decaying_spd(gen, n_out)) for _ in range(3)]
-    spec = gm.SolverSpec(tol=1e-10, maxiter=maxiter, approximate=True)
-    k = gm.KFAC({"m": terms}, bias=["m"], solver=spec)
+    spec = gm.KroneckerCG(tol=1e-10, maxiter=maxiter, approximate=True)
+    k = gm.KFAC({"m": terms}, bias=["m"])
     op = k + 1e-4
     v = {n: torch.randn(s, dtype=DT, generator=gen) for n, s in k.layout}
-    info = op.solve_info(v)
+    info = op.solve_info(v, spec)
     part = info.parts["m"]
     b, x = _flat(v), _flat(info.value)
     dense = _dense(terms, 1, n_out, n_in, 1e-4)
@@ -297,10 +299,12 @@ def test_approximate_solve_returns_its_true_residual_and_never_raises(maxiter):
     assert part.residual == pytest.approx(true_residual, rel=1e-6, abs=1e-13)
     assert part.iterations <= maxiter
     assert info.success == part.success == (true_residual <= 1e-10)
+    met = gm.Result.successful if true_residual <= 1e-10 else gm.Result.max_iterations_reached
+    assert info.result is part.result is met
     if maxiter < 1000:  # this system needs more than a few iterations
         assert not info.success and "approximate: stopped after" in part.method
-        exact = gm.KFAC({"m": terms}, bias=["m"], solver=gm.SolverSpec(tol=1e-10)) + 1e-4
-        assert part.residual > exact.solve_info(v).parts["m"].residual
+        exact = op.solve_info(v, gm.KroneckerCG(tol=1e-10))
+        assert part.residual > exact.parts["m"].residual
     else:
         assert info.success and torch.allclose(x, torch.linalg.solve(dense, b), rtol=1e-6)
 
@@ -332,35 +336,46 @@ def test_identity_multiple_is_exact(m, expected):
     assert identity_multiple(m.double()) == expected
 
 
-def test_the_solver_travels_with_the_operator_and_the_old_keywords_name_it():
-    """``KFAC(solver=SolverSpec(...))`` is the one way to set an operator's solves: it carries
-    every field (arithmetic and warm_start too) through ``K + δ``, ``c·K``, ``to`` and sums, and
-    ``solve`` obeys it (a budget of 1 iteration raises where the default converges). The
-    keywords and attributes of 0.1.0 (``cg_tol``, ``cg_maxiter``, ``cg_approximate``) are
-    refused, naming the SolverSpec field that replaced each; nothing is silently ignored."""
+def test_the_solver_goes_to_the_call_and_the_old_keywords_name_it():
+    """The solver is passed to the call that solves, not held by the operator: ``K.solve_info(v,
+    gm.KroneckerCG(maxiter=1))`` obeys it (a budget of 1 iteration raises where the default
+    converges), ``K.solve(v)`` runs ``KroneckerCG()``. ``KFAC(solver=...)`` and ``K.solver``
+    (which set an operator default the rules overrode) and the keywords and attributes of 0.1.0
+    (``cg_tol``, ``cg_maxiter``, ``cg_approximate``) are refused, naming the KroneckerCG at the
+    call that replaces each; a solver of another algorithm (``gm.CG``) or a dict is an
+    ArgumentError naming ``gm.KroneckerCG``; nothing is silently ignored."""
     gen = torch.Generator().manual_seed(3)
     terms = [(_decaying_spd(gen, 6), _decaying_spd(gen, 4)) for _ in range(3)]
-    spec = gm.SolverSpec(tol=1e-9, maxiter=1, arithmetic="working", warm_start=True)
-    k = gm.KFAC({"m": terms}, solver=spec)
-    for derived in (k + 1e-6, 2.0 * k, k.to(dtype=torch.float32), k + k):
-        assert derived.solver == spec
+    k = gm.KFAC({"m": terms})
     v = {"m.weight": torch.randn(4, 6, dtype=DT, generator=gen)}
+    starved = gm.KroneckerCG(tol=1e-9, maxiter=1, arithmetic="working", warm_start=True)
     with pytest.raises(gm.NotConvergedError):
-        (k + 1e-6).solve(v)
-    assert gm.KFAC({"m": terms}).solver == gm.SolverSpec()
-    assert (gm.KFAC({"m": terms}) + 1e-6).solve_info(v).success
+        (k + 1e-6).solve_info(v, starved)
+    default = (k + 1e-6).solve_info(v)
+    assert default.success and default.result is gm.Result.successful
+    assert torch.equal((k + 1e-6).solve(v)["m.weight"], default.value["m.weight"])
+    assert torch.equal(
+        (k + 1e-6).solve_info(v, gm.KroneckerCG()).value["m.weight"], default.value["m.weight"]
+    )
 
+    with pytest.raises(gm.RemovedArgumentError, match=r"K\.solve_info\(v, KroneckerCG\(tol=1e-06"):
+        gm.KFAC({"m": terms}, solver=gm.KroneckerCG(tol=1e-6))
     with pytest.raises(
-        gm.RemovedArgumentError, match=r"solver=gm\.SolverSpec\(tol=1e-06, maxiter=5\)"
+        gm.RemovedArgumentError, match=r"pass gm\.KroneckerCG\(tol=1e-06, maxiter=5\) to the call"
     ):
         gm.KFAC({"m": terms}, cg_tol=1e-6, cg_maxiter=5)
     with pytest.raises(TypeError, match="approximate"):  # RemovedArgumentError is a TypeError
         gm.KFAC({"m": terms}, cg_approximate=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tol'"):
         gm.KFAC({"m": terms}, tol=1e-6)
-    with pytest.raises(gm.ArgumentError, match=r"must be a gradmerge\.SolverSpec"):
-        gm.KFAC({"m": terms}, solver={"tol": 1e-6})
-    with pytest.raises(AttributeError, match=r"K\.solver\.maxiter"):
+    with pytest.raises(gm.ArgumentError, match=r"KFAC solves with a gm\.KroneckerCG, got CG"):
+        k.solve_info(v, gm.CG(tol=1e-6))
+    with pytest.raises(gm.ArgumentError, match=r"takes a solver object .* got dict"):
+        k.solve_info(v, {"tol": 1e-6})  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match=r"gm\.KroneckerCG\(maxiter=\.\.\.\) to the call"):
         k.cg_maxiter = 5
-    with pytest.raises(AttributeError, match=r"K\.solver\.tol"):
+    with pytest.raises(AttributeError, match=r"gm\.KroneckerCG\(tol=\.\.\.\)"):
         _ = k.cg_tol
+    with pytest.raises(AttributeError, match=r"KFAC\.solver was removed.*K\.solve_info\(v, "):
+        _ = k.solver
+    assert "solver" not in vars(k + 1e-6)

@@ -44,6 +44,27 @@ def test_cg_reports_non_convergence_and_negative_curvature():
 def test_non_convergence_is_its_own_error():
     like = {"w": torch.zeros(60, dtype=torch.float64)}
     ill = gm.Dense(torch.diag(torch.logspace(0, 12, 60, dtype=torch.float64)), like)
-    s = gm.Sum([ill, gm.Diagonal({"w": torch.full((60,), 1e-12, dtype=torch.float64)})], maxiter=5)
+    s = gm.Sum([ill, gm.Diagonal({"w": torch.full((60,), 1e-12, dtype=torch.float64)})])
     with pytest.raises(gm.NotConvergedError, match="after 5 iterations"):
-        s.solve({"w": torch.ones(60, dtype=torch.float64)})
+        s.solve_info({"w": torch.ones(60, dtype=torch.float64)}, gm.CG(maxiter=5))
+
+
+def test_a_sum_takes_its_solver_at_the_call():
+    """``Sum(maxiter=...)`` (an operator default of 0.1.0) is refused naming ``gm.CG`` at the
+    call; a ``KroneckerCG`` runs a sum's CG with its tol and maxiter (the YAML ``solver:``
+    block reaches sums so); anything but a solver object is an ArgumentError."""
+    like = {"w": torch.zeros(3, dtype=torch.float64)}
+    terms = [
+        gm.Dense(torch.eye(3, dtype=torch.float64), like),
+        gm.Diagonal({"w": torch.ones(3, dtype=torch.float64)}),
+    ]
+    with pytest.raises(gm.RemovedArgumentError, match=r"solve_info\(v, gm\.CG\(maxiter=5\)\)"):
+        gm.Sum(terms, maxiter=5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rtol'"):
+        gm.Sum(terms, rtol=1e-3)
+    s, v = gm.Sum(terms), {"w": torch.tensor([2.0, 4.0, 6.0], dtype=torch.float64)}
+    got = s.solve_info(v, gm.KroneckerCG(tol=1e-12, maxiter=3))
+    assert got.result is gm.Result.successful and got.method == "CG"
+    torch.testing.assert_close(got.value["w"], v["w"] / 2)
+    with pytest.raises(gm.ArgumentError, match="a Sum takes a solver object"):
+        s.solve_info(v, 5)  # type: ignore[arg-type]

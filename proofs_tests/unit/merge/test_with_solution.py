@@ -88,7 +88,7 @@ def test_the_report_is_the_residual_of_eq6_recomputed_here():
         ks,
         prior=delta,
         alphas=alphas,
-        solver=gm.SolverSpec(tol=1e-9),
+        solver=gm.KroneckerCG(tol=1e-9),
     )
     x = merged.params["m.weight"] - base["m.weight"]
     taus = [ft["m.weight"] - base["m.weight"] for ft in fts]
@@ -125,3 +125,31 @@ def test_other_unknown_keywords_are_type_errors_as_python_raises_them():
 def test_rules_that_solve_no_system_are_refused(rule):
     with pytest.raises(gm.ArgumentError, match=rf"got {rule.__name__}: call it directly"):
         gm.with_solution(rule, [{"w": torch.zeros(2)}], [])
+
+
+@pytest.mark.parametrize("rule", [gm.gradient_matching, gm.remove, gm.influence_remove])
+def test_each_solving_rule_declares_its_report_with_its_own_parameters(rule):
+    """``with_solution`` keeps no list of rules and re-binds nothing: each rule's module declares
+    its implementation with the report (``reports``), whose parameters are the rule's own."""
+    import inspect
+
+    from gradmerge.merge.matching import SOLUTION
+
+    solved = getattr(rule, SOLUTION)
+    assert inspect.signature(solved).parameters == inspect.signature(rule).parameters
+
+
+def test_a_new_solving_rule_needs_only_its_declaration():
+    from gradmerge.merge.matching import reports
+
+    def doubled(base, *, by=2.0):
+        return _doubled(base, by=by).params
+
+    @reports(doubled)
+    def _doubled(base, *, by=2.0):
+        return gm.Merged({k: by * v for k, v in base.items()}, gm.Solution({}, "exact (test)"))
+
+    out = gm.with_solution(doubled, {"w": torch.ones(1, dtype=DT)}, by=3.0)
+    assert out.params["w"].item() == 3.0 and out.solution.result is gm.Result.successful
+    with pytest.raises(TypeError, match="'bye'"):
+        gm.with_solution(doubled, {"w": torch.ones(1, dtype=DT)}, bye=3.0)
