@@ -237,35 +237,10 @@ class AdapterStudy(Study):
         cost["multi-task"] = json.loads((self.multi / COST).read_text())
         return {"seed": seed, "rows": rows, "adapter cost": cost}
 
-    def full_set(self, tasks: list[str]) -> dict[str, dict[str, Any]]:
-        """Study 1's methods at the largest T, TIES and DARE through mergekit on the adapters
-        materialised by ``gradmerge materialize`` (Study 1's settings: density 0.2 / 0.5)."""
-        mergekit = self.args.mergekit
-        self.args.mergekit = False  # the parent's mergekit rows read whole-model folders
-        try:
-            out = super().full_set(tasks)
-        finally:
-            self.args.mergekit = mergekit
-        if mergekit:
-            T = len(tasks)
-            ft = [str(self.materialized[d].resolve()) for d in tasks]
-            mk = {
-                "base_model": str(self.base_dir.resolve()),
-                "dtype": "float32",
-                "_tool": "mergekit",
-            }
-            out[f"T={T} | TIES (mergekit)"] = mk | {
-                "merge_method": "ties",
-                "parameters": {"normalize": True},
-                "models": [{"model": m, "parameters": {"weight": 1.0, "density": 0.2}} for m in ft],
-            }
-            out[f"T={T} | DARE (mergekit)"] = mk | {
-                "merge_method": "dare_linear",
-                "parameters": {"normalize": False},
-                "models": [{"model": m, "parameters": {"weight": 1.0, "density": 0.5}} for m in ft],
-                "_extra": ["--random-seed", str(self.mergekit_seed)],
-            }
-        return out
+    def mergekit_models(self, tasks: list[str]) -> list[Path]:
+        """TIES and DARE (Study 1's settings: density 0.2 / 0.5) merge the adapters materialised
+        by ``gradmerge materialize``: mergekit reads whole-model folders."""
+        return [self.materialized[d] for d in tasks]
 
 
 # ----- report ------------------------------------------------------------------------------------------

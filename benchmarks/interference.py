@@ -407,6 +407,7 @@ class Study:
         self.cli.all(calls)
         self.stage("curvatures H_t (MC Fisher sums)", start)
         self.models, self.curv, self.root, self.seed_id = models, curv, root, seed
+        self.mergekit_seed = seed  # DARE's random seed
         self.multi = multi["all"]
         self.gold = multi["gold"]
         rows = [] if args.removal_only else self.study1()
@@ -681,7 +682,7 @@ class Study:
         for method in self.args.data_free_full:
             out[f"T={T} | {method}"] = self.data_free(method, tasks)
         if self.args.mergekit:
-            ft = [str(self.models["a"][d].resolve()) for d in tasks]
+            ft = [str(f.resolve()) for f in self.mergekit_models(tasks)]
             mk = {
                 "base_model": str(self.base_dir.resolve()),
                 "dtype": "float32",
@@ -696,9 +697,14 @@ class Study:
                 "merge_method": "dare_linear",
                 "parameters": {"normalize": False},
                 "models": [{"model": m, "parameters": {"weight": 1.0, "density": 0.5}} for m in ft],
-                "_extra": ["--random-seed", str(self.seed_id)],
+                "_extra": ["--random-seed", str(self.mergekit_seed)],
             }
         return out
+
+    def mergekit_models(self, tasks: list[str]) -> list[Path]:
+        """The folders TIES and DARE merge through mergekit: the whole-model fine-tunes of
+        recipe (a) (a study of other checkpoints names its own folders here)."""
+        return [self.models["a"][d] for d in tasks]
 
     # -- study 2: removal --
     def study2(self) -> dict[str, Any]:
