@@ -26,10 +26,9 @@ overflow 10× the configured δ but at least the round-off scale ε·‖H̄‖),
 the first that works until one fails, then bisected geometrically to a factor 2, so that the dry run names the least δ it found finite and
 certified and the largest it found failing below it (or, when none up to far above the
 curvature's scale works, why). This assumes that a larger δ does not break a unit that a smaller
-one solved; every δ it names was computed. RegMean's
-Gram systems are judged by the check :func:`gm.regmean` itself runs
-(:func:`gradmerge.merge.regmean_systems`: λ_min of Σ_t α_t G̃_t against the rounding threshold
-of the Grams' dtype), on the Grams the merge forms.
+one solved; every δ it names was computed. A method whose solves are not one such system per
+unit brings its own check (``systems`` of its record: RegMean's Gram systems,
+:func:`gradmerge.methods.regmean.dry_run`).
 
 For ``gradient_matching`` with diagonal curvatures it also compares the prior H_0 (δ and its
 curvature) with the curvature: where H_0 ≪ Σ_t α_t H_t, H̄⁻¹(H_0 + H_t) ≈ H̄⁻¹H_t and gradient
@@ -58,9 +57,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -79,10 +79,8 @@ from gradmerge.jobs.job import Job
 from gradmerge.jobs.opening import open_job
 from gradmerge.jobs.plan import Unit
 from gradmerge.jobs.removal_checks import Rounding, StepSize
-from gradmerge.merge import regmean_systems
 from gradmerge.methods import registry
 from gradmerge.methods.base import SystemInputs
-from gradmerge.methods.regmean import regmean_grams
 
 CLIMB = 100.0
 """The first factor between the δ tried while none works (:func:`least_delta`), squared at each
@@ -139,15 +137,16 @@ class SystemCheck:
 def check_systems(config: MergeConfig | RemoveConfig) -> list[SystemCheck]:
     """Every merged unit's system (module docstring), in the plan's order; empty for a method
     that solves none (task arithmetic)."""
-    if isinstance(config, MergeConfig) and config.method == "regmean":
+    spec = registry.get(config.method)
+    key = spec.damping_key or "damping"
+    if spec.systems is not None:  # the method's own check (RegMean's Gram systems)
         with ExitStack() as stack:
             job = open_job(config, stack)
-            units = [u for u in job.plan.units if u.merged and not job.unchanged(u)]
-            return _regmean_checks(config, job.curvatures, units)
-    spec = registry.get(config.method)
+            units = [u.keys for u in job.plan.units if u.merged and not job.unchanged(u)]
+            readings = spec.systems(config, job.curvatures, units)
+        return [SystemCheck(r.keys, r.min_eigenvalue, r.floor, r.needed, key) for r in readings]
     if spec.system is None:
         return []
-    key = spec.damping_key or "damping"
     out = []
     for job, unit in _merged_units(config):
         terms = _inputs(config, job.curvatures, unit.keys, config.math_dtype)
@@ -294,23 +293,27 @@ def _reason(err: Exception) -> str:
 
 
 def _delta(config: MergeConfig | RemoveConfig) -> float:
-    """The configured value of the method's damping key."""
-    if isinstance(config, RemoveConfig):
-        return config.remaining.delta
-    if config.method == "gradient_matching":
-        assert config.prior is not None
-        return config.prior.delta
-    return config.damping
+    """The configured value of the method's damping key (its record's ``damping_at``)."""
+    value: object = config
+    for name in _damping_at(config):
+        value = getattr(value, name)
+    assert isinstance(value, float | int)
+    return float(value)
 
 
 def _with_delta(config: MergeConfig | RemoveConfig, delta: float) -> MergeConfig | RemoveConfig:
-    """``config`` with the method's damping key set to ``delta``."""
-    if isinstance(config, RemoveConfig):
-        return replace(config, remaining=replace(config.remaining, delta=delta))
-    if config.method == "gradient_matching":
-        assert config.prior is not None
-        return replace(config, prior=replace(config.prior, delta=delta))
-    return replace(config, damping=delta)
+    """``config`` with the method's damping key set to ``delta`` (nested blocks replaced)."""
+
+    def put(obj: Any, path: tuple[str, ...]) -> Any:
+        first, *rest = path
+        return replace(obj, **{first: put(getattr(obj, first), tuple(rest)) if rest else delta})
+
+    out: MergeConfig | RemoveConfig = put(config, _damping_at(config))
+    return out
+
+
+def _damping_at(config: MergeConfig | RemoveConfig) -> tuple[str, ...]:
+    return registry.get(config.method).damping_at or ("damping",)
 
 
 def _magnitude(system: Curvature) -> float:
@@ -332,39 +335,6 @@ def _cg_delta(system: Curvature, config: MergeConfig | RemoveConfig) -> float:
     kappa = (2 * maxiter / math.log(2 / tol)) ** 2
     high, low = _magnitude(system), max(float(system.min_eigenvalue()), 0.0)
     return max((high - kappa * low) / (kappa - 1), torch.finfo(torch.float64).tiny)
-
-
-def _regmean_checks(
-    config: MergeConfig, files: dict[str, CurvatureFile], units: Sequence[Unit]
-) -> list[SystemCheck]:
-    """RegMean's systems, judged by :func:`gradmerge.merge.regmean_systems` on the Grams the
-    merge forms (:func:`gradmerge.methods.regmean.regmean_grams`, in the compute dtype): the
-    very check :func:`gm.regmean` runs, so the verdicts agree. A unit without K-FAC factors is
-    α-averaged and solves nothing."""
-    out = []
-    for unit in units:
-        if not unit.merged:
-            continue
-        hs = [
-            f.restrict(unit.keys, dtype=config.math_dtype)
-            if (f := files.get(f"models[{t}].curvature")) is not None
-            else None
-            for t in range(len(config.models))
-        ]
-        found = regmean_grams(
-            hs,
-            config.damping,
-            keys=unit.keys,
-            scales=config.curvature_scales,
-            embeddings=config.embeddings == "gram",
-        )
-        if found is None:
-            continue
-        systems = regmean_systems(found[0], config.alphas, off_diagonal=config.off_diagonal)
-        worst = min(systems, key=lambda s: s.min_eigenvalue - s.threshold)
-        needed = max(s.damping for s in systems)
-        out.append(SystemCheck(unit.keys, worst.min_eigenvalue, worst.threshold, needed, "damping"))
-    return out
 
 
 def removal_checks(config: RemoveConfig) -> tuple[StepSize, Rounding] | None:

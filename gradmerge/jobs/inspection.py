@@ -92,7 +92,7 @@ def inspect_config(
     wide = torch.float64
     share = (
         PriorShare(delta=config.prior.delta, rho=rho)
-        if config.method == "gradient_matching" and config.prior is not None
+        if "prior" in spec.uses and config.prior is not None
         else None
     )
     bare = replace(config.prior, delta=0.0) if config.prior is not None else None

@@ -45,7 +45,6 @@ from gradmerge.jobs.plan import Plan, Unit, build_plan, matching
 from gradmerge.jobs.removal_checks import Rounding, StepSize
 from gradmerge.kernels import select
 from gradmerge.merge.inputs import CurvatureLike
-from gradmerge.merge.spectral import iso_cts_split
 from gradmerge.methods import registry
 from gradmerge.methods.base import (
     MergeRule,
@@ -111,8 +110,8 @@ def open_merge(config: MergeConfig, stack: ExitStack) -> Job:
     alphas, solver = config.alphas, config.solver
     kernel = select(math.prod(plan.shapes[k]) for k in plan.merged)  # from the mode in force
     average = frozenset(matching(base.keys(), config.average, key="average"))
-    if "common_space_fraction" in spec.uses:  # Iso-CTS: every matrix's split, before any read
-        _check_common_space(config, plan, average)
+    if spec.precheck is not None:  # the method's own settings against the shapes, before a read
+        spec.precheck(config, {k: plan.shapes[k] for k in plan.merged if k not in average})
 
     widen = (  # bfloat16 in and out, float32 arithmetic: each unit's tensors as stored first
         kernel is not None
@@ -240,18 +239,6 @@ def _all_zero(
         if not all(torch.equal(values[k], theta[k]) for k in keys):
             return False
     return True
-
-
-def _check_common_space(config: MergeConfig, plan: Plan, average: frozenset[str]) -> None:
-    """Refuse a ``common_space_fraction`` that some merged matrix cannot be split by
-    (:func:`gradmerge.merge.spectral.iso_cts_split`), naming it, before a tensor is read."""
-    for k in plan.merged:
-        shape = plan.shapes[k]
-        if len(shape) == 2 and k not in average:
-            try:
-                iso_cts_split(min(shape), len(config.models), config.common_space_fraction)
-            except ArgumentError as err:
-                raise ConfigError(f"{err} ({k!r}, {shape[0]}×{shape[1]})") from err
 
 
 def open_remove(config: RemoveConfig, stack: ExitStack) -> Job:

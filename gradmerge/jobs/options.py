@@ -22,6 +22,7 @@ import torch
 from gradmerge._guard import Input
 from gradmerge.jobs.inputs import NOT_KEYS, path_inputs
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
+from gradmerge.methods import registry
 from gradmerge.settings import Setting, declared, setting
 from gradmerge.solvers.spec import KroneckerCG
 
@@ -185,8 +186,9 @@ def ordered(cls: Any) -> list[str]:
 def _unused(value: Any, name: str) -> bool:
     """An optional key left out of records when not given (records of runs without it stay as
     they were)."""
-    if name == "embeddings":  # RegMean's alone
-        return getattr(value, "method", None) != "regmean"
+    if name == "embeddings":  # recorded for the methods that read it (RegMean) only
+        method = getattr(value, "method", None)
+        return method is None or name not in registry.get(method).uses
     return name == "adapter_base" and getattr(value, name) is None
 
 

@@ -16,10 +16,15 @@ know about a method:
 - ``coverage``: which tensors need a curvature (the plan, :data:`Coverage`);
 - ``rule``: the function the engine calls on every unit (none for a method that runs as another
   job's method);
-- ``system`` and ``damping_key``: the linear system the dry run checks on a unit
+- ``system`` and ``damping_at``: the linear system the dry run checks on a unit
   (:mod:`gradmerge.jobs.conditioning`), built from that unit's curvature terms
-  (:class:`SystemInputs`), and the YAML key that damps it; ``None`` for a method whose system
-  is not checked;
+  (:class:`SystemInputs`), and the configuration field that damps it (``("prior", "delta")``
+  is the YAML's ``prior: {delta: ...}``, :attr:`MergeMethod.damping_key`); ``None`` for a
+  method whose system is not checked;
+- ``systems``: for a method whose solves are not one such system per unit (RegMean's Gram
+  systems), the dry run's check itself (:data:`SystemsFn`), run on the units it merges;
+- ``precheck``: a check of the method's own settings against the shapes of the merged tensors,
+  run when the job opens, before a tensor is read (:data:`PrecheckFn`: Iso-CTS's split);
 - ``hint``: what to change when the run meets a singular system (the engine adds it to the
   error);
 - ``summary``: its lines in ``gradmerge merge --help``; ``docs``: its line in docs/config.md
@@ -51,12 +56,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import Tensor
 
 from gradmerge import merge
 from gradmerge.curvature import Curvature, Diagonal
+from gradmerge.curvature.io import CurvatureFile
 from gradmerge.elementwise.matching import Kernel
 from gradmerge.errors import StructureError
 from gradmerge.merge import spectral
@@ -187,6 +193,29 @@ SystemFn = Callable[[SystemInputs], Curvature | None]
 """The system a method solves on one unit, from that unit's terms (``None``: there is none)."""
 
 
+@dataclass(frozen=True)
+class SystemReading:
+    """A method's own dry-run verdict on one unit's system (:data:`SystemsFn`): its smallest
+    eigenvalue, the floor its solve needs and the damping that lifts it (0 when it is fine)."""
+
+    keys: tuple[str, ...]
+    min_eigenvalue: float
+    floor: float
+    needed: float
+
+
+SystemsFn = Callable[
+    [Any, Mapping[str, CurvatureFile], Sequence[tuple[str, ...]]], list[SystemReading]
+]
+"""A method's own dry-run check: (the job's configuration, its open curvature files by YAML
+name — ``models[t].curvature``, …, the merged units' keys) → a reading per unit that solves."""
+
+PrecheckFn = Callable[[Any, Mapping[str, tuple[int, ...]]], None]
+"""A check of the method's settings against the job (its configuration, and the shapes of the
+merged tensors not named in ``average``), before a tensor is read; raises
+:class:`gradmerge.errors.ConfigError` naming the tensor."""
+
+
 def total(terms: Sequence[Curvature | None]) -> Curvature | None:
     """The sum of the ``terms`` given (``None`` ones left out); ``None`` when there is none."""
     given = [t for t in terms if t is not None]
@@ -205,7 +234,9 @@ class MergeMethod:
     docs: str = ""
     coverage: Coverage = "all"
     system: SystemFn | None = None
-    damping_key: str | None = None
+    damping_at: tuple[str, ...] | None = None
+    systems: SystemsFn | None = None
+    precheck: PrecheckFn | None = None
     hint: str = ""
     max_relative_step: float | None = None
     runs: Command | None = None
@@ -216,6 +247,18 @@ class MergeMethod:
         uses = frozenset(k for k, need in self.keys.items() if need != "forbidden")
         object.__setattr__(self, "uses", uses)
         object.__setattr__(self, "runs", self.runs or self.command)
+
+    @property
+    def damping_key(self) -> str | None:
+        """The YAML spelling of ``damping_at``: ``damping``, ``prior: {delta: ...}``."""
+        if self.damping_at is None:
+            return None
+        *outer, last = self.damping_at
+        return (
+            "".join(f"{k}: {{" for k in outer)
+            + (f"{last}: ..." if outer else last)
+            + "}" * len(outer)
+        )
 
     def need(self, key: str) -> Need:
         """Whether the method requires, allows or refuses the method-specific ``key``."""
@@ -245,7 +288,7 @@ def removal(
         rule,
         docs=docs,
         system=removal_system,
-        damping_key="remaining: {delta: ...}",
+        damping_at=("remaining", "delta"),
         hint="the remaining curvature H̄_\\t must be positive definite: set `remaining: {{delta: "
         "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
         "data that stays",

@@ -40,7 +40,7 @@ METHOD = MergeMethod(
     fisher_average,
     docs="(Σ α_t H_t)⁻¹ Σ α_t H_t θ_t.",
     system=system,
-    damping_key="damping",
+    damping_at=("damping",),
     hint="set `damping:` ({example}) so that Σ α_t H_t is positive definite",
     rowwise=True,
 )

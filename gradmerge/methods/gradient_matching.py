@@ -51,7 +51,7 @@ METHOD = MergeMethod(
     gradient_matching,
     docs="Eq. 6.",
     system=system,
-    damping_key="prior: {delta: ...}",
+    damping_at=("prior", "delta"),
     hint="raise `prior: {{delta: ...}}` ({example}) so that H̄ is positive definite",
     rowwise=True,
 )

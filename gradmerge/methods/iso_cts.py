@@ -13,8 +13,12 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from gradmerge.errors import ArgumentError, ConfigError
 from gradmerge.merge import spectral
-from gradmerge.merge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
+from gradmerge.merge.spectral import ISO_CTS_COMMON_SPACE_FRACTION, iso_cts_split
 from gradmerge.methods.base import MergeMethod, MergeUnit, Solved
 from gradmerge.settings import setting
 
@@ -47,6 +51,23 @@ def iso_cts(u: MergeUnit) -> Solved:
     return merged, None
 
 
+def check_split(config: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a ``common_space_fraction`` that some merged matrix cannot be split by
+    (:func:`gradmerge.merge.spectral.iso_cts_split`: its task-specific directions would
+    outnumber its rank r), naming it, before a tensor is read.
+
+    Raises:
+        ConfigError: the first matrix (of ``shapes``, the merged tensors not averaged) that
+            ``config.common_space_fraction`` with ``len(config.models)`` tasks cannot split.
+    """
+    for k, shape in shapes.items():
+        if len(shape) == 2:
+            try:
+                iso_cts_split(min(shape), len(config.models), config.common_space_fraction)
+            except ArgumentError as err:
+                raise ConfigError(f"{err} ({k!r}, {shape[0]}×{shape[1]})") from err
+
+
 METHOD = MergeMethod(
     "iso_cts",
     "merge",
@@ -59,4 +80,5 @@ METHOD = MergeMethod(
     "outside it, no curvature "
     "([below](#data-free-merges-in-the-singular-basis-tsv_merge-iso_c-iso_cts)).",
     coverage="none",
+    precheck=check_split,
 )

@@ -16,16 +16,18 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gradmerge import merge
 from gradmerge.curvature import KFAC, Blocks, Curvature, ScaledIdentity
+from gradmerge.curvature.io import CurvatureFile
 from gradmerge.errors import ArgumentError, StructureError
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
-from gradmerge.methods.base import MergeMethod, MergeUnit, Solved
+from gradmerge.methods.base import MergeMethod, MergeUnit, Solved, SystemReading
 from gradmerge.settings import setting
 from gradmerge.solvers.kronecker import eye_like
 
@@ -184,6 +186,38 @@ def _kfac_of(curvature: Curvature | None) -> KFAC | None:
     return None
 
 
+def dry_run(
+    config: Any, files: Mapping[str, CurvatureFile], units: Sequence[tuple[str, ...]]
+) -> list[SystemReading]:
+    """RegMean's systems for ``--dry-run``, judged by :func:`gradmerge.merge.regmean_systems`
+    on the Grams the merge forms (:func:`regmean_grams`, in the compute dtype
+    ``config.math_dtype``): λ_min of Σ_t α_t G̃_t against the rounding threshold of the Grams'
+    dtype, the very check :func:`gm.regmean` runs, so the verdicts agree. A unit without K-FAC
+    factors is α-averaged and solves nothing (no reading)."""
+    out = []
+    for keys in units:
+        hs = [
+            f.restrict(keys, dtype=config.math_dtype)
+            if (f := files.get(f"models[{t}].curvature")) is not None
+            else None
+            for t in range(len(config.models))
+        ]
+        found = regmean_grams(
+            hs,
+            config.damping,
+            keys=keys,
+            scales=config.curvature_scales,
+            embeddings=config.embeddings == "gram",
+        )
+        if found is None:
+            continue
+        systems = merge.regmean_systems(found[0], config.alphas, off_diagonal=config.off_diagonal)
+        worst = min(systems, key=lambda s: s.min_eigenvalue - s.threshold)
+        needed = max(s.damping for s in systems)
+        out.append(SystemReading(keys, worst.min_eigenvalue, worst.threshold, needed))
+    return out
+
+
 METHOD = MergeMethod(
     "regmean",
     "merge",
@@ -207,6 +241,7 @@ METHOD = MergeMethod(
     "W = (Σ α_t G̃_t)⁻¹ Σ α_t G̃_t W_t; the biases, embeddings, LayerNorms and every tensor "
     "without a K-FAC factor α-averaged.",
     coverage="kfac",
-    damping_key="damping",
+    damping_at=("damping",),
+    systems=dry_run,
     hint="set `damping:` ({example}) so that the summed Gram matrices are invertible",
 )

@@ -14,11 +14,13 @@ through ``gradmerge merge`` (docs/architecture.md, "Adding a method").
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
 import types
 from dataclasses import Field, fields
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -205,3 +207,32 @@ def test_a_method_added_as_one_module_and_one_list_entry_runs(monkeypatch, tmp_p
     assert reference.tables()["merge_methods"].endswith(
         "- `task_mean`: the α-weighted mean of the task vectors.\n"
     )
+
+
+def _compared_names(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every string constant in ``names`` that a comparison (==, !=, in) reads."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                for c in ast.walk(side):
+                    if isinstance(c, ast.Constant) and c.value in names:
+                        found.append((node.lineno, c.value))
+    return found
+
+
+def test_the_jobs_and_commands_compare_with_no_merge_method_name():
+    """What a method does differently lives in its record (``system``, ``damping_at``,
+    ``systems``, ``precheck``, ``keys``), so no job or command module tests for a merge
+    method by name; the check finds such a test where there is one."""
+    names = {m.name for m in registry.methods("merge")}
+    root = Path(gradmerge.__file__).parent
+    offenders = {
+        str(path.relative_to(root)): hits
+        for folder in ("jobs", "commands")
+        for path in sorted((root / folder).glob("*.py"))
+        if (hits := _compared_names(ast.parse(path.read_text()), names))
+    }
+    assert offenders == {}
+    planted = ast.parse('if config.method == "regmean" or m in ("iso_c", "x"):\n    pass\n')
+    assert _compared_names(planted, names) == [(1, "regmean"), (1, "iso_c")]
