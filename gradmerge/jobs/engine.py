@@ -110,7 +110,7 @@ class MergeReport:
         notes: lines for the user, e.g. a removal's step size
             (:class:`~gradmerge.jobs.removal_checks.StepSize`).
         solves: per solved block (a K-FAC layer, or a unit's name), how its system was solved:
-            ``{"method", "iterations", "residual", "success"}`` (also in the record, under
+            ``{"method", "iterations", "residual", "result", "success"}`` (also in the record, under
             ``"solves"``); ``success`` is False only for ``solver: {approximate: true}`` solves
             that stopped above ``solver.tol``.
         max_residual: the largest relative residual ‖b − Kx‖/‖b‖ measured over ``solves``

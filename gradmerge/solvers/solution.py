@@ -81,12 +81,14 @@ class Solution:
         return max(measured, default=0.0)
 
     def summary(self) -> dict[str, object]:
-        """A JSON-ready record: method, iterations, residual, success per part (no tensors)."""
+        """A JSON-ready record per part (no tensors): method, iterations, residual, ``result``
+        (:class:`Result`'s value) and ``success`` (``result == "successful"``)."""
         if not self.parts:
             return {
                 "method": self.method,
                 "iterations": self.iterations,
                 "residual": self.residual,
+                "result": self.result.value,
                 "success": self.success,
             }
         return {name: part.summary() for name, part in self.parts.items()}
