@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge._guard import Input
+from gradmerge.commands._flags import OVERWRITE
 from gradmerge.commands._writes import Writes, file_output
 
 DESCRIPTION = """\
@@ -71,7 +72,7 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help="record N as the curvature's number of examples",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    OVERWRITE.add(p, what="an existing OUT")
     p.set_defaults(run=run, check=check, writes=writes)
 
 

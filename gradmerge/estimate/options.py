@@ -190,7 +190,7 @@ class EstimateOptions:
     Each field is a setting declared once (:func:`gradmerge.settings.setting`): its meaning,
     kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the flags
     of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
-    (:func:`gradmerge.settings.declared`; ``python -m gradmerge.jobs.reference`` writes the
+    (:func:`gradmerge.settings.declared`; ``python -m gradmerge.commands.reference`` writes the
     table).
 
     Raises:
