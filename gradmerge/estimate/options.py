@@ -40,7 +40,7 @@ from enum import Enum
 from typing import Literal, TypedDict, TypeVar
 
 from gradmerge.errors import ArgumentError
-from gradmerge.settings import setting
+from gradmerge.settings import IGNORE_INDEX, setting
 
 StructureName = Literal["diag", "kfac", "full"]
 FisherName = Literal["empirical", "mc", "ggn"]
@@ -249,7 +249,7 @@ class EstimateOptions:
     )
     seed: int = setting(0, "seed of the Monte-Carlo draws.", kind="integer", flag="--seed")
     ignore_index: int = setting(
-        -100,
+        IGNORE_INDEX,
         "cross-entropy target value of positions to leave out (PyTorch's convention).",
         kind="integer",
         flag="--ignore-index",
