@@ -63,7 +63,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help="the official code's hessian/ folder or a file")
     p.add_argument("out", metavar="OUT.safetensors", help="the curvature file to write")
     p.add_argument(
-        "--scale", type=float, default=1.0, metavar="S", help="multiply every value by S (1)"
+        "--scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="multiply every value by S (%(default)s)",
     )
     p.add_argument(
         "--num-examples",

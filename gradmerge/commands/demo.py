@@ -34,7 +34,9 @@ def add_parser(sub: Any) -> None:
         help=f"output directory, new or empty unless --overwrite ({DEFAULT_OUT})",
     )
     OVERWRITE.add(p, what="a non-empty --out")
-    p.add_argument("--seed", type=int, default=0, help="data split and initialisation (0)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="data split and initialisation (%(default)s)"
+    )
     p.add_argument("--quick", action="store_true", help="a small version (seconds)")
     DEVICE.add(p)
     p.add_argument(

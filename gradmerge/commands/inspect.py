@@ -83,7 +83,10 @@ def add_parser(sub: Any) -> None:
         help="skip the K-FAC factors' eigenvalues (an eigendecomposition per factor)",
     )
     p.add_argument(
-        "--rho", type=float, default=1e-3, help="share s counted as a difference (default 1e-3)"
+        "--rho",
+        type=float,
+        default=1e-3,
+        help="share s counted as a difference (default %(default)s)",
     )
     p.set_defaults(run=run, check=check, writes=writes)
 

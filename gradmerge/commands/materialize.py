@@ -54,7 +54,7 @@ def add_parser(sub: Any) -> None:
         type=size,
         default="5GB",  # argparse converts a string default with type=
         metavar="SIZE",
-        help="the largest shard: bytes, or e.g. 5GB, 500MB, 2GiB (default: 5GB)",
+        help="the largest shard: bytes, or e.g. 5GB, 500MB, 2GiB (default: %(default)s)",
     )
     OVERWRITE.add(p, what="an existing OUT")
     p.set_defaults(run=run, check=check, writes=writes)

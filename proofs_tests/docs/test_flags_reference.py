@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from pathlib import Path
 
@@ -161,3 +162,55 @@ def test_distributed_merge_waits_the_declared_timeout(monkeypatch):
     with pytest.raises(SystemExit):
         distributed.run_remove_command(given)
     assert seen == [DEFAULT_TIMEOUT.total_seconds(), 5.0]
+
+
+def _default(command: str, flag: str):
+    parser = PARSERS[f"gradmerge {command}"]
+    return next(a for a in parser._actions if flag in a.option_strings).default
+
+
+def _keyword(function, name: str):
+    return inspect.signature(function).parameters[name].default
+
+
+def test_the_commands_defaults_are_the_librarys():
+    """A flag whose parser cannot read its library's default (that module imports torch) writes
+    it once in its command, and it equals the library's: the help shows it with
+    ``%(default)s``."""
+    from gradmerge.bootstrap import paired_bootstrap
+    from gradmerge.commands import evaluate
+    from gradmerge.commands.materialize import size
+    from gradmerge.curvature.summary import RHO
+    from gradmerge.demo import run_demo
+    from gradmerge.io.materialize import DEFAULT_SHARD_SIZE
+    from gradmerge.io.official import convert_curvature
+    from gradmerge.jobs.options import Options
+    from gradmerge.settings import default_of
+    from gradmerge.theory.verify import collect
+
+    assert _default("inspect", "--rho") == RHO
+    assert _keyword(paired_bootstrap, "resamples") == evaluate.RESAMPLES
+    assert _keyword(paired_bootstrap, "seed") == evaluate.SEED
+    assert _default("demo", "--seed") == _keyword(run_demo, "seed")
+    assert _default("demo", "--threads") == _keyword(run_demo, "threads")
+    assert _default("demo", "--device") == _keyword(run_demo, "device")
+    assert _default("convert-curvature", "--scale") == _keyword(convert_curvature, "scale")
+    assert _default("verify", "--seeds") == _keyword(collect, "seeds")
+    shard = size(_default("materialize", "--max-shard-size"))
+    assert shard == DEFAULT_SHARD_SIZE == default_of(Options, "max_shard_size")
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("verify", "--seeds"),
+        ("verify", "--study"),
+        ("convert-curvature", "--scale"),
+        ("demo", "--seed"),
+        ("inspect", "--rho"),
+        ("materialize", "--max-shard-size"),
+    ],
+)
+def test_a_help_shows_its_flags_default_from_the_flag(command, flag):
+    action = next(a for a in PARSERS[f"gradmerge {command}"]._actions if flag in a.option_strings)
+    assert "%(default)" in (action.help or ""), f"{command} {flag}: default restated in its help"
