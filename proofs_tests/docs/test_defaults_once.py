@@ -78,6 +78,13 @@ RESTATED: dict[str, tuple[Any, ...]] = {
             "gradmerge/commands/refine.py": 1,  # a value of the epilog's example configuration
         },
     ),
+    "shard size": (
+        r"\b5 \* 10\*\*9\b|\b5_?000_?000_?000\b",
+        {
+            "gradmerge/io/writer.py": 1,  # DEFAULT_SHARD_SIZE
+            "gradmerge/jobs/config.py": 1,  # a doctest's output (checked by the doctests)
+        },
+    ),
     "batch size": (
         r"\bbatch_size: int = \d|batch_size or \d|\(16\)",
         {},
