@@ -54,6 +54,10 @@ Kind = Literal[
 ]
 REQUIRED: Any = MISSING
 """The default of a setting that must be given."""
+IGNORE_INDEX = -100
+"""PyTorch's target value of positions a cross-entropy leaves out: the default of the estimator's
+``ignore_index`` (:class:`gradmerge.EstimateOptions`) and of the data loaders of
+:mod:`gradmerge.io` (which read data without the estimator), declared here, below both."""
 PATH_KINDS: tuple[Kind, ...] = ("path", "file", "selection")
 """The kinds whose values name files or folders: every path a setting of these kinds holds (and
 every one a ``mapping`` setting's own declarations hold) is an input of the run, which the output

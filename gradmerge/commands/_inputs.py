@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradmerge.commands._flags import ADAPTER_BASE, DEVICE, NO_PROGRESS, OVERWRITE
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
@@ -176,13 +177,7 @@ def add_reading_arguments(
         help="keyword argument of a DATA entry point, e.g. task=sentiment (repeatable); the "
         "entry point is imported and called: it runs code, like a Python import",
     )
-    p.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where the model runs: auto (a GPU if there is one, else the CPU), cpu or cuda; "
-        "default: auto",
-    )
+    DEVICE.add(p)
     p.add_argument(
         "--ignore-index",
         type=int,
@@ -195,14 +190,10 @@ def add_reading_arguments(
         help="labels follow Hugging Face's causal-LM convention (labels = input_ids): shift "
         "them left by one and ignore the last position",
     )
-    p.add_argument(
-        "--adapter-base",
-        default=None,
-        metavar="FOLDER",
-        help="MODEL is a LoRA adapter: the base model folder it applies to (default: its "
-        "adapter_config.json's base_model_name_or_path; a relative one is read relative to the "
-        "folder holding the adapter, and refused when it names another model relative to the "
-        "current directory)",
+    ADAPTER_BASE.add(
+        p,
+        which="MODEL is a LoRA adapter: ",
+        refused=", and refused when it names another model relative to the current directory",
     )
     p.add_argument(
         "--allow-new-weights",
@@ -210,8 +201,8 @@ def add_reading_arguments(
         help="MODEL folder: accept parameters its weights lack (randomly initialised, e.g. a "
         "new head) and stored tensors it does not use; by default they are an error",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    OVERWRITE.add(p, what="an existing OUT")
+    NO_PROGRESS.add(p)
 
 
 def check_sources(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

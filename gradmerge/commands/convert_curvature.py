@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge._guard import Input
+from gradmerge.commands._flags import OVERWRITE
 from gradmerge.commands._writes import Writes, file_output
 
 DESCRIPTION = """\
@@ -62,7 +63,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help="the official code's hessian/ folder or a file")
     p.add_argument("out", metavar="OUT.safetensors", help="the curvature file to write")
     p.add_argument(
-        "--scale", type=float, default=1.0, metavar="S", help="multiply every value by S (1)"
+        "--scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="multiply every value by S (%(default)s)",
     )
     p.add_argument(
         "--num-examples",
@@ -71,7 +76,7 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help="record N as the curvature's number of examples",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    OVERWRITE.add(p, what="an existing OUT")
     p.set_defaults(run=run, check=check, writes=writes)
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from gradmerge.commands._flags import TIMEOUT
 from gradmerge.commands._inputs import (
     FORMS,
     add_source_arguments,
@@ -378,12 +379,7 @@ def add_distributed_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="data-parallel estimation over the ranks of torchrun (see below)",
     )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds a rank waits for the others before failing (default 1800; --distributed)",
-    )
+    TIMEOUT.add(p, when="; --distributed")
     p.add_argument(
         "--expected-examples",
         type=int,

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any
 
+from gradmerge.commands._flags import DEVICE, OVERWRITE
+
 DEFAULT_OUT = "runs/demo"
 
 
@@ -31,12 +33,12 @@ def add_parser(sub: Any) -> None:
         default=DEFAULT_OUT,
         help=f"output directory, new or empty unless --overwrite ({DEFAULT_OUT})",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--seed", type=int, default=0, help="data split and initialisation (0)")
-    p.add_argument("--quick", action="store_true", help="a small version (seconds)")
+    OVERWRITE.add(p, what="a non-empty --out")
     p.add_argument(
-        "--device", default="auto", help="'auto' (a GPU if there is one), 'cpu' or 'cuda'"
+        "--seed", type=int, default=0, help="data split and initialisation (%(default)s)"
     )
+    p.add_argument("--quick", action="store_true", help="a small version (seconds)")
+    DEVICE.add(p)
     p.add_argument(
         "--threads",
         type=int,

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from gradmerge.commands import curvature, merge, remove
+from gradmerge.commands._flags import TIMEOUT
 from gradmerge.commands._writes import guard
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
@@ -79,12 +80,7 @@ def _add_merge_commands(sub: Any) -> None:
     ):
         module.add_parser(sub)
         p = sub.choices[name]
-        p.add_argument(
-            "--timeout",
-            type=float,
-            default=DEFAULT_TIMEOUT.total_seconds(),
-            help="seconds a rank waits for the others before failing (default 1800)",
-        )
+        TIMEOUT.add(p, when="")
         p.set_defaults(run=run)
 
 
@@ -117,6 +113,8 @@ def run_remove_command(args: argparse.Namespace) -> int:
 
 def _run_streaming(args: argparse.Namespace, command: str, load: Any, plan: Any, run: Any) -> int:
     """The single-process command's driver (messages, --dry-run) around the distributed run."""
+    if args.timeout is None:
+        args.timeout = DEFAULT_TIMEOUT.total_seconds()
     created = _init("gloo", torch.device("cpu"), args.timeout)
     try:
 

@@ -42,12 +42,15 @@ from gradmerge.commands._writes import Writes, file_output, reading_inputs
 
 FORMAT = "gradmerge-evaluate/2"
 RESAMPLES = 2000
+"""--resamples by default (:func:`gradmerge.bootstrap.paired_bootstrap`'s, checked by a test)."""
+SEED = 0
+"""--seed by default (the bootstrap's)."""
 LEVEL = 0.95
 USAGE = """\
 gradmerge evaluate MODEL [MODEL ...] DATA [options]
        gradmerge evaluate MODEL [MODEL ...] --data DATA [DATA ...] [--compare REF [REF ...]]
                           [options]"""
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Each MODEL (a Hugging Face classifier or causal LM folder, a LoRA adapter folder, or an entry
 point) is scored on each DATA, read as gradmerge curvature reads it (text with the model's own
 tokenizer, tensor files, entry points; the same flags), in evaluation mode (no dropout), without
@@ -66,8 +69,8 @@ loss(REF), per DATA and pooled, with 95% paired-bootstrap intervals over the tes
 (gradmerge.bootstrap): each resample draws every DATA's examples with replacement, the same ones
 for the model and REF; the pooled figure is the MEAN OVER DATA of the per-DATA figures (every
 DATA counts alike, as merging papers average accuracy over tasks), resampled within each DATA
-(stratified). Percentile intervals, --resamples (default 2,000) draws seeded by --seed
-(default 0): the same seed gives the same intervals. Several REFs (--compare A B) compare every
+(stratified). Percentile intervals, --resamples (default {RESAMPLES:,}) draws seeded by --seed
+(default {SEED}): the same seed gives the same intervals. Several REFs (--compare A B) compare every
 other model with each, in one pass (each model scored once; every comparison on the same draws,
 as separate runs would give). Only like figures are compared: a classifier's accuracy per example
 with a causal LM's per token is refused (exit 2).
@@ -140,7 +143,7 @@ def add_parser(sub: Any) -> None:
         help=f"bootstrap resamples of --compare (default {RESAMPLES:,})",
     )
     p.add_argument(
-        "--seed", type=int, default=None, help="seed of --compare's resamples (default 0)"
+        "--seed", type=int, default=None, help=f"seed of --compare's resamples (default {SEED})"
     )
     p.add_argument(
         "--out",
@@ -454,7 +457,7 @@ def compare(
     from gradmerge.errors import StructureError
 
     resamples = RESAMPLES if args.resamples is None else args.resamples
-    seed = 0 if args.seed is None else args.seed
+    seed = SEED if args.seed is None else args.seed
     datas = range(len(args.datas))
     out: dict[str, Any] = {
         "reference": args.models[ref],

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradmerge.commands._flags import OVERWRITE
+
 EPILOG = """\
 what it prints, per file: structure, num_examples and the other estimation records, the
 diagonal entries' percentiles (min, p1, p10, p50, p90, p99, max) and fraction of exact zeros;
@@ -71,7 +73,7 @@ def add_parser(sub: Any) -> None:
         help="curvature files, or one merge CONFIG.yaml",
     )
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON (- : stdout)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --json PATH")
+    OVERWRITE.add(p, what="an existing --json PATH")
     p.add_argument(
         "--no-layers", action="store_true", help="print no per-layer (CONFIG: per-unit) lines"
     )
@@ -81,7 +83,10 @@ def add_parser(sub: Any) -> None:
         help="skip the K-FAC factors' eigenvalues (an eigendecomposition per factor)",
     )
     p.add_argument(
-        "--rho", type=float, default=1e-3, help="share s counted as a difference (default 1e-3)"
+        "--rho",
+        type=float,
+        default=1e-3,
+        help="share s counted as a difference (default %(default)s)",
     )
     p.set_defaults(run=run, check=check, writes=writes)
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradmerge.commands._flags import ADAPTER_BASE, OVERWRITE
 from gradmerge.commands._writes import Writes
 
 DESCRIPTION = """\
@@ -47,22 +48,15 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("adapter", metavar="ADAPTER", help="a PEFT LoRA adapter folder")
     p.add_argument("out", metavar="OUT", help="the model folder to write")
-    p.add_argument(
-        "--adapter-base",
-        default=None,
-        metavar="FOLDER",
-        help="the base model folder the adapter applies to (default: its adapter_config.json's "
-        "base_model_name_or_path; a relative one is read relative to the folder holding the "
-        "adapter)",
-    )
+    ADAPTER_BASE.add(p, which="ADAPTER: ", refused="")
     p.add_argument(
         "--max-shard-size",
         type=size,
         default="5GB",  # argparse converts a string default with type=
         metavar="SIZE",
-        help="the largest shard: bytes, or e.g. 5GB, 500MB, 2GiB (default: 5GB)",
+        help="the largest shard: bytes, or e.g. 5GB, 500MB, 2GiB (default: %(default)s)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    OVERWRITE.add(p, what="an existing OUT")
     p.set_defaults(run=run, check=check, writes=writes)
 
 

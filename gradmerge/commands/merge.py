@@ -10,6 +10,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gradmerge.commands._flags import NO_PROGRESS, OVERWRITE
+
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
 
@@ -95,11 +97,11 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     """CONFIG, OUT_DIR and the flags ``merge`` and ``remove`` share."""
     p.add_argument("config", metavar="CONFIG.yaml", help="the configuration (see below)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output folder (must not exist)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    OVERWRITE.add(p, what="OUT_DIR if it exists")
     p.add_argument(
         "--dry-run", action="store_true", help="check the inputs and print the plan; write nothing"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    NO_PROGRESS.add(p)
 
 
 def run(args: argparse.Namespace) -> int:

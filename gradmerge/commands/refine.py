@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from gradmerge.commands._flags import OVERWRITE
+
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file):
 
@@ -59,7 +61,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("config", metavar="CONFIG.yaml", help="the configuration (see below)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output folder (must not exist)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    OVERWRITE.add(p, what="OUT_DIR if it exists")
     p.add_argument(
         "--allow-entry-points",
         action="store_true",

@@ -20,12 +20,14 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  gradmerge verify\n  gradmerge verify --seeds 50 --json verify.json",
     )
-    p.add_argument("--seeds", type=int, default=10, help="random cases per numeric check (10)")
+    p.add_argument(
+        "--seeds", type=int, default=10, help="random cases per numeric check (%(default)s)"
+    )
     p.add_argument(
         "--study",
         type=int,
         default=30,
-        help="logistic problems in the merge-error study (30; 0: skip)",
+        help="logistic problems in the merge-error study (%(default)s; 0: skip)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(run=run, check=check)

@@ -40,7 +40,7 @@ from enum import Enum
 from typing import Literal, TypedDict, TypeVar
 
 from gradmerge.errors import ArgumentError
-from gradmerge.settings import setting
+from gradmerge.settings import IGNORE_INDEX, setting
 
 StructureName = Literal["diag", "kfac", "full"]
 FisherName = Literal["empirical", "mc", "ggn"]
@@ -190,7 +190,7 @@ class EstimateOptions:
     Each field is a setting declared once (:func:`gradmerge.settings.setting`): its meaning,
     kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the flags
     of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
-    (:func:`gradmerge.settings.declared`; ``python -m gradmerge.jobs.reference`` writes the
+    (:func:`gradmerge.settings.declared`; ``python -m gradmerge.commands.reference`` writes the
     table).
 
     Raises:
@@ -249,7 +249,7 @@ class EstimateOptions:
     )
     seed: int = setting(0, "seed of the Monte-Carlo draws.", kind="integer", flag="--seed")
     ignore_index: int = setting(
-        -100,
+        IGNORE_INDEX,
         "cross-entropy target value of positions to leave out (PyTorch's convention).",
         kind="integer",
         flag="--ignore-index",

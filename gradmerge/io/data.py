@@ -35,6 +35,7 @@ from gradmerge.io.text_data import (
     vocabulary_of,
 )
 from gradmerge.io.text_records import TEXT_SUFFIXES, read_records
+from gradmerge.settings import IGNORE_INDEX
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 
@@ -67,7 +68,7 @@ def load_data(
     *,
     batch_size: int = BATCH_SIZE,
     shift_labels: bool = False,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     arguments: Mapping[str, Any] | None = None,
     max_examples: int | None = None,
     model: nn.Module | None = None,
@@ -273,7 +274,7 @@ class TensorBatches:
         *,
         batch_size: int,
         shift_labels: bool = False,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         source: str = "DATA",
     ) -> None:
         names = set(tensors)

@@ -52,11 +52,10 @@ from gradmerge._version import __version__
 from gradmerge.io import fingerprint
 from gradmerge.io.lora import LoraCheckpoint, adapter_base, check_adapter_base, is_adapter
 from gradmerge.io.reader import open_checkpoint
+from gradmerge.io.writer import DEFAULT_SHARD_SIZE as DEFAULT_SHARD_SIZE
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 
 RECORD = "gradmerge_materialize.json"
-DEFAULT_SHARD_SIZE = 5 * 10**9
-"""The largest shard written (bytes), as ``gradmerge merge``'s ``max_shard_size`` default."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from gradmerge.io.text_records import Records as Records
 from gradmerge.io.text_records import TextOptions as TextOptions  # re-exported: public path
 from gradmerge.io.text_records import is_text_data as is_text_data
 from gradmerge.io.text_records import read_records as read_records
+from gradmerge.settings import IGNORE_INDEX
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -277,7 +278,7 @@ class TextBatches:
         tokenizer: Any,
         options: TextOptions = TextOptions(),
         batch_size: int = BATCH_SIZE,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         source: str = "DATA",
     ) -> None:
         self.task, self.batch_size, self.ignore_index = task_of(model), batch_size, ignore_index

@@ -32,6 +32,9 @@ from gradmerge.errors import ArgumentError
 from gradmerge.io.reader import SAFETENSORS_DTYPES
 
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+DEFAULT_SHARD_SIZE = 5 * 10**9
+"""The largest shard written (bytes) by default: merges' and removals' ``max_shard_size``
+(:class:`gradmerge.jobs.options.Options`) and ``gradmerge materialize``'s."""
 INDEX_NAME = "model.safetensors.index.json"
 
 

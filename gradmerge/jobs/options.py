@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from gradmerge._guard import Input
+from gradmerge.io.writer import DEFAULT_SHARD_SIZE
 from gradmerge.jobs.inputs import NOT_KEYS, path_inputs
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.methods import registry
@@ -121,7 +122,7 @@ class Options(FromYaml):
         kind="strings",
     )
     max_shard_size: int = setting(
-        5 * 10**9,
+        DEFAULT_SHARD_SIZE,
         "the output's shard size: bytes, or a string such as `5GB`, `500MB`, `2GiB` (decimal "
         "or binary units).",
         kind="size",

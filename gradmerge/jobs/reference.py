@@ -6,9 +6,10 @@ and :class:`gradmerge.jobs.refine.RefineConfig`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
 and the records' ``docs`` lines as its lists of methods, between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
 ``proofs_tests/docs/test_config_reference.py`` checks that the committed page equals what
-:func:`tables` gives; after changing a declaration, rewrite the page with
+:func:`tables` gives (with the commands' flags, :mod:`gradmerge.commands.reference`, which
+sits above the jobs); after changing a declaration, rewrite the page with
 
-    python -m gradmerge.jobs.reference docs/config.md
+    python -m gradmerge.commands.reference docs/config.md
 
 Example:
     >>> print(tables()["term"].splitlines()[2])
@@ -18,8 +19,6 @@ Example:
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 from gradmerge.estimate.options import EstimateOptions
@@ -159,32 +158,18 @@ def _names() -> str:
     return "\n".join(rows) + "\n"
 
 
-def render(text: str) -> str:
-    """``text`` (docs/config.md) with every generated block replaced by its table.
+def render(text: str, generated: dict[str, str] | None = None) -> str:
+    """``text`` (docs/config.md) with every generated block replaced by its table:
+    ``generated`` (default :func:`tables`; :func:`gradmerge.commands.reference.tables` adds the
+    commands' flags).
 
     Raises:
         KeyError: a block names no table.
     """
-    generated = tables()
-    return _BLOCK.sub(lambda m: m.group(1) + generated[m.group(2)] + m.group(4), text)
+    found = tables() if generated is None else generated
+    return _BLOCK.sub(lambda m: m.group(1) + found[m.group(2)] + m.group(4), text)
 
 
 def blocks(text: str) -> dict[str, str]:
     """The generated blocks of ``text`` as they stand, by name."""
     return {m.group(2): m.group(3) for m in _BLOCK.finditer(text)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gradmerge.jobs.reference PAGE``: rewrite PAGE's generated tables."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m gradmerge.jobs.reference docs/config.md", file=sys.stderr)
-        return 2
-    page = Path(args[0])
-    text = page.read_text(encoding="utf-8")
-    page.write_text(render(text), encoding="utf-8")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

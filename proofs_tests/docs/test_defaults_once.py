@@ -13,7 +13,9 @@ string) drifts from the declaration the day one of them changes. The declaration
   ``TaskInput``), which its reader and docs/config.md's ``refine`` tables read (the estimator's
   keys take their defaults from ``EstimateOptions``, ``batch_size`` from
   :data:`gradmerge.io.forms.BATCH_SIZE`, which the commands' ``--batch-size`` and the data
-  loaders read too).
+  loaders read too);
+- ``ignore_index``: :data:`gradmerge.settings.IGNORE_INDEX`, which ``EstimateOptions`` and the
+  data loaders of :mod:`gradmerge.io` read.
 
 Each test greps ``gradmerge/`` for the literal restatements of one default (the patterns below)
 and allows them only where the default is declared, and checks that the users take the
@@ -69,6 +71,20 @@ RESTATED: dict[str, tuple[Any, ...]] = {
         {},
         ("gradmerge/jobs/refine.py",),
     ),
+    "ignore_index": (
+        r"(?<![\w.])-100\b",
+        {
+            "gradmerge/settings.py": 1,  # IGNORE_INDEX
+            "gradmerge/commands/refine.py": 1,  # a value of the epilog's example configuration
+        },
+    ),
+    "shard size": (
+        r"\b5 \* 10\*\*9\b|\b5_?000_?000_?000\b",
+        {
+            "gradmerge/io/writer.py": 1,  # DEFAULT_SHARD_SIZE
+            "gradmerge/jobs/config.py": 1,  # a doctest's output (checked by the doctests)
+        },
+    ),
     "batch size": (
         r"\bbatch_size: int = \d|batch_size or \d|\(16\)",
         {},
@@ -76,9 +92,9 @@ RESTATED: dict[str, tuple[Any, ...]] = {
     ),
 }
 """A default → (a regex of its literal restatements, {file: how many it may hold}[, the files
-searched: path prefixes; default every module of gradmerge/]). The loaders of gradmerge.io keep
-PyTorch's ``ignore_index=-100`` of their own: io reads data without the estimator (the layers of
-docs/architecture.md: io imports no estimate)."""
+searched: path prefixes; default every module of gradmerge/]). PyTorch's ``ignore_index=-100`` is
+:data:`gradmerge.settings.IGNORE_INDEX`, below both the estimator and the loaders of gradmerge.io
+(which read data without the estimator: the layers of docs/architecture.md)."""
 
 
 @pytest.mark.parametrize("name", RESTATED)
@@ -140,3 +156,17 @@ def test_the_refine_reader_takes_the_declared_defaults():
     for key in ("fisher", "loss", "ignore_index", "seed"):
         assert default_of(RefineConfig, key) == default_of(EstimateOptions, key), key
     assert config.batch_size == BATCH_SIZE
+
+
+def test_the_loaders_and_the_estimator_ignore_the_same_positions():
+    """``ignore_index``'s one declaration is the default of the estimator's option and of every
+    data loader of gradmerge.io."""
+    from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.io.data import TensorBatches, load_data
+    from gradmerge.io.text_data import TextBatches
+    from gradmerge.settings import IGNORE_INDEX, default_of
+
+    assert IGNORE_INDEX == -100  # PyTorch's nn.CrossEntropyLoss default
+    assert default_of(EstimateOptions, "ignore_index") == IGNORE_INDEX
+    for loader in (load_data, TensorBatches, TextBatches):
+        assert inspect.signature(loader).parameters["ignore_index"].default == IGNORE_INDEX
