@@ -13,10 +13,10 @@ Example:
 
 from __future__ import annotations
 
+from gradmerge.foundation.settings import setting
 from gradmerge.merge import spectral
 from gradmerge.merge.spectral import ISO_CTS_COMMON_SPACE_FRACTION
 from gradmerge.methods.base import MergeMethod, MergeUnit, Solved
-from gradmerge.settings import setting
 
 COMMON_SPACE_FRACTION = setting(
     ISO_CTS_COMMON_SPACE_FRACTION,

@@ -108,7 +108,7 @@ def test_the_solver_defaults_come_from_their_declaration():
     assert keywords["tol"].default == spec.DEFAULT_TOL["float64"]
     assert keywords["maxiter"].default == spec.MAXITER
     assert gradmerge.KroneckerCG().maxiter == gradmerge.CG().maxiter == spec.MAXITER
-    declared_doc = gradmerge.settings.declared(gradmerge.KroneckerCG)
+    declared_doc = gradmerge.foundation.settings.declared(gradmerge.KroneckerCG)
     assert declared_doc["tol"].default_doc == (
         f"{spec.number_text(spec.DEFAULT_TOL['float32'])} in float32, "
         f"{spec.number_text(spec.DEFAULT_TOL['float64'])} in float64 (the solve's dtype)"
@@ -120,9 +120,9 @@ def test_the_refine_reader_takes_the_declared_defaults():
     """A refinement that gives only its required keys gets every other key's declared default
     (and the estimator's keys those of ``EstimateOptions``, but ``structure``)."""
     from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.foundation.settings import REQUIRED, declared, default_of
     from gradmerge.io.forms import BATCH_SIZE
     from gradmerge.jobs.refine import RefineConfig, TaskInput
-    from gradmerge.settings import REQUIRED, declared, default_of
 
     given = {
         "start": ".",
