@@ -15,7 +15,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gradmerge._lazy import lazy_names
 from gradmerge._version import __version__ as __version__
 from gradmerge.errors import (
     ArgumentError,
@@ -29,6 +28,7 @@ from gradmerge.errors import (
     InputWarning,
     MissingExtraError,
     MissingInputError,
+    MovedModuleError,
     NonFiniteError,
     NotConvergedError,
     NotPositiveDefiniteError,
@@ -40,6 +40,7 @@ from gradmerge.errors import (
     SelectionWarning,
     StructureError,
 )
+from gradmerge.foundation.lazy import lazy_names, refuse_moved
 
 if TYPE_CHECKING:  # loaded lazily at run time (__getattr__ below)
     from gradmerge import distributed, io, jobs, kernels, params
@@ -116,6 +117,10 @@ help without torch (``gradmerge --help``); the first ``gm.NAME`` loads what NAME
 
 
 _load, __dir__ = lazy_names(__name__, _LAZY, _MODULES)
+
+# public module paths that moved, refused with their new home (MovedModuleError); the private
+# helpers (gradmerge._guard, ...) moved to gradmerge.foundation without one
+refuse_moved({"gradmerge.settings": "gradmerge.foundation.settings"})
 
 
 def __getattr__(name: str) -> Any:
@@ -211,6 +216,7 @@ __all__ = [
     "ArgumentError",
     "ComparisonError",
     "RemovedArgumentError",
+    "MovedModuleError",
     # checkpoint files: lazy reading (gm.io), streaming merges and removals (gm.jobs)
     "io",
     "jobs",

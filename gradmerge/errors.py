@@ -51,6 +51,11 @@ class RemovedArgumentError(GradmergeError, TypeError):
     replaced it (e.g. ``KFAC(cg_tol=...)``: ``K.solve_info(v, gm.KroneckerCG(tol=...))``)."""
 
 
+class MovedModuleError(GradmergeError, ModuleNotFoundError):
+    """A module path gradmerge no longer has (the package is 0.x); the message names the module's
+    new home (``import gradmerge.settings``: ``gradmerge.foundation.settings``)."""
+
+
 class AdapterBaseError(ArgumentError):
     """A LoRA adapter whose base model cannot be told for certain: a relative
     ``base_model_name_or_path`` that names another model relative to the current directory than
@@ -111,19 +116,20 @@ class OutputExistsError(GradmergeError, FileExistsError):
 
 class OutputOverlapError(ArgumentError):
     """An output that is, lies inside or contains one of the run's inputs: writing it would
-    replace, delete or add to that input (:mod:`gradmerge._guard`). Refused with and without
-    ``--overwrite``."""
+    replace, delete or add to that input (:mod:`gradmerge.foundation.guard`). Refused with and
+    without ``--overwrite``."""
 
 
 class OutputWriteError(GradmergeError, OSError):
     """An output that cannot be written: a full disk, a read-only or unwritable folder, a parent
     that is a file, a folder where a file is to go (or the reverse). Nothing partial is left
-    (:mod:`gradmerge._guard`)."""
+    (:mod:`gradmerge.foundation.guard`)."""
 
 
 class InputChangedError(GradmergeError, RuntimeError):
     """An input file that changed (size or modification time) while the run read it: the output
-    could mix two versions of it, so it is not written (:class:`gradmerge._guard.Snapshot`)."""
+    could mix two versions of it, so it is not written
+    (:class:`gradmerge.foundation.guard.Snapshot`)."""
 
 
 class StepTooLargeError(GradmergeError, ValueError):

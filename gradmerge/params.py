@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from gradmerge._text import key_list
 from gradmerge.errors import (
     DeviceError,
     DTypeError,
@@ -28,6 +27,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StructureError,
 )
+from gradmerge.foundation.text import key_list
 
 Params = Mapping[str, Tensor]
 """A mapping from parameter name to tensor (e.g. a model's ``state_dict``)."""

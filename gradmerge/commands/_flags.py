@@ -8,7 +8,7 @@ the command's own thing (the OUT an ``--overwrite`` replaces), the declaration h
 ``{field}`` the command fills, never a second text.
 
 Flags that stand for a setting take their default and choices from that setting's declaration
-(:mod:`gradmerge.settings`; e.g. ``--loss``, ``--ignore-index``: :class:`gradmerge.EstimateOptions`)
+(:mod:`gradmerge.foundation.settings`; e.g. ``--loss``, ``--ignore-index``: :class:`gradmerge.EstimateOptions`)
 where it can be read without torch; where it cannot (``--device``: the merge options' ``device``,
 ``--timeout``: :data:`gradmerge.distributed.DEFAULT_TIMEOUT`), the value is written here once and
 ``proofs_tests/docs/test_flags_reference.py`` checks it against the declaration.

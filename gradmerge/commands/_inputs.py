@@ -20,10 +20,10 @@ from gradmerge.commands._flags import ADAPTER_BASE, DEVICE, NO_PROGRESS, OVERWRI
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
+from gradmerge.foundation.settings import declared
 from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.forms import FORMS as FORMS
 from gradmerge.io.text_records import TextOptions  # its declarations: no torch
-from gradmerge.settings import declared
 
 if TYPE_CHECKING:  # imported where used: building the parser and printing help needs no torch
     import torch

@@ -55,10 +55,10 @@ TEXTS: dict[str, str] = {
 
 def from_registries() -> dict[str, str]:
     """:data:`TEXTS` as the registries give them now (imports the jobs, hence torch)."""
+    from gradmerge.foundation.settings import declared
     from gradmerge.jobs.config import help_keys
     from gradmerge.jobs.options import Options
     from gradmerge.methods.registry import help_table, names
-    from gradmerge.settings import declared
 
     return {
         "merge_method_names": " | ".join(names("merge")),

@@ -1,4 +1,4 @@
-"""What each command that writes declares to the output guard (:mod:`gradmerge._guard`).
+"""What each command that writes declares to the output guard (:mod:`gradmerge.foundation.guard`).
 
 A command that writes gives its parser a declaration, ``p.set_defaults(writes=declare)``, where
 ``declare(args)`` returns :class:`Writes`: the outputs of this call (``OUT``, ``--json``,
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradmerge._guard import Input, Output, check
 from gradmerge.errors import GradmergeError, InputWarning
+from gradmerge.foundation.guard import Input, Output, check
 
 
 @dataclass

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradmerge._guard import Input
 from gradmerge.commands._flags import OVERWRITE
 from gradmerge.commands._writes import Writes, file_output
+from gradmerge.foundation.guard import Input
 
 DESCRIPTION = """\
 SRC is a curvature as the official code (UKPLab/iclr2024-model-merging) writes it: a Hugging Face

@@ -24,7 +24,7 @@ from gradmerge.commands._inputs import (
 )
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
-from gradmerge.settings import declared, default_of
+from gradmerge.foundation.settings import declared, default_of
 
 if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
     import torch
@@ -291,8 +291,8 @@ def execute(args: argparse.Namespace) -> int:
         return run_distributed(args)
     import torch
 
-    from gradmerge._devices import resolve_device
     from gradmerge.estimate import estimate_with
+    from gradmerge.foundation.devices import resolve_device
 
     start = time.perf_counter()
     device = resolve_device(args.device)

@@ -61,8 +61,8 @@ def writes(args: argparse.Namespace) -> Any:
     """The output guard's declaration: the folder --out; the study reads no file."""
     from pathlib import Path
 
-    from gradmerge._guard import Output
     from gradmerge.commands._writes import Writes
+    from gradmerge.foundation.guard import Output
 
     return Writes([Output("--out", Path(args.out), "folder")], [])
 

@@ -273,7 +273,7 @@ def execute(args: argparse.Namespace) -> int:
     """Score every MODEL on every DATA (the REFs first, so that a comparison of unlike figures
     stops at the first model that has them), compare them with each REF, then print the tables
     and write the JSON (only when all succeeded)."""
-    from gradmerge._devices import resolve_device
+    from gradmerge.foundation.devices import resolve_device
     from gradmerge.io.text_data import TextBatches
 
     device = resolve_device(args.device)
@@ -320,7 +320,7 @@ def execute(args: argparse.Namespace) -> int:
         return 0
     print(text)
     if args.out is not None:
-        from gradmerge._guard import write_json
+        from gradmerge.foundation.guard import write_json
 
         write_json(report, args.out, "--out")
         print(f"wrote {args.out}")

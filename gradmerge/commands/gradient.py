@@ -81,8 +81,8 @@ def execute(args: argparse.Namespace) -> int:
     import torch
 
     import gradmerge as gm
-    from gradmerge._devices import resolve_device
     from gradmerge.errors import NonFiniteError
+    from gradmerge.foundation.devices import resolve_device
 
     start = time.perf_counter()
     device = resolve_device(args.device)
@@ -116,7 +116,7 @@ def save_gradient(gradient: dict[str, Tensor], out: Path, meta: dict[str, str]) 
     :class:`~gradmerge.errors.OutputWriteError` and nothing left when it cannot be written)."""
     from safetensors.torch import save_file
 
-    from gradmerge._guard import staged_file
+    from gradmerge.foundation.guard import staged_file
 
     with staged_file(out, "OUT") as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in gradient.items()}, tmp, meta)

@@ -106,8 +106,8 @@ def writes(args: argparse.Namespace) -> Any:
     """The output guard's declaration: ``--json`` PATH (not ``-``) against every CURVATURE, or
     against one CONFIG with every path it names (:meth:`FromYaml.inputs
     <gradmerge.jobs.options.FromYaml.inputs>`)."""
-    from gradmerge._guard import Input
     from gradmerge.commands._writes import Writes, file_output
+    from gradmerge.foundation.guard import Input
 
     paths = [Path(p) for p in args.curvatures]
     if len(paths) == 1 and _is_config(paths[0]):
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if refused else 0
     print(describe(report, layers=not args.no_layers))
     if args.json:
-        from gradmerge._guard import write_text
+        from gradmerge.foundation.guard import write_text
 
         try:
             write_text(text, args.json, "--json")

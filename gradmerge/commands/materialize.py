@@ -97,7 +97,7 @@ def size(text: str) -> int:
 
 def writes(args: argparse.Namespace) -> Writes:
     """The output guard's declaration: the folder OUT; ADAPTER and its base."""
-    from gradmerge._guard import Output
+    from gradmerge.foundation.guard import Output
     from gradmerge.io.materialize import inputs
 
     return Writes(

@@ -87,8 +87,8 @@ def config_writes(args: argparse.Namespace, config: Any) -> Any:
     """OUT_DIR against ``config``'s inputs (:meth:`~gradmerge.jobs.options.FromYaml.inputs`)."""
     from pathlib import Path
 
-    from gradmerge._guard import Output
     from gradmerge.commands._writes import Writes
+    from gradmerge.foundation.guard import Output
 
     return Writes([Output("OUT_DIR", Path(args.out_dir), "folder")], config.inputs())
 

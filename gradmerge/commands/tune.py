@@ -316,7 +316,7 @@ def writes(args: argparse.Namespace) -> Writes:
     with every path it names, each DATA (the tasks', ``--base-data``) and held-out file (``--validation``,
     ``--base-validation``) and the reading flags'
     folders."""
-    from gradmerge._guard import Output
+    from gradmerge.foundation.guard import Output
     from gradmerge.jobs.config import MergeConfig
 
     outputs = file_output("--out", args.out)
@@ -356,9 +356,9 @@ def run(args: argparse.Namespace) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Load CONFIG, build the grid, run :func:`gradmerge.jobs.tune.tune`, report."""
-    from gradmerge._devices import resolve_device
-    from gradmerge._guard import write_json
     from gradmerge.errors import ArgumentError, SelectionWarning
+    from gradmerge.foundation.devices import resolve_device
+    from gradmerge.foundation.guard import write_json
     from gradmerge.jobs.config import MergeConfig
     from gradmerge.jobs.tune import DIAGNOSTIC_ONLY, Point, tune
 

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, NotPositiveDefiniteError, StructureError
+from gradmerge.foundation.text import key_list
 from gradmerge.params import Layout, Params
 from gradmerge.solvers.solution import Solution
 from gradmerge.solvers.spec import Solver, solver_for

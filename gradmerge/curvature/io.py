@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmerge._guard import staged_file
-from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.base import Curvature
 from gradmerge.curvature.blocks import Blocks
 from gradmerge.curvature.codec import decode, encode
@@ -42,6 +40,8 @@ from gradmerge.curvature.spec import (
     tensor_names,
 )
 from gradmerge.errors import ArgumentError, FileFormatError, GradmergeError, StructureError
+from gradmerge.foundation.guard import staged_file
+from gradmerge.foundation.readahead import Readahead, data_offsets, row_range
 from gradmerge.params import Layout, Params
 
 FORMAT = "gradmerge-curvature/1"
@@ -60,7 +60,7 @@ def save_curvature(curvature: Curvature, path: str | os.PathLike[str]) -> Path:
         ArgumentError: δ·I alone, or Blocks/Sums nested too deep for a file.
         OutputWriteError: ``path`` could not be written (a full disk, a read-only folder, a
             parent that is a file, a folder at ``path``); nothing is left of it
-            (:func:`gradmerge._guard.staged_file`).
+            (:func:`gradmerge.foundation.guard.staged_file`).
     """
     from safetensors.torch import save_file
 
@@ -374,7 +374,8 @@ class CurvatureFile:
 
     def prefetch(self, keys: Iterable[str], rows: slice | None = None) -> None:
         """Start reading the tensors ``restrict(keys, rows=rows)`` would read into the page cache
-        in the background (:mod:`gradmerge._readahead`; a hint only, nothing is checked)."""
+        in the background (:mod:`gradmerge.foundation.readahead`; a hint only, nothing is
+        checked)."""
         spec = restricted_spec(self.spec, set(keys))
         if spec is None:
             return

@@ -23,7 +23,7 @@ and its exact Hessian), :mod:`~gradmerge.demo.training` (Newton MAP fits),
 :mod:`~gradmerge.demo.methods` (the gradmerge calls), :mod:`~gradmerge.demo.study` (the steps),
 :mod:`~gradmerge.demo.results` (tables, JSON), :mod:`~gradmerge.demo.plots` (PNG figures); the
 output directory is checked and written all at once by the output guard every command uses
-(:mod:`gradmerge._guard`).
+(:mod:`gradmerge.foundation.guard`).
 
 Example:
     >>> from gradmerge.demo import run_demo
@@ -42,17 +42,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gradmerge._extras import require
+from gradmerge.foundation.extras import require
 
 require("demo", "the demo (gradmerge demo, gradmerge.demo)")
 
 import torch  # noqa: E402 (after the check for scikit-learn and matplotlib)
 
-from gradmerge._devices import resolve_device  # noqa: E402
-from gradmerge._guard import Output, check, staged_folder  # noqa: E402
 from gradmerge.demo.config import DemoConfig  # noqa: E402
 from gradmerge.demo.results import DemoResults  # noqa: E402
 from gradmerge.errors import ArgumentError  # noqa: E402
+from gradmerge.foundation.devices import resolve_device  # noqa: E402
+from gradmerge.foundation.guard import Output, check, staged_folder  # noqa: E402
 
 __all__ = ["DemoConfig", "DemoResults", "run_demo", "resolve_device", "check_output"]
 
@@ -73,7 +73,7 @@ def run_demo(
     Args:
         out: the output directory (None: write nothing). It must not exist, or be replaced
             with ``overwrite=True``; it is built in a hidden sibling and renamed into place
-            when complete (:func:`gradmerge._guard.staged_folder`).
+            when complete (:func:`gradmerge.foundation.guard.staged_folder`).
         quick: the small preset (:meth:`DemoConfig.quick`: seconds, for tests).
         device: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``.
         seed: the data split and the initialisation; the results are a function of the seed
@@ -122,12 +122,12 @@ def run_demo(
 
 
 def check_output(out: str | os.PathLike[str], *, overwrite: bool) -> Path:
-    """The output guard (:func:`gradmerge._guard.check`) for the demo's ``out``: the study
+    """The output guard (:func:`gradmerge.foundation.guard.check`) for the demo's ``out``: the study
     reads no file, so only rules 2-3 apply (exists without ``overwrite``; a file, below a file,
     or not writable). Returns ``out`` as a Path.
 
     Raises:
-        OutputExistsError, OutputWriteError: as :func:`gradmerge._guard.check`.
+        OutputExistsError, OutputWriteError: as :func:`gradmerge.foundation.guard.check`.
     """
     path = Path(out)
     check([Output("--out", path, "folder")], [], overwrite=overwrite)

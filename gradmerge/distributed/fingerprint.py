@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gradmerge._text import first_and_more, key_list
 from gradmerge.errors import ArgumentError
+from gradmerge.foundation.text import first_and_more, key_list
 
 _K = 0x5851F42D4C957F2D  # odd; a 64-bit LCG multiplier (Knuth, MMIX)
 _CHUNK = 1 << 22  # elements per checksum step (bounds the int64 temporaries: 32 MB each)

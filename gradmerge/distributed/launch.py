@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradmerge._devices import resolve_device
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
+from gradmerge.foundation.devices import resolve_device
 
 
 def rank_device(choice: str) -> torch.device:

@@ -48,11 +48,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gradmerge._files import temp_dir_beside
-from gradmerge._guard import Output, publish_folder, refuse_existing
 from gradmerge.distributed.comm import Comm
 from gradmerge.distributed.errors import DistributedError
 from gradmerge.distributed.estimate import DEFAULT_TIMEOUT
+from gradmerge.foundation.files import temp_dir_beside
+from gradmerge.foundation.guard import Output, publish_folder, refuse_existing
 from gradmerge.io import open_checkpoint
 from gradmerge.io.writer import INDEX_NAME, ShardedWriter
 from gradmerge.jobs import MergeConfig, MergeReport, RemoveConfig

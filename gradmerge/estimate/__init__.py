@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gradmerge._lazy import lazy_names
+from gradmerge.foundation.lazy import lazy_names
 
 if TYPE_CHECKING:  # loaded on first access, so that gradmerge.estimate.options needs no torch
     from gradmerge.estimate.dense import estimate_dense

@@ -40,7 +40,7 @@ from enum import Enum
 from typing import Literal, TypedDict, TypeVar
 
 from gradmerge.errors import ArgumentError
-from gradmerge.settings import IGNORE_INDEX, setting
+from gradmerge.foundation.settings import IGNORE_INDEX, setting
 
 StructureName = Literal["diag", "kfac", "full"]
 FisherName = Literal["empirical", "mc", "ggn"]
@@ -187,10 +187,10 @@ class EstimateOptions:
     a tuple; the options are frozen and hashable, so one object serves every call (and every rank
     of :func:`gradmerge.distributed.estimate_curvature`, which compares them across ranks).
 
-    Each field is a setting declared once (:func:`gradmerge.settings.setting`): its meaning,
+    Each field is a setting declared once (:func:`gradmerge.foundation.settings.setting`): its meaning,
     kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the flags
     of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
-    (:func:`gradmerge.settings.declared`; ``python -m gradmerge.commands.reference`` writes the
+    (:func:`gradmerge.foundation.settings.declared`; ``python -m gradmerge.commands.reference`` writes the
     table).
 
     Raises:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gradmerge._lazy import lazy_names
+from gradmerge.foundation.lazy import lazy_names
 
 if TYPE_CHECKING:  # loaded on first access (PEP 562), so that gradmerge.io.forms needs no torch
     from gradmerge.io.reader import Checkpoint, open_checkpoint

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.foundation.settings import IGNORE_INDEX
 from gradmerge.io.entry_points import call_entry_point, split_entry_point
 from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.text_data import (
@@ -35,7 +36,6 @@ from gradmerge.io.text_data import (
     vocabulary_of,
 )
 from gradmerge.io.text_records import TEXT_SUFFIXES, read_records
-from gradmerge.settings import IGNORE_INDEX
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 

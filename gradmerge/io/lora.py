@@ -58,9 +58,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmerge._text import key_list
 from gradmerge.curvature.provenance import sample_hash_from
 from gradmerge.errors import AdapterBaseError, ArgumentError, FileFormatError, StructureError
+from gradmerge.foundation.text import key_list
 from gradmerge.io.reader import Checkpoint, open_checkpoint
 
 CONFIG = "adapter_config.json"

@@ -11,8 +11,8 @@ TIES/DARE, an evaluation harness — reads it; it equals peft's ``merge_and_unlo
 ``save_pretrained``.
 
 The folder is built beside OUT and renamed into place only when complete
-(:func:`gradmerge._guard.staged_folder`); OUT may not be, lie inside or contain the adapter or
-its base (:func:`gradmerge._guard.check`).
+(:func:`gradmerge.foundation.guard.staged_folder`); OUT may not be, lie inside or contain the
+adapter or its base (:func:`gradmerge.foundation.guard.check`).
 
 Example:
     >>> import json, tempfile, torch
@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch
 
-from gradmerge import _guard
-from gradmerge._guard import Input, Output
 from gradmerge._version import __version__
+from gradmerge.foundation import guard
+from gradmerge.foundation.guard import Input, Output
 from gradmerge.io import fingerprint
 from gradmerge.io.lora import LoraCheckpoint, adapter_base, check_adapter_base, is_adapter
 from gradmerge.io.reader import open_checkpoint
@@ -116,8 +116,8 @@ def materialize(
         )
     base_folder = adapter_base(folder, base)
     target = Path(out_dir)
-    _guard.check([Output("OUT", target, "folder")], inputs(folder, base), overwrite=overwrite)
-    snapshot = _guard.Snapshot.of(inputs(folder, base))
+    guard.check([Output("OUT", target, "folder")], inputs(folder, base), overwrite=overwrite)
+    snapshot = guard.Snapshot.of(inputs(folder, base))
     remove_stale_stages(target.absolute())
     with open_checkpoint(base_folder) as theta0:
         check_adapter_base(folder, theta0, None if base is None else Path(base))

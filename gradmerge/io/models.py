@@ -20,9 +20,9 @@ from typing import Any
 
 from torch import nn
 
-from gradmerge._extras import require
-from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError
+from gradmerge.foundation.extras import require
+from gradmerge.foundation.text import key_list
 from gradmerge.io.entry_points import call_entry_point, split_entry_point
 from gradmerge.io.lora import adapter_base, is_adapter, merged_state_dict
 from gradmerge.io.text_data import TOKENIZER_FILES

@@ -26,9 +26,9 @@ Example:
     ...     print(C.values, C.meta["source.scale"])
     {'w': tensor([4., 2.])} 4.0
 
-OUT may not be SRC, lie inside it or contain it (the output guard, :mod:`gradmerge._guard`: it
-would replace the Fisher, or be read as part of it by the next conversion: safetensors win over
-``.bin``), and a gradmerge curvature file is refused
+OUT may not be SRC, lie inside it or contain it (the output guard,
+:mod:`gradmerge.foundation.guard`: it would replace the Fisher, or be read as part of it by the next
+conversion: safetensors win over ``.bin``), and a gradmerge curvature file is refused
 as SRC (it is converted already).
 """
 
@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradmerge._guard import Input, Output, refuse_overlap
 from gradmerge.curvature import Diagonal
 from gradmerge.errors import ArgumentError, FileFormatError, MissingInputError, NonFiniteError
+from gradmerge.foundation.guard import Input, Output, refuse_overlap
 from gradmerge.io.reader import open_checkpoint
 
 SKIPPED = ("position_ids", "masked_bias")
@@ -76,7 +76,7 @@ def convert_curvature(
     Raises:
         ArgumentError: a scale that is not a positive finite number, num_examples below 1;
         OutputOverlapError: ``out`` is, lies inside or contains ``src`` (the output guard,
-            :mod:`gradmerge._guard`).
+            :mod:`gradmerge.foundation.guard`).
         OutputWriteError: ``out`` could not be written (nothing is left of it).
         MissingInputError: no such file or folder, or a shard that the index names is missing.
         FileFormatError: no weights, an unreadable file, negative values, no float tensor; a

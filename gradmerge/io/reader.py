@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradmerge._readahead import Readahead, row_range
 from gradmerge.errors import FileFormatError, MissingInputError, StructureError
+from gradmerge.foundation.readahead import Readahead, row_range
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -199,7 +199,8 @@ class Checkpoint:
 
     def prefetch(self, key: str, rows: slice | None = None) -> None:
         """Start reading tensor ``key`` (``rows`` of it) into the page cache in the background,
-        so that a later :meth:`get` finds it there (:mod:`gradmerge._readahead`; a hint only)."""
+        so that a later :meth:`get` finds it there (:mod:`gradmerge.foundation.readahead`; a hint
+        only)."""
         index, _, shape, nbytes = self._entry(key)
         start = self._starts[key]
         self._readahead.advise(index, *row_range(start, start + nbytes, shape, rows))

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from gradmerge._guard import Input
 from gradmerge._version import __version__
 from gradmerge.errors import ArgumentError, FileFormatError
+from gradmerge.foundation.guard import Input
 from gradmerge.io.data import (
     LM_KEYS,
     MAX_ENTRY_POINT_EXAMPLES,
@@ -92,9 +92,9 @@ def spec_inputs(
     role: str, spec: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
 ) -> list[Input]:
     """The files and folders that reading MODEL or DATA ``spec`` reads, for the output guard
-    (:mod:`gradmerge._guard`): the path itself; for an entry point ``path/to/file.py:function``
-    its file (a dotted module is found by Python, not by a path); for a LoRA adapter folder also
-    the base it applies to (``base`` when given, else the one its
+    (:mod:`gradmerge.foundation.guard`): the path itself; for an entry point
+    ``path/to/file.py:function`` its file (a dotted module is found by Python, not by a path); for a
+    LoRA adapter folder also the base it applies to (``base`` when given, else the one its
     ``adapter_config.json`` names, :func:`adapter_base`; left out when that cannot be told, as
     loading refuses it then).
 

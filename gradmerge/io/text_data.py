@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmerge._extras import require
-from gradmerge._text import key_list
 from gradmerge.errors import ArgumentError, FileFormatError, StructureError
+from gradmerge.foundation.extras import require
+from gradmerge.foundation.settings import IGNORE_INDEX
+from gradmerge.foundation.text import key_list
 from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.text_records import TEXT_SUFFIXES as TEXT_SUFFIXES  # re-exported: public path
 from gradmerge.io.text_records import Records as Records
 from gradmerge.io.text_records import TextOptions as TextOptions  # re-exported: public path
 from gradmerge.io.text_records import is_text_data as is_text_data
 from gradmerge.io.text_records import read_records as read_records
-from gradmerge.settings import IGNORE_INDEX
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge.errors import ArgumentError, FileFormatError
-from gradmerge.settings import setting
+from gradmerge.foundation.settings import setting
 
 
 @dataclass(frozen=True)

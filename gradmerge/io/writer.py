@@ -6,8 +6,8 @@ appended as they come: nothing is buffered beyond the tensor being written. Shar
 Hugging Face layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with a
 ``model.safetensors.index.json``.
 
-:func:`staged_output` (:func:`gradmerge._guard.staged_folder`, the guard every command writes
-through) builds the output in a hidden sibling folder and renames it into place only when
+:func:`staged_output` (:func:`gradmerge.foundation.guard.staged_folder`, the guard every command
+writes through) builds the output in a hidden sibling folder and renames it into place only when
 everything succeeded: a failing or interrupted run leaves no output folder, never a half-written
 one. A killed process can leave the hidden ``.OUT.gradmerge-*`` folder behind; its
 name records the owning process, and :func:`remove_stale_stages` removes it once that is gone.
@@ -26,9 +26,9 @@ from typing import BinaryIO
 import torch
 from torch import Tensor
 
-from gradmerge._files import remove_stale_dirs_beside
-from gradmerge._guard import staged_folder
 from gradmerge.errors import ArgumentError
+from gradmerge.foundation.files import remove_stale_dirs_beside
+from gradmerge.foundation.guard import staged_folder
 from gradmerge.io.reader import SAFETENSORS_DTYPES
 
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -214,7 +214,8 @@ def _header(
 
 staged_output = staged_folder
 """The output folder built in a hidden sibling and renamed into place when complete:
-:func:`gradmerge._guard.staged_folder` (the one implementation, shared with every command)."""
+:func:`gradmerge.foundation.guard.staged_folder` (the one implementation, shared with every
+command)."""
 
 
 def remove_stale_stages(out_dir: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gradmerge._lazy import lazy_names
+from gradmerge.foundation.lazy import lazy_names
 
 if TYPE_CHECKING:  # loaded on first access (__getattr__ below)
     from gradmerge.jobs.config import MergeConfig, RemoveConfig

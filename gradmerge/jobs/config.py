@@ -5,10 +5,10 @@
 :class:`~gradmerge.jobs.options.Options` (output dtype, compute dtype, device, passthrough, shard
 size, mixed dtypes, curvature/weights pairing, and the K-FAC ``solver`` settings, a
 :class:`gradmerge.KroneckerCG`). Every key is declared once, as a field of these dataclasses with
-its :class:`~gradmerge.settings.Setting` (meaning, checks, default and the default's source, its
-name in the ``gm.*`` rules): the reader's checks and messages, the registry's method-specific
-keys (:data:`KEYS`) and the tables of ``docs/config.md`` (:mod:`gradmerge.jobs.reference`) come
-from it. The page's examples are parsed by this module in
+its :class:`~gradmerge.foundation.settings.Setting` (meaning, checks, default and the default's
+source, its name in the ``gm.*`` rules): the reader's checks and messages, the registry's
+method-specific keys (:data:`KEYS`) and the tables of ``docs/config.md``
+(:mod:`gradmerge.jobs.reference`) come from it. The page's examples are parsed by this module in
 ``proofs_tests/docs/test_config_reference.py``. :func:`load` is the one entry point of a job's
 YAML (``method: remerge`` included: :func:`remerge_config`).
 
@@ -46,13 +46,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from gradmerge.errors import ArgumentError, ConfigError
+from gradmerge.foundation.settings import REQUIRED, Setting, declared, default_of, setting
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput, path_inputs, warn_repeated
 from gradmerge.jobs.options import Options, ordered
 from gradmerge.jobs.setting_values import read_one
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.methods import iso_cts, registry, regmean
 from gradmerge.methods.base import Command, MergeMethod
-from gradmerge.settings import REQUIRED, Setting, declared, default_of, setting
 from gradmerge.solvers.spec import KroneckerCG
 
 STEP_CHECKS = ("refuse", "warn", "ignore")
@@ -379,7 +379,7 @@ def _read_declared(
     spec: MergeMethod,
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every setting declared on ``cls`` (:mod:`gradmerge.settings`) read from ``r`` and
+    """Every setting declared on ``cls`` (:mod:`gradmerge.foundation.settings`) read from ``r`` and
     checked by its declaration: a method-specific one (``per_method``) as ``spec`` needs it
     (refused, with the methods that use it, where ``spec`` does not), one that ``requires``
     another refused where that one is; ``defaults`` overrides a declared default (the

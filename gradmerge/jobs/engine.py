@@ -27,8 +27,8 @@ file's metadata.
 The same steps are public for drivers that split the work (:mod:`gradmerge.distributed.merge`
 gives each rank its own units): :func:`~gradmerge.jobs.opening.open_job` opens the inputs and
 builds the plan, :meth:`Job.compute_unit` computes one unit's output tensors,
-:func:`check_output` refuses an output folder the guard refuses (:mod:`gradmerge._guard`: one that
-is, lies inside or holds an input), :meth:`Job.copy_assets`, :meth:`Job.record` and
+:func:`check_output` refuses an output folder the guard refuses (:mod:`gradmerge.foundation.guard`:
+one that is, lies inside or holds an input), :meth:`Job.copy_assets`, :meth:`Job.record` and
 :meth:`Job.write_card` finish the output folder. :func:`run_merge` is these steps with one
 :class:`ShardedWriter` in a staged folder.
 
@@ -53,10 +53,10 @@ from typing import Any
 
 from torch import Tensor
 
-from gradmerge import _guard
-from gradmerge._guard import Output
-from gradmerge._text import key_list
 from gradmerge.errors import PD_FIX, NotPositiveDefiniteError
+from gradmerge.foundation import guard
+from gradmerge.foundation.guard import Output
+from gradmerge.foundation.text import key_list
 from gradmerge.io.writer import ShardedWriter, remove_stale_stages, staged_output
 from gradmerge.jobs.background import Background
 from gradmerge.jobs.config import MergeConfig, RemoveConfig
@@ -152,7 +152,7 @@ def run_merge(
     Raises:
         OutputExistsError, OutputOverlapError, OutputWriteError: ``out_dir`` exists and
             ``overwrite`` is false; it is, lies inside or contains an input; it cannot be
-            written (:func:`check_output`, :mod:`gradmerge._guard`).
+            written (:func:`check_output`, :mod:`gradmerge.foundation.guard`).
         StructureError, DTypeError: inputs that do not fit together (the tensor is named).
         NotPositiveDefiniteError: a singular system (the message says which prior/damping to raise).
         FileFormatError: a corrupt or truncated input.
@@ -221,7 +221,7 @@ def _execute(
     overwrite: bool,
     progress: bool,
     start: float,
-    snapshot: _guard.Snapshot,
+    snapshot: guard.Snapshot,
 ) -> MergeReport:
     target = Path(out_dir).absolute()
     plan = job.plan
@@ -360,11 +360,11 @@ def _progress(enabled: bool, total: int, command: str, tensors: int) -> Progress
 
 def check_output(
     config: MergeConfig | RemoveConfig, out_dir: str | os.PathLike[str], *, overwrite: bool
-) -> _guard.Snapshot:
-    """The output guard (:func:`gradmerge._guard.check`) for ``out_dir`` against every input of
-    ``config`` (:meth:`~gradmerge.jobs.options.FromYaml.inputs`), before any input is opened;
-    returns the inputs' :class:`~gradmerge._guard.Snapshot`, checked again before the output is
-    renamed into place.
+) -> guard.Snapshot:
+    """The output guard (:func:`gradmerge.foundation.guard.check`) for ``out_dir`` against every
+    input of ``config`` (:meth:`~gradmerge.jobs.options.FromYaml.inputs`), before any input is
+    opened; returns the inputs' :class:`~gradmerge.foundation.guard.Snapshot`, checked again before
+    the output is renamed into place.
 
     Raises:
         OutputOverlapError: ``out_dir`` is, lies inside or contains an input.
@@ -372,8 +372,8 @@ def check_output(
         OutputWriteError: ``out_dir`` is a file, lies below one, or its folder is not writable.
     """
     inputs = config.inputs()
-    _guard.check([Output("OUT_DIR", Path(out_dir), "folder")], inputs, overwrite=overwrite)
+    guard.check([Output("OUT_DIR", Path(out_dir), "folder")], inputs, overwrite=overwrite)
     # the files read while the merge runs: not the configuration (read once, before), nor what
     # only the file it was made from names (a remerge's merge YAML and the models it leaves out)
     once = {*config.also_reads}
-    return _guard.Snapshot.of([i for i in inputs if i.role != "CONFIG" and i not in once])
+    return guard.Snapshot.of([i for i in inputs if i.role != "CONFIG" and i not in once])

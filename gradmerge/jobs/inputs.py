@@ -2,9 +2,9 @@
 (:class:`CurvatureTerm`), the files and folders they name for the output guard
 (:func:`path_inputs`), and the warning on a checkpoint listed as several models.
 
-Each key is declared once, as a field with its :class:`~gradmerge.settings.Setting`. A merge's
-configuration (:mod:`gradmerge.jobs.config`) holds its models, merges and removals hold precision
-terms (refine's too: :mod:`gradmerge.jobs.refine`); :func:`path_inputs` walks any of them.
+Each key is declared once, as a field with its :class:`~gradmerge.foundation.settings.Setting`. A
+merge's configuration (:mod:`gradmerge.jobs.config`) holds its models, merges and removals hold
+precision terms (refine's too: :mod:`gradmerge.jobs.refine`); :func:`path_inputs` walks any of them.
 
 Example:
     >>> term = CurvatureTerm(delta=1e-6, curvature=(Path("a.safetensors"), Path("b.safetensors")))
@@ -19,15 +19,15 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmerge._guard import Input
 from gradmerge.errors import InputWarning
-from gradmerge.settings import REQUIRED, setting
+from gradmerge.foundation.guard import Input
+from gradmerge.foundation.settings import REQUIRED, setting
 
 
 @dataclass(frozen=True)
 class ModelInput:
     """One fine-tuned model θ_t of a merge, its curvature H_t and its weight α_t (each field
-    declared once: :mod:`gradmerge.settings`)."""
+    declared once: :mod:`gradmerge.foundation.settings`)."""
 
     model: Path = setting(
         REQUIRED,

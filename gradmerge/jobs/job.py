@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gradmerge._text import key_list
 from gradmerge._version import __version__
 from gradmerge.curvature.io import CurvatureFile
 from gradmerge.errors import (
@@ -35,6 +34,7 @@ from gradmerge.errors import (
     ResultOverflowError,
     StructureError,
 )
+from gradmerge.foundation.text import key_list
 from gradmerge.io import fingerprint
 from gradmerge.io.reader import Checkpoint
 from gradmerge.jobs import card
@@ -184,7 +184,7 @@ class Job:
     def prefetch(self, unit: Unit, rows: slice | None = None) -> None:
         """Start reading ``unit``'s tensors (``rows`` of them) from every input into the page
         cache in the background, to be called before computing the unit ahead of it, so that
-        reading and arithmetic overlap (:mod:`gradmerge._readahead`; a hint only)."""
+        reading and arithmetic overlap (:mod:`gradmerge.foundation.readahead`; a hint only)."""
         sources = self.checkpoints.values() if unit.merged else [self.base]
         for ckpt in sources:
             for k in unit.keys:

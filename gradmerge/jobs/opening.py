@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from gradmerge import params as P
-from gradmerge._devices import resolve_device
 from gradmerge.curvature import Blocks, Curvature, Diagonal, Sum
 from gradmerge.curvature.diagonal import ShiftedDiagonal
 from gradmerge.curvature.io import CurvatureFile, open_curvature
@@ -34,6 +33,7 @@ from gradmerge.errors import (
     InputWarning,
     NonFiniteError,
 )
+from gradmerge.foundation.devices import resolve_device
 from gradmerge.io import fingerprint
 from gradmerge.io.lora import LoraCheckpoint, open_model
 from gradmerge.io.reader import Checkpoint, open_checkpoint

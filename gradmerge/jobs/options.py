@@ -4,7 +4,7 @@ configuration (:class:`FromYaml`: ``from_yaml``, ``from_dict``, ``inputs``).
 :class:`Options` declares the output dtype, the compute dtype, the device, passthrough, the shard
 size, mixed dtypes, the curvature/weights pairing and the K-FAC ``solver`` settings (a
 :class:`gradmerge.KroneckerCG`), each once, as a field with its
-:class:`~gradmerge.settings.Setting`; :class:`~gradmerge.jobs.config.MergeConfig` and
+:class:`~gradmerge.foundation.settings.Setting`; :class:`~gradmerge.jobs.config.MergeConfig` and
 :class:`~gradmerge.jobs.config.RemoveConfig` add their own. :func:`plain` turns a configuration
 into the JSON values of a run's record.
 """
@@ -19,12 +19,12 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from gradmerge._guard import Input
+from gradmerge.foundation.guard import Input
+from gradmerge.foundation.settings import Setting, declared, setting
 from gradmerge.io.writer import DEFAULT_SHARD_SIZE
 from gradmerge.jobs.inputs import NOT_KEYS, path_inputs
 from gradmerge.jobs.yaml_reader import Reader, load_yaml
 from gradmerge.methods import registry
-from gradmerge.settings import Setting, declared, setting
 from gradmerge.solvers.spec import KroneckerCG
 
 DTYPES: dict[str, torch.dtype] = {
@@ -75,7 +75,7 @@ class FromYaml:
         raise NotImplementedError
 
     def inputs(self) -> list[Input]:
-        """Every file and folder the run reads, for the output guard (:mod:`gradmerge._guard`):
+        """Every file and folder the run reads, for the output guard (:mod:`gradmerge.foundation.guard`):
         the YAML file (``CONFIG``), each path it names under its key (``base_model``,
         ``models[1].curvature``, ``prior.curvature[0]``, an entry point's ``.py`` file) and the
         base each LoRA adapter applies to.
@@ -95,7 +95,7 @@ class FromYaml:
 
 @dataclass(frozen=True, kw_only=True)
 class Options(FromYaml):
-    """Settings shared by merges and removals (each declared once: :mod:`gradmerge.settings`)."""
+    """Settings shared by merges and removals (each declared once: :mod:`gradmerge.foundation.settings`)."""
 
     dtype: str | None = setting(
         None,

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gradmerge._text import first_and_more
 from gradmerge.curvature.io import CurvatureFile
 from gradmerge.curvature.spec import join_groups
 from gradmerge.errors import ConfigError, DTypeError, InputWarning, StructureError
+from gradmerge.foundation.text import first_and_more
 from gradmerge.io.reader import Checkpoint
 from gradmerge.methods.base import Coverage
 

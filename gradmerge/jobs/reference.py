@@ -1,6 +1,6 @@
 """The tables of docs/config.md, generated from the settings' declarations.
 
-Each YAML key and option is declared once (:mod:`gradmerge.settings`, the fields of
+Each YAML key and option is declared once (:mod:`gradmerge.foundation.settings`, the fields of
 :mod:`gradmerge.jobs.config`, :class:`gradmerge.KroneckerCG`, :class:`gradmerge.EstimateOptions`
 and :class:`gradmerge.jobs.refine.RefineConfig`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from gradmerge.estimate.options import EstimateOptions
+from gradmerge.foundation.settings import REQUIRED, Setting, declared, default_of
 from gradmerge.io.text_records import TextOptions
 from gradmerge.jobs.config import MergeConfig, Remerge, RemoveConfig
 from gradmerge.jobs.inputs import CurvatureTerm, ModelInput
@@ -29,7 +30,6 @@ from gradmerge.jobs.options import Options, ordered
 from gradmerge.jobs.refine import RefineConfig, TaskInput
 from gradmerge.methods import registry
 from gradmerge.methods.base import Command
-from gradmerge.settings import REQUIRED, Setting, declared, default_of
 from gradmerge.solvers.spec import KroneckerCG
 
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)

@@ -63,11 +63,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from gradmerge import _guard
 from gradmerge import params as P
-from gradmerge._devices import resolve_device
-from gradmerge._guard import Output
-from gradmerge._text import key_list
 from gradmerge._version import __version__
 from gradmerge.curvature import Curvature, load_curvature
 from gradmerge.diagnostics import gradient_mismatch
@@ -79,6 +75,11 @@ from gradmerge.errors import (
 )
 from gradmerge.estimate import EstimateOptions, estimate_with, gradient_fn
 from gradmerge.estimate.options import Structure
+from gradmerge.foundation import guard
+from gradmerge.foundation.devices import resolve_device
+from gradmerge.foundation.guard import Output
+from gradmerge.foundation.settings import REQUIRED, Setting, declared, default_of, setting, shown
+from gradmerge.foundation.text import key_list
 from gradmerge.io import sources
 from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.reader import ASSET_PATTERNS
@@ -90,7 +91,6 @@ from gradmerge.jobs.setting_values import read_term
 from gradmerge.jobs.yaml_reader import Reader
 from gradmerge.merge import refine
 from gradmerge.params import Params
-from gradmerge.settings import REQUIRED, Setting, declared, default_of, setting, shown
 
 RECORD = "gradmerge_refine.json"
 
@@ -124,8 +124,8 @@ class TaskInput:
 class RefineConfig(FromYaml):
     """A refinement: k steps of :func:`gradmerge.refine` from ``start`` (module docstring).
 
-    Each key is declared once (:func:`gradmerge.settings.setting`): its meaning, checks and
-    default, which the reader (:meth:`from_dict`) and docs/config.md's ``refine`` table read;
+    Each key is declared once (:func:`gradmerge.foundation.settings.setting`): its meaning, checks
+    and default, which the reader (:meth:`from_dict`) and docs/config.md's ``refine`` table read;
     the estimator's keys take their choices (and, but for ``structure``, their defaults) from
     :class:`gradmerge.EstimateOptions`."""
 
@@ -334,7 +334,7 @@ def run_refine(
     Raises:
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is false.
         OutputOverlapError: ``out_dir`` is, lies inside or contains an input (the guard,
-            :mod:`gradmerge._guard`, over :meth:`RefineConfig.inputs`).
+            :mod:`gradmerge.foundation.guard`, over :meth:`RefineConfig.inputs`).
         OutputWriteError: ``out_dir`` cannot be written.
         StructureError: a model whose parameters differ from the start's (named).
         ArgumentError, FileFormatError: unusable MODEL/DATA (see :mod:`gradmerge.io.sources`).
@@ -342,7 +342,7 @@ def run_refine(
     """
     begin = time.perf_counter()
     target = Path(out_dir).absolute()
-    _guard.check([Output("OUT_DIR", target, "folder")], config.inputs(), overwrite=overwrite)
+    guard.check([Output("OUT_DIR", target, "folder")], config.inputs(), overwrite=overwrite)
     device = resolve_device(config.device)
     say = log if log is not None else (lambda line: None)
 

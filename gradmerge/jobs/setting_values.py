@@ -1,7 +1,7 @@
 """One declared setting's value, read from a job's YAML (:func:`read_one`): a scalar checked by
-its :class:`~gradmerge.settings.Setting`, a path, a size, a device, or a mapping of its own — a
-precision term δ·I + s·C (:func:`read_term`), ``solver:`` (a :class:`gradmerge.KroneckerCG`), a
-re-merge's ``without``.
+its :class:`~gradmerge.foundation.settings.Setting`, a path, a size, a device, or a mapping of its
+own — a precision term δ·I + s·C (:func:`read_term`), ``solver:`` (a
+:class:`gradmerge.KroneckerCG`), a re-merge's ``without``.
 
 Example:
     >>> from gradmerge.jobs.yaml_reader import Reader
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge.errors import ConfigError
+from gradmerge.foundation.settings import REQUIRED, Setting, check, declared, default_of
 from gradmerge.jobs.inputs import CurvatureTerm
 from gradmerge.jobs.yaml_reader import Reader
-from gradmerge.settings import REQUIRED, Setting, check, declared, default_of
 from gradmerge.solvers.spec import KroneckerCG, refuse_renamed
 from gradmerge.solvers.spec import checked as checked_solver
 

@@ -71,10 +71,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradmerge import _guard
 from gradmerge import params as P
-from gradmerge._guard import Output, publish_folder, write_error
 from gradmerge.errors import ArgumentError, GradmergeError, OutputWriteError, SelectionWarning
+from gradmerge.foundation import guard
+from gradmerge.foundation.guard import Output, publish_folder, write_error
 from gradmerge.jobs.config import MergeConfig
 from gradmerge.params import Params
 
@@ -359,7 +359,7 @@ def tune(
     Raises:
         OutputExistsError: ``keep`` exists and not ``overwrite`` (checked before any merge).
         OutputOverlapError: ``keep`` is, lies inside or contains an input of ``config`` (the
-            guard, :mod:`gradmerge._guard`; with ``overwrite`` too).
+            guard, :mod:`gradmerge.foundation.guard`; with ``overwrite`` too).
         OutputWriteError: ``keep``'s folder cannot be written (before any merge), or a merge
             could not be written (a full disk: the grid stops there).
         ArgumentError: no points.
@@ -369,7 +369,7 @@ def tune(
     if not points:
         raise ArgumentError("no settings to try: give at least one grid point")
     if keep is not None:
-        _guard.check([Output("--out-dir", keep, "folder")], config.inputs(), overwrite=overwrite)
+        guard.check([Output("--out-dir", keep, "folder")], config.inputs(), overwrite=overwrite)
         keep.parent.mkdir(parents=True, exist_ok=True)
     work = Path(
         tempfile.mkdtemp(prefix=".gradmerge-tune-", dir=None if keep is None else keep.parent)

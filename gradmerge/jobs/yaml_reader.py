@@ -6,8 +6,8 @@ deep. :class:`Reader` gives typed access to one mapping of it: every message nam
 the file spells it (``models[1].curvature``), an unknown key is refused with the allowed ones and
 a close match (or the key another tool uses for it), relative paths are relative to the file's
 folder and must exist. :func:`parse_size` reads sizes such as ``5GB``. What each key means and
-allows is declared elsewhere (:mod:`gradmerge.settings`; :mod:`gradmerge.jobs.setting_values`
-reads a declared setting through a :class:`Reader`).
+allows is declared elsewhere (:mod:`gradmerge.foundation.settings`;
+:mod:`gradmerge.jobs.setting_values` reads a declared setting through a :class:`Reader`).
 
 Example:
     >>> r = Reader({"device": "cuda:1", "out_shard_size": "2GB"}, "the merge config", Path("."), False)
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmerge.errors import ConfigError, MissingInputError
-from gradmerge.settings import REQUIRED, Setting, check, shown
+from gradmerge.foundation.settings import REQUIRED, Setting, check, shown
 
 _ALIASES = {  # keys other tools use for the same thing
     "merge_method": "method",

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradmerge.errors import ArgumentError, ConfigError
+from gradmerge.foundation.settings import setting
 from gradmerge.merge import spectral
 from gradmerge.merge.spectral import ISO_CTS_COMMON_SPACE_FRACTION, iso_cts_split
 from gradmerge.methods.base import MergeMethod, MergeUnit, Solved
-from gradmerge.settings import setting
 
 COMMON_SPACE_FRACTION = setting(
     ISO_CTS_COMMON_SPACE_FRACTION,

@@ -26,9 +26,9 @@ from gradmerge import merge
 from gradmerge.curvature import KFAC, Blocks, Curvature, ScaledIdentity
 from gradmerge.curvature.io import CurvatureFile
 from gradmerge.errors import ArgumentError, StructureError
+from gradmerge.foundation.settings import setting
 from gradmerge.merge import REGMEAN_OFF_DIAGONAL
 from gradmerge.methods.base import MergeMethod, MergeUnit, Solved, SystemReading
-from gradmerge.settings import setting
 from gradmerge.solvers.kronecker import eye_like
 
 OFF_DIAGONAL = setting(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from gradmerge.errors import ArgumentError, RemovedArgumentError
-from gradmerge.settings import check, declared, setting
+from gradmerge.foundation.settings import check, declared, setting
 
 ArithmeticMode = Literal["auto", "working", "bfloat16"]
 """The floating-point arithmetic of the K-FAC solves (the ``arithmetic`` setting): ``"working"``,
@@ -147,8 +147,9 @@ class KroneckerCG(CG):
     :class:`CG` with its ``tol`` and ``maxiter``. The settings of the iterative solves of a
     merge or removal (the YAML ``solver:`` block, key for key).
 
-    Every field is declared once (its meaning, range and default: :func:`gradmerge.settings.
-    declared`; docs/config.md's ``solver`` table is generated from them):
+    Every field is declared once (its meaning, range and default:
+    :func:`gradmerge.foundation.settings.declared`; docs/config.md's ``solver`` table is generated
+    from them):
 
     - ``tol``: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
       ``None``: by the solve's dtype, :data:`DEFAULT_TOL` (:func:`gradmerge.solvers.cg.default_tol`).

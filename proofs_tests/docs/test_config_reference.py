@@ -225,7 +225,7 @@ def test_the_tables_are_generated_from_the_declarations():
 
 
 def test_every_declared_setting_has_a_row():
-    from gradmerge.settings import declared
+    from gradmerge.foundation.settings import declared
 
     generated = reference.tables()
     for name, cls in [

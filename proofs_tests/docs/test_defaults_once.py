@@ -14,7 +14,7 @@ string) drifts from the declaration the day one of them changes. The declaration
   keys take their defaults from ``EstimateOptions``, ``batch_size`` from
   :data:`gradmerge.io.forms.BATCH_SIZE`, which the commands' ``--batch-size`` and the data
   loaders read too);
-- ``ignore_index``: :data:`gradmerge.settings.IGNORE_INDEX`, which ``EstimateOptions`` and the
+- ``ignore_index``: :data:`gradmerge.foundation.settings.IGNORE_INDEX`, which ``EstimateOptions`` and the
   data loaders of :mod:`gradmerge.io` read.
 
 Each test greps ``gradmerge/`` for the literal restatements of one default (the patterns below)
@@ -74,7 +74,7 @@ RESTATED: dict[str, tuple[Any, ...]] = {
     "ignore_index": (
         r"(?<![\w.])-100\b",
         {
-            "gradmerge/settings.py": 1,  # IGNORE_INDEX
+            "gradmerge/foundation/settings.py": 1,  # IGNORE_INDEX
             "gradmerge/commands/refine.py": 1,  # a value of the epilog's example configuration
         },
     ),
@@ -93,7 +93,7 @@ RESTATED: dict[str, tuple[Any, ...]] = {
 }
 """A default → (a regex of its literal restatements, {file: how many it may hold}[, the files
 searched: path prefixes; default every module of gradmerge/]). PyTorch's ``ignore_index=-100`` is
-:data:`gradmerge.settings.IGNORE_INDEX`, below both the estimator and the loaders of gradmerge.io
+:data:`gradmerge.foundation.settings.IGNORE_INDEX`, below both the estimator and the loaders of gradmerge.io
 (which read data without the estimator: the layers of docs/architecture.md)."""
 
 
@@ -124,7 +124,7 @@ def test_the_solver_defaults_come_from_their_declaration():
     assert keywords["tol"].default == spec.DEFAULT_TOL["float64"]
     assert keywords["maxiter"].default == spec.MAXITER
     assert gradmerge.KroneckerCG().maxiter == gradmerge.CG().maxiter == spec.MAXITER
-    declared_doc = gradmerge.settings.declared(gradmerge.KroneckerCG)
+    declared_doc = gradmerge.foundation.settings.declared(gradmerge.KroneckerCG)
     assert declared_doc["tol"].default_doc == (
         f"{spec.number_text(spec.DEFAULT_TOL['float32'])} in float32, "
         f"{spec.number_text(spec.DEFAULT_TOL['float64'])} in float64 (the solve's dtype)"
@@ -136,9 +136,9 @@ def test_the_refine_reader_takes_the_declared_defaults():
     """A refinement that gives only its required keys gets every other key's declared default
     (and the estimator's keys those of ``EstimateOptions``, but ``structure``)."""
     from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.foundation.settings import REQUIRED, declared, default_of
     from gradmerge.io.forms import BATCH_SIZE
     from gradmerge.jobs.refine import RefineConfig, TaskInput
-    from gradmerge.settings import REQUIRED, declared, default_of
 
     given = {
         "start": ".",
@@ -162,9 +162,9 @@ def test_the_loaders_and_the_estimator_ignore_the_same_positions():
     """``ignore_index``'s one declaration is the default of the estimator's option and of every
     data loader of gradmerge.io."""
     from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.foundation.settings import IGNORE_INDEX, default_of
     from gradmerge.io.data import TensorBatches, load_data
     from gradmerge.io.text_data import TextBatches
-    from gradmerge.settings import IGNORE_INDEX, default_of
 
     assert IGNORE_INDEX == -100  # PyTorch's nn.CrossEntropyLoss default
     assert default_of(EstimateOptions, "ignore_index") == IGNORE_INDEX

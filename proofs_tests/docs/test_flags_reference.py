@@ -105,10 +105,10 @@ def test_no_command_adds_a_shared_flag_by_hand():
 
 
 def test_the_values_written_for_the_parser_equal_their_declarations():
-    from gradmerge._devices import AUTO
     from gradmerge.distributed import DEFAULT_TIMEOUT
+    from gradmerge.foundation.devices import AUTO
+    from gradmerge.foundation.settings import default_of
     from gradmerge.jobs.options import Options
-    from gradmerge.settings import default_of
 
     assert DEFAULT_TIMEOUT.total_seconds() == _flags.TIMEOUT_SECONDS
     assert _flags.DEVICES[0] == default_of(Options, "device") == AUTO
@@ -117,8 +117,8 @@ def test_the_values_written_for_the_parser_equal_their_declarations():
 @pytest.mark.parametrize("owner", ["EstimateOptions", "TextOptions"])
 def test_the_setting_flags_take_the_declared_defaults(owner):
     from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.foundation.settings import REQUIRED, declared, default_of
     from gradmerge.io.text_records import TextOptions
-    from gradmerge.settings import REQUIRED, declared, default_of
 
     cls = {"EstimateOptions": EstimateOptions, "TextOptions": TextOptions}[owner]
     actions = {
@@ -182,10 +182,10 @@ def test_the_commands_defaults_are_the_librarys():
     from gradmerge.commands.materialize import size
     from gradmerge.curvature.summary import RHO
     from gradmerge.demo import run_demo
+    from gradmerge.foundation.settings import default_of
     from gradmerge.io.materialize import DEFAULT_SHARD_SIZE
     from gradmerge.io.official import convert_curvature
     from gradmerge.jobs.options import Options
-    from gradmerge.settings import default_of
     from gradmerge.theory.verify import collect
 
     assert _default("inspect", "--rho") == RHO

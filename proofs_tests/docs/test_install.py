@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gradmerge._extras import EXTRAS, install_command
+from gradmerge.foundation.extras import EXTRAS, install_command
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

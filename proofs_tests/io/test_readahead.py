@@ -1,5 +1,5 @@
-"""The read-ahead hints (gradmerge._readahead): given by one background thread, in order, without
-blocking the caller, and dropped for a closed file."""
+"""The read-ahead hints (gradmerge.foundation.readahead): given by one background thread, in order,
+without blocking the caller, and dropped for a closed file."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from gradmerge import _readahead
-from gradmerge._readahead import Readahead
+from gradmerge.foundation import readahead
+from gradmerge.foundation.readahead import Readahead
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
 
@@ -43,7 +43,7 @@ def test_hints_are_given_in_order_by_the_background_thread(files, given):
     asked = [(1, 0, 4096), (0, 8192, 100), (1, 4096, 0), (0, 0, 65536)]  # a length 0 asks nothing
     for index, start, length in asked:
         ahead.advise(index, start, length)
-    assert _readahead.settle(10)
+    assert readahead.settle(10)
     ahead.close()
     assert given == [
         ("b.bin", 0, 4096, "gradmerge-readahead"),
@@ -91,10 +91,10 @@ def test_advise_returns_while_a_hint_blocks_and_close_drops_the_waiting_ones(
     closer.join(60)
     assert not closer.is_alive()
     assert order == ["close waits", "hint given"]  # close waited for the hint on its files ...
-    assert _readahead.settle(60)
+    assert readahead.settle(60)
     assert [g[:3] for g in given] == [("a.bin", 0, 10)]  # ... and drops the ones still waiting
     ahead.advise(0, 0, 10)  # a closed object asks nothing
-    assert _readahead.settle(60)
+    assert readahead.settle(60)
     assert len(given) == 1
 
 
@@ -105,7 +105,7 @@ def test_a_file_system_that_refuses_advice_is_not_an_error(files, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", refuse)
     ahead = Readahead(files)
     ahead.advise(0, 0, 10)
-    assert _readahead.settle(10)
+    assert readahead.settle(10)
     ahead.advise(1, 0, 10)  # the thread survived the refusal
-    assert _readahead.settle(10)
+    assert readahead.settle(10)
     ahead.close()

@@ -244,8 +244,8 @@ def test_a_gradient_file_must_cover_the_parameters(ws, tmp_path):
 
 def test_devices():
     from gradmerge import demo
-    from gradmerge._devices import resolve_device
     from gradmerge.errors import DeviceUnavailableError
+    from gradmerge.foundation.devices import resolve_device
 
     # one helper for the library, the commands, the demo and the ranks
     assert demo.resolve_device is resolve_device

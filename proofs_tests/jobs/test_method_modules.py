@@ -28,11 +28,11 @@ from safetensors.torch import load_file
 import gradmerge as gm
 import gradmerge.methods
 from gradmerge import cli
+from gradmerge.foundation.settings import declared
 from gradmerge.jobs import reference
 from gradmerge.jobs.config import KEYS, READS
 from gradmerge.methods import registry
 from gradmerge.methods.base import MergeMethod, MergeUnit, Solved
-from gradmerge.settings import declared
 from proofs_tests.workspace import assert_same, make_workspace
 
 SHARED = ("base", "registry")

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gradmerge as gm
-from gradmerge._readahead import Readahead, data_offsets, row_range
 from gradmerge.curvature.io import open_curvature
+from gradmerge.foundation.readahead import Readahead, data_offsets, row_range
 from gradmerge.io.writer import ShardedWriter
 from gradmerge.jobs import MergeConfig, run_merge
 from gradmerge.jobs import job as job_module

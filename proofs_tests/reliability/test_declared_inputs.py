@@ -14,10 +14,10 @@ one line naming the key) and leave every byte as it was; the library's own check
 (:func:`gradmerge.jobs.engine.check_output`) must refuse it too.
 
 Two checks keep the grid honest: every declared setting whose type holds a ``Path`` is declared
-with a path kind (:data:`gradmerge.settings.PATH_KINDS`), and the grid fails on a configuration
-whose inputs leave a key out (the remerge of issue 38, whose ``merge:`` and ``without:`` were
-not inputs: ``gradmerge remove remerge.yaml cfg --overwrite`` replaced the folder holding the
-merge YAML, and ``... bert-a --overwrite`` the fine-tuned model it left out).
+with a path kind (:data:`gradmerge.foundation.settings.PATH_KINDS`), and the grid fails on a
+configuration whose inputs leave a key out (the remerge of issue 38, whose ``merge:`` and
+``without:`` were not inputs: ``gradmerge remove remerge.yaml cfg --overwrite`` replaced the folder
+holding the merge YAML, and ``... bert-a --overwrite`` the fine-tuned model it left out).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from safetensors.torch import load_file, save_file
 
 from gradmerge import cli
 from gradmerge.errors import OutputOverlapError
+from gradmerge.foundation.settings import PATH_KINDS, Setting, declared, setting
 from gradmerge.jobs import config as job_config
 from gradmerge.jobs.engine import check_output
 from gradmerge.methods import registry
 from gradmerge.methods.base import MergeMethod
-from gradmerge.settings import PATH_KINDS, Setting, declared, setting
 
 # ----- what the declarations say ------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Inputs that change while a run reads them (issue 29, item 5).
 
 A merge records the size and modification time of every input file before it opens them
-(:class:`gradmerge._guard.Snapshot`) and checks them again before the output folder is renamed
-into place: an input rewritten or appended to mid-merge is an :class:`InputChangedError` and
+(:class:`gradmerge.foundation.guard.Snapshot`) and checks them again before the output folder is
+renamed into place: an input rewritten or appended to mid-merge is an :class:`InputChangedError` and
 OUT_DIR is not created. A shard truncated while memory-mapped, with parts still to read, kills
 the process (SIGBUS) before that check (docs/reliability.md states the limit); OUT_DIR is not
 created then either, which a killed process shows. Truncated after its last read, it is a change.

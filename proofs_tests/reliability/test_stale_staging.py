@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from gradmerge import cli
-from gradmerge._files import temp_dir_beside
+from gradmerge.foundation.files import temp_dir_beside
 from gradmerge.jobs import MergeConfig, run_merge
 from proofs_tests.workspace import make_workspace
 

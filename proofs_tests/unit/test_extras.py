@@ -21,13 +21,13 @@ import pytest
 import torch
 
 import gradmerge as gm
-from gradmerge import _extras
 from gradmerge.errors import MissingExtraError
+from gradmerge.foundation import extras
 
 SOURCE = Path(gm.__file__).resolve().parent.parent
 """The checkout the tests run from: the missing-extra message names it (``pip install '.[x]'``)."""
 
-OPTIONAL = tuple(module for modules in _extras.EXTRAS.values() for module in modules)
+OPTIONAL = tuple(module for modules in extras.EXTRAS.values() for module in modules)
 
 BLOCKER = textwrap.dedent(
     f"""
@@ -208,13 +208,13 @@ def test_python_entry_points_without_their_extra_raise_the_typed_error(tmp_path)
 
 
 def test_require_names_every_missing_module(monkeypatch):
-    monkeypatch.setitem(_extras.EXTRAS, "demo", ("numpy", "no_such_module_a", "no_such_module_b"))
+    monkeypatch.setitem(extras.EXTRAS, "demo", ("numpy", "no_such_module_a", "no_such_module_b"))
     with pytest.raises(MissingExtraError, match=r"no_such_module_a, no_such_module_b") as info:
-        _extras.require("demo", "the demo")
+        extras.require("demo", "the demo")
     assert info.value.extra == "demo"
     assert info.value.missing == ("no_such_module_a", "no_such_module_b")
     assert isinstance(info.value, ImportError)  # code that catches ImportError still does
-    _extras.require("testbed", "the testbed")  # installed here: no error
+    extras.require("testbed", "the testbed")  # installed here: no error
 
 
 def test_import_gradmerge_loads_no_optional_module():
@@ -231,7 +231,7 @@ def test_import_gradmerge_loads_no_optional_module():
 
 
 def test_extras_match_pyproject():
-    """Each extra of ``_extras.EXTRAS`` is declared in pyproject.toml, and the core
+    """Each extra of ``extras.EXTRAS`` is declared in pyproject.toml, and the core
     dependencies are exactly the five the merge core and the CLI need."""
     tomllib = pytest.importorskip("tomllib")  # Python ≥ 3.11
     config = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
@@ -239,7 +239,7 @@ def test_extras_match_pyproject():
     core = {dep.split(">")[0].split("<")[0].split("=")[0] for dep in project["dependencies"]}
     assert core == {"torch", "numpy", "safetensors", "pyyaml", "tqdm"}
     distribution = {"sklearn": "scikit-learn"}
-    for extra, modules in _extras.EXTRAS.items():
+    for extra, modules in extras.EXTRAS.items():
         declared = {
             dep.split(">")[0].split("=")[0] for dep in project["optional-dependencies"][extra]
         }

@@ -13,7 +13,9 @@ needs no imports and sees deferred imports inside functions too. The rules:
   (the public facade) is not counted here;
 - the layers (:data:`LAYERS`: every part belongs to exactly one) import only the layers
   :data:`MAY_IMPORT` allows, deferred imports and ``TYPE_CHECKING`` blocks counted. Among them:
-  core ↛ kernels, io, jobs, estimate (core imports only core); io ↛ jobs, estimate, commands;
+  foundation ↛ every other layer (the helpers of ``gradmerge.foundation`` and the typed errors
+  import only one another); core ↛ kernels, io, jobs, estimate (core imports only core and the
+  foundation); io ↛ jobs, estimate, commands;
   distributed ↛ commands. Importing the root facade counts as importing what the facade
   imports, so it is refused where those are;
 - ``gradmerge.distributed`` imports neither ``gradmerge.commands`` nor ``argparse``: the command
@@ -120,24 +122,17 @@ def _part(module: str) -> str:
 
 
 LAYERS: dict[str, tuple[str, ...]] = {
+    # the floor: the internal helpers and the typed errors (public, at the root), importing nothing
+    # above them
+    "foundation": ("gradmerge.foundation", "gradmerge.errors", "gradmerge._version"),
     "core": (
-        "gradmerge.errors",
         "gradmerge.bootstrap",
         "gradmerge.params",
         "gradmerge.merge",
         "gradmerge.diagnostics",
         "gradmerge.curvature",
         "gradmerge.solvers",
-        "gradmerge.settings",
         "gradmerge.elementwise",
-        "gradmerge._text",
-        "gradmerge._files",
-        "gradmerge._readahead",
-        "gradmerge._guard",
-        "gradmerge._devices",
-        "gradmerge._version",
-        "gradmerge._extras",
-        "gradmerge._lazy",
     ),
     "kernels": ("gradmerge.kernels",),
     "estimate": ("gradmerge.estimate", "gradmerge.evaluation"),  # over (model, data, loss)
@@ -151,23 +146,22 @@ LAYERS: dict[str, tuple[str, ...]] = {
 }
 """The layers of docs/architecture.md, as parts of the package (``gradmerge.<part>``)."""
 
+BELOW_JOBS = ("foundation", "core", "kernels", "estimate", "io", "methods")
 MAY_IMPORT: dict[str, set[str]] = {
-    "core": {"core"},
-    "kernels": {"core"},
-    "estimate": {"core"},
-    "io": {"core"},
-    "methods": {"core"},
-    "jobs": {"core", "kernels", "estimate", "io", "methods"},
-    "distributed": {"core", "kernels", "estimate", "io", "methods", "jobs"},
-    "commands": {
-        *("core", "kernels", "estimate", "io", "methods", "jobs", "distributed", "testbed"),
-        "facade",
-    },
-    "testbed": {"core", "estimate", "facade"},
-    "facade": {"core", "kernels", "estimate", "io", "methods", "jobs", "distributed"},
+    "foundation": {"foundation"},
+    "core": {"foundation", "core"},
+    "kernels": {"foundation", "core"},
+    "estimate": {"foundation", "core"},
+    "io": {"foundation", "core"},
+    "methods": {"foundation", "core"},
+    "jobs": {*BELOW_JOBS},
+    "distributed": {*BELOW_JOBS, "jobs"},
+    "commands": {*BELOW_JOBS, "jobs", "distributed", "testbed", "facade"},
+    "testbed": {"foundation", "core", "estimate", "facade"},
+    "facade": {*BELOW_JOBS, "jobs", "distributed"},
 }
 """Which layers each layer may import (itself always); the facade counts as what ``import
-gradmerge`` loads (core and estimate)."""
+gradmerge`` loads (foundation, core and estimate)."""
 
 
 def _layer(module: str) -> str:
@@ -232,6 +226,7 @@ def test_layers_import_only_what_they_may(layer):
 @pytest.mark.parametrize(
     ("layer", "refused"),
     [
+        ("foundation", {"core", "kernels", "io", "methods", "jobs", "estimate", "commands"}),
         ("core", {"kernels", "io", "methods", "jobs", "estimate"}),
         ("methods", {"kernels", "io", "jobs", "estimate", "commands"}),
         ("io", {"jobs", "estimate", "commands"}),

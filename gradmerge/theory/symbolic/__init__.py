@@ -11,7 +11,7 @@ Modules, in paper order: :mod:`.mismatch` (Sec. 1.1), :mod:`.merge_rule` (Sec. 1
 
 from __future__ import annotations
 
-from gradmerge._extras import require
+from gradmerge.foundation.extras import require
 
 require("testbed", "the theory testbed (gradmerge verify, gradmerge.theory.symbolic)")
 

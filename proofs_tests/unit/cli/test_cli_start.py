@@ -131,7 +131,7 @@ def test_the_estimator_flags_are_its_declared_options():
     curvature`` with the declared default, choices and kind (an integer option parses as one),
     and its help says that default; the options without a flag have none."""
     from gradmerge.estimate.options import EstimateOptions
-    from gradmerge.settings import declared, default_of
+    from gradmerge.foundation.settings import declared, default_of
 
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -227,8 +227,8 @@ def test_estimator_option_errors_say_the_flag(capsys):
 def test_the_text_flags_are_the_declared_text_options():
     """``--text-field`` ... ``--max-examples`` are the declared fields of ``TextOptions`` (a
     refinement's ``text`` keys), with their defaults."""
+    from gradmerge.foundation.settings import declared, default_of
     from gradmerge.io.text_records import TextOptions
-    from gradmerge.settings import declared, default_of
 
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -1,10 +1,10 @@
 """Device names → devices, checked once for every part (library, commands, demo, ranks).
 
-At the package's top because jobs, distributed, the demo and the commands all resolve devices
+In the foundation because jobs, distributed, the demo and the commands all resolve devices
 through it (no one package is its main user).
 
 Example:
-    >>> from gradmerge._devices import resolve_device
+    >>> from gradmerge.foundation.devices import resolve_device
     >>> resolve_device("cpu")
     device(type='cpu')
 """

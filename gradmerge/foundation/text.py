@@ -1,10 +1,10 @@
 """Lists of names, shortened for error messages.
 
-At the package's top because the error messages of params, curvature, io, jobs and distributed
+In the foundation because the error messages of params, curvature, io, jobs and distributed
 all shorten their lists of names with it.
 
 Example:
-    >>> from gradmerge._text import key_list, first_and_more
+    >>> from gradmerge.foundation.text import key_list, first_and_more
     >>> key_list(["a", "b", "c", "d"], limit=2)
     "['a', 'b', ... (2 more)]"
     >>> first_and_more(["w", "b"], "tensor(s)")

@@ -1,6 +1,6 @@
 """The output guard: the one place that says where a run may write, and how it writes.
 
-At the package's top because every part that writes goes through it: curvature files, io, jobs,
+In the foundation because every part that writes goes through it: curvature files, io, jobs,
 the distributed merge, the demo and the commands.
 
 Every command that writes declares its outputs (:class:`Output`) and everything it reads
@@ -57,13 +57,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gradmerge._files import publish, temp_dir_beside, temp_file_beside
 from gradmerge.errors import (
     InputChangedError,
     OutputExistsError,
     OutputOverlapError,
     OutputWriteError,
 )
+from gradmerge.foundation.files import publish, temp_dir_beside, temp_file_beside
 
 
 @dataclass(frozen=True)
@@ -306,8 +306,8 @@ def staged_folder(
 
     On an exception (or ``KeyboardInterrupt``) the sibling is removed, with the parent folders
     this call made, and ``target`` is left as it was. The sibling's name records its owner
-    (:func:`gradmerge._files.temp_dir_beside`), so that one left by a killed process can be
-    removed by the next run.
+    (:func:`gradmerge.foundation.files.temp_dir_beside`), so that one left by a killed process can
+    be removed by the next run.
 
     Raises:
         OutputExistsError: ``target`` exists and not ``overwrite`` (checked before the block

@@ -1,6 +1,6 @@
 """Temporary files and folders for atomic writes, with the permissions of ordinary new files.
 
-At the package's top because the output guard, io's writer and the distributed merge all stage
+In the foundation because the output guard, io's writer and the distributed merge all stage
 their outputs with it (no one package is its main user).
 
 ``tempfile.mkstemp``/``mkdtemp`` create 0600 files and 0700 folders; an output renamed from them

@@ -1,6 +1,6 @@
 """Optional dependencies, grouped as the package's extras, checked where a feature needs them.
 
-At the package's top because io, the demo and the theory testbed each check their extra through
+In the foundation because io, the demo and the theory testbed each check their extra through
 it (no one package is its main user).
 
 ``pip install .`` in a clone brings what the merge core, curvature estimation on tensors or entry
@@ -20,7 +20,7 @@ first, which raises :class:`~gradmerge.errors.MissingExtraError` naming the extr
 instead of a bare ``ModuleNotFoundError`` from deep inside.
 
 Example:
-    >>> from gradmerge._extras import require
+    >>> from gradmerge.foundation.extras import require
     >>> require("testbed", "the theory testbed")  # sympy is there: returns None
 """
 
@@ -83,7 +83,7 @@ def install_command(extra: str) -> str:
         >>> install_command("hf").startswith("pip install ") and "[hf]" in install_command("hf")
         True
     """
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the folder above gradmerge/foundation/
     pyproject = root / "pyproject.toml"
     if pyproject.is_file() and 'name = "gradmerge"' in pyproject.read_text(encoding="utf-8"):
         return f"pip install {shlex.quote(f'{root}[{extra}]')}"
