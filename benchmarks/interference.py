@@ -63,6 +63,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -1015,36 +1016,62 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
     return out
 
 
+def pool_keys(row: dict[str, Any]) -> list[str]:
+    """The names a removal row is pooled under across seeds: rows whose name holds a setting a
+    rule chose per seed (the label-free δ or α, the δ a refinement started from, a baseline's
+    budget in passes) pool by the rule, not by the value it chose in one seed.
+
+    - ``… agreement δ=1 + refine 2`` → ``… agreement δ + refine 2`` (also ``step check δ=…``);
+    - ``baseline | NegGrad+, 893 text passes (10% of retraining)`` →
+      ``baseline | NegGrad+, 10% of retraining``;
+    - a grid row the label-free rule chose (``"label-free choice": true``) is pooled under its own
+      name and under ``… , label-free δ`` (``from M | negation, label-free α``)."""
+    name = row["method"]
+    key = re.sub(r"(agreement|step check) δ=\S+", r"\1 δ", name)
+    key = re.sub(r", \d+ text passes \((.*)\)$", r", \1", key)
+    keys = [key]
+    if row.get("label-free choice"):
+        head, sep, _ = name.rpartition(" δ=") if " δ=" in name else name.rpartition(" α=")
+        keys.append(f"{head}, label-free {sep.strip()[0]}")
+    return keys
+
+
 def removal_comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:
-    """Removal rows against the gold model: paired bootstrap of (model − gold) accuracy on the
-    removed set and on the remaining sets, pooled over seeds."""
+    """Every removal row − the gold model (retrained without the removed set), on the removed set
+    and on the remaining sets, pooled over seeds under :func:`pool_keys` (each entry names the
+    rows it pooled, per seed)."""
     out = []
     if not seeds:
         return out
-    names = [r["method"] for r in seeds[0]["removal"]["rows"] if "correct" in r]
     t = seeds[0]["removal"]["removed"]
+    per_seed = [
+        {k: r for r in s["removal"]["rows"] if "correct" in r for k in pool_keys(r)} for s in seeds
+    ]
+    names = list(dict.fromkeys(k for rows in per_seed for k in rows))
     for name in names:
         if name.startswith("gold"):
             continue
         entry: dict[str, Any] = {"method": name}
+        used = [rows[name]["method"] if name in rows else None for rows in per_seed]
+        if any(u != name for u in used):
+            entry["rows pooled, per seed"] = used
+        entry["seeds"] = sum(u is not None for u in used)
         for part in ("removed", "remaining"):
             pairs = []
-            for s in seeds:
-                rows = {r["method"]: r for r in s["removal"]["rows"]}
-                a, g = rows.get(name), rows["gold: retrained without"]
-                if a is None or "correct" not in a:
+            for s, rows in zip(seeds, per_seed, strict=True):
+                a = rows.get(name)
+                g = {r["method"]: r for r in s["removal"]["rows"]}["gold: retrained without"]
+                if a is None:
                     continue
                 ds = [t] if part == "removed" else [d for d in a["correct"] if d != t]
                 pairs.append({d: (a["correct"][d], g["correct"][d]) for d in ds})
             if pairs:
                 entry[f"{part}: model − gold"] = paired_bootstrap(pairs, resamples, seed=7)
-        kls = [
-            r["mean KL(gold ‖ model)"]
-            for s in seeds
-            for r in s["removal"]["rows"]
-            if r["method"] == name and "mean KL(gold ‖ model)" in r
+        entry["mean KL(gold ‖ model), per seed"] = [
+            rows[name]["mean KL(gold ‖ model)"]
+            for rows in per_seed
+            if name in rows and "mean KL(gold ‖ model)" in rows[name]
         ]
-        entry["mean KL(gold ‖ model), per seed"] = kls
         out.append(entry)
     return out
 
@@ -1205,7 +1232,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def removal_plot(report: dict[str, Any], path: Path) -> None:
     """Removal: accuracy on the removed set against mean accuracy on the remaining sets, one
-    point per method (mean over seeds), retraining (the gold model) marked; the marker's size
+    point per method (mean over seeds, rows pooled as :func:`pool_keys` names them), retraining
+    (the gold model) marked; the marker's size
     grows with the method's cost in text passes (× retraining's, where recorded)."""
     from matplotlib.figure import Figure
 
@@ -1214,7 +1242,7 @@ def removal_plot(report: dict[str, Any], path: Path) -> None:
     points: dict[str, list[tuple[float, float, float | None]]] = {}
     for r in (r for seed in report["removal"] for r in seed["rows"] if "correct" in r):
         frac = (r.get("cost") or {}).get("fraction of retraining")
-        points.setdefault(r["method"], []).append(
+        points.setdefault(pool_keys(r)[0], []).append(
             (r["removed-set accuracy"], r["remaining mean accuracy"], frac)
         )
     t = report["removal"][0]["removed"]
@@ -1297,7 +1325,8 @@ def removal_markdown(report: dict[str, Any]) -> list[str]:
             for r in s["rows"]:
                 frac = (r.get("cost") or {}).get("fraction of retraining")
                 if frac is not None:
-                    fractions.setdefault(r["method"], []).append(f"{frac:.2f}")
+                    for key in pool_keys(r):
+                        fractions.setdefault(key, []).append(f"{frac:.2f}")
         chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
         out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
         for c in report["removal comparisons"]:

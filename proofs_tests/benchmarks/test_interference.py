@@ -252,3 +252,56 @@ def test_a_failed_commands_reason_is_its_error_line_not_a_later_warning():
         "gradmerge remove: error: the rounding bound of the removal exceeds `max_rounding`"
     )
     assert study.failure("Traceback\nValueError: x\n") == "ValueError: x"
+
+
+def test_removal_rows_pool_by_the_rule_that_chose_them_not_the_value():
+    """A row named by the δ a rule chose in its seed (the label-free choice, the δ a refinement
+    started from) or by a budget in passes pools across seeds under the rule's name; a grid row
+    keeps its own name. The pooled difference is the mean over both seeds' pairs."""
+
+    def row(name: str, removed: str, **facts: object) -> dict:
+        rest = "1111"
+        return {"method": name, "correct": {"dutch": removed, "rest": rest}, **facts}
+
+    gold = row("gold: retrained without", "0000")
+    seeds = [
+        {"removal": {"removed": "dutch", "rows": [
+            gold,
+            row("from M | Eq. 13, kfac δ=1", "1100", **{"label-free choice": True}),
+            row("from M | Eq. 13, kfac δ=100", "1111"),
+            row("from M | Eq. 13, kfac, agreement δ=1 + refine 2", "1000"),
+            row("baseline | NegGrad+, 893 text passes (10% of retraining)", "0000"),
+        ]}},
+        {"removal": {"removed": "dutch", "rows": [
+            gold,
+            row("from M | Eq. 13, kfac δ=1", "1111"),
+            row("from M | Eq. 13, kfac δ=100", "0000", **{"label-free choice": True}),
+            row("from M | Eq. 13, kfac, agreement δ=100 + refine 2", "1110"),
+            row("baseline | NegGrad+, 901 text passes (10% of retraining)", "0000"),
+        ]}},
+    ]  # fmt: skip
+    assert study.pool_keys(seeds[0]["removal"]["rows"][1]) == [
+        "from M | Eq. 13, kfac δ=1",
+        "from M | Eq. 13, kfac, label-free δ",
+    ]
+    out = {c["method"]: c for c in study.removal_comparisons(seeds, 200)}
+    assert set(out) == {
+        "from M | Eq. 13, kfac δ=1",
+        "from M | Eq. 13, kfac δ=100",
+        "from M | Eq. 13, kfac, label-free δ",
+        "from M | Eq. 13, kfac, agreement δ + refine 2",
+        "baseline | NegGrad+, 10% of retraining",
+    }
+    free = out["from M | Eq. 13, kfac, label-free δ"]
+    assert free["rows pooled, per seed"] == [
+        "from M | Eq. 13, kfac δ=1",
+        "from M | Eq. 13, kfac δ=100",
+    ]
+    assert free["seeds"] == 2
+    assert free["removed: model − gold"]["difference"] == pytest.approx(0.25)  # (2 + 0) / 8
+    refined = out["from M | Eq. 13, kfac, agreement δ + refine 2"]
+    assert refined["removed: model − gold"]["difference"] == pytest.approx(0.5)  # (1 + 3) / 8
+    grid = out["from M | Eq. 13, kfac δ=1"]
+    assert "rows pooled, per seed" not in grid and grid["seeds"] == 2
+    assert grid["removed: model − gold"]["difference"] == pytest.approx(0.75)  # (2 + 4) / 8
+    assert out["baseline | NegGrad+, 10% of retraining"]["seeds"] == 2
