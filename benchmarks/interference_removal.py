@@ -24,7 +24,8 @@ compute, and ahead of what a practitioner would try with that compute? Rows adde
   remaining sets alone (AdamW, the study's lr and batch size) for a given number of text passes,
   and NegGrad+ (each step: CE on a batch of the rest − :data:`NEGGRAD_WEIGHT` · CE on a batch of
   t, so one step spends two batches), at :data:`BUDGET_FRACTION` of retraining's passes and at
-  the passes of the costliest curvature removal here.
+  the passes of the costliest curvature removal here, capped at retraining's
+  (:func:`baseline_budgets`).
 
 Cost: forward-backward passes over texts (one per text per gradient, curvature sample or training
 epoch), counted from what each step did (``cost.json`` of a fine-tune, the texts of a curvature
@@ -325,6 +326,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                     "δ rule": rule,
                     "refine prior δ/s": delta / s_rest,
                     "refine record": {k: record[k] for k in ("steps", "passes")},
+                    "gradient evaluations per step": evaluations_per_step(record),
                     "cost": c,
                 }
                 best_cost = max(best_cost, c["text passes"] or 0)
@@ -378,12 +380,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                 facts[name] = {"δ": delta, "δ rule": rule, "cost": cost(parts)}
                 best_cost = max(best_cost, facts[name]["cost"]["text passes"] or 0)
     # baselines at equal compute
-    retrain = gold_cost["text passes"]
-    budgets = {}
-    if retrain:
-        budgets[f"{BUDGET_FRACTION:.0%} of retraining"] = math.ceil(BUDGET_FRACTION * retrain)
-    if best_cost and not args.quick:  # --quick: one budget
-        budgets["the costliest curvature removal's"] = best_cost
+    budgets = baseline_budgets(gold_cost["text passes"], best_cost, quick=args.quick)
     rest_train = {d: study.train_set(d, study.seed_id if d != DATASETS[0] else 0)
                   for d in ctx["rest"]}  # fmt: skip
     forget = study.train_set(t, study.seed_id)
@@ -413,6 +410,40 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
     for n, out in outs.items():
         facts.setdefault(n, {})["‖Σ ∇ℓ(θ)‖ on the remaining sample"] = gradient_norm(out)
     return items, facts
+
+
+COSTLIEST = "the costliest curvature removal's"
+"""The label of the second baseline budget (a row name: the run in progress caches by it)."""
+
+
+def baseline_budgets(retrain: int | None, costliest: int, *, quick: bool = False) -> dict[str, int]:
+    """Label → text passes of the equal-compute baselines: :data:`BUDGET_FRACTION` of
+    retraining's passes, and (not with ``quick``) the costliest curvature removal's, capped at
+    retraining's (a baseline that spends more than retraining answers no question retraining
+    does not; the label says when the cap applied).
+
+    Example:
+        >>> baseline_budgets(9000, 11020)
+        {'10% of retraining': 900, "retraining's: the costliest curvature removal's 11020, capped": 9000}
+    """
+    budgets: dict[str, int] = {}
+    if retrain:
+        budgets[f"{BUDGET_FRACTION:.0%} of retraining"] = math.ceil(BUDGET_FRACTION * retrain)
+    if costliest and not quick:  # --quick: one budget
+        if retrain and costliest > retrain:
+            budgets[f"retraining's: {COSTLIEST} {costliest}, capped"] = retrain
+        else:
+            budgets[COSTLIEST] = costliest
+    return budgets
+
+
+def evaluations_per_step(record: dict[str, Any]) -> list[float]:
+    """Per task, the gradient evaluations (passes over its data) one refinement step took, on
+    average over the record's steps: the line search's trials, without the one at θ^0
+    (``gradient evaluations, steps`` counts 1 + Σ_k trials_k; :func:`gradmerge.refine`)."""
+    steps = len(record["steps"]) - 1  # the record lists θ^0, …, θ^K
+    evaluations = record["passes"]["gradient evaluations, steps"]
+    return [(n - 1) / steps for n in evaluations] if steps > 0 else []
 
 
 def gradient_norm(path: Path) -> float:

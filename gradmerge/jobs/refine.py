@@ -90,6 +90,7 @@ from gradmerge.jobs.options import FromYaml, plain
 from gradmerge.jobs.setting_values import read_term
 from gradmerge.jobs.yaml_reader import Reader
 from gradmerge.merge import refine
+from gradmerge.merge.refinement import MAX_BACKTRACKING
 from gradmerge.params import Params
 
 RECORD = "gradmerge_refine.json"
@@ -154,6 +155,14 @@ class RefineConfig(FromYaml):
         kind="integer",
         minimum=1,
         maximum=MAX_STEPS,
+    )
+    max_backtracking: int = setting(
+        MAX_BACKTRACKING,
+        "trial points per step (step sizes 1, ½, … until ‖R‖ falls; none falls: the step is "
+        "not taken). Each is one gradient evaluation per task, so a run costs at most 1 + "
+        "steps·max_backtracking passes over each task's data.",
+        kind="integer",
+        minimum=1,
     )
     structure: str = setting(
         Structure.KFAC.value,
@@ -292,6 +301,7 @@ class RefineConfig(FromYaml):
             models=tuple(models),
             prior=prior,
             steps=_steps(r),
+            max_backtracking=integer("max_backtracking"),
             structure=structure,
             fisher=fisher,
             loss=choice("loss"),
@@ -389,6 +399,7 @@ def run_refine(
         prior=prior,
         alphas=config.alphas,
         steps=config.steps,
+        max_backtracking=config.max_backtracking,
     )
     in_steps = [n - b for n, b in zip(counts.gradient, before, strict=True)]
     steps = []

@@ -26,6 +26,10 @@ from gradmerge.merge.inputs import CurvatureLike, checked_alphas, checked_curvat
 from gradmerge.params import Params
 from gradmerge.solvers.spec import Solver
 
+MAX_BACKTRACKING = 30
+"""Trial points per refinement step by default (:func:`refine`'s ``max_backtracking``, the
+``refine`` YAML key of that name): step sizes 1, ½, …, 2^−29."""
+
 
 def refine(
     theta: Params,
@@ -37,6 +41,7 @@ def refine(
     alphas: float | Sequence[float] = 1.0,
     steps: int = 1,
     solver: Solver | None = None,
+    max_backtracking: int = MAX_BACKTRACKING,
 ) -> list[dict[str, Tensor]]:
     r"""Iterative refinement of a merge towards the exact multi-task MAP (Sec. 1.5, future work).
 
@@ -51,9 +56,18 @@ def refine(
             \Big[H_0(\theta^k - \theta_{LLM}) + \sum_t \alpha_t \nabla\bar\ell_t(\theta^k)\Big],
 
     a Newton step on the multi-task objective, taken with backtracking on the norm of the
-    stationarity residual R(θ) = H_0(θ − θ_LLM) + Σ_t α_t ∇ℓ̄_t(θ) (halving the step until ‖R‖
-    falls; a trial point where a gradient is not finite counts as no decrease; a step that
-    cannot reduce it is not taken). A non-finite gradient at θ^0 itself is an error. With curvatures recomputed at θ^k (pass
+    stationarity residual R(θ) = H_0(θ − θ_LLM) + Σ_t α_t ∇ℓ̄_t(θ): with d = H̄⁻¹R, the trial
+    points θ^k − 2^{−j} d, j = 0, 1, …, ``max_backtracking`` − 1, are tried in turn and the
+    first with ‖R‖ < ‖R(θ^k)‖ is taken (a trial point where a gradient is not finite counts as
+    no decrease; when none decreases ‖R‖ the step is not taken and θ^{k+1} = θ^k).
+
+    Cost: each trial is one gradient evaluation per task (a pass over its data), so a run
+    spends at most 1 + ``steps``·``max_backtracking`` of them per task (the first at θ^0).
+    Simple decrease suffices as acceptance test: where H̄ is the Jacobian of R (recomputed
+    curvature), −d is a descent direction of ½‖R‖² with slope −‖R‖², so small steps
+    decrease ‖R‖ by about t‖R‖ and an Armijo test ‖R(θ − t d)‖² ≤ (1 − 2ct)‖R‖² accepts
+    the same trials for any small c; where H̄ is fixed (quasi-Newton) d may not descend at
+    all, and it is then the bound on trials, not the test, that limits the cost. A non-finite gradient at θ^0 itself is an error. With curvatures recomputed at θ^k (pass
     callables θ ↦ H_t(θ)) it is damped Newton, which converges quadratically near θ_{1:T}; with
     fixed H_t (e.g. at θ_t) a quasi-Newton iteration. Start from θ^0 = :func:`gradient_matching`.
 
@@ -69,6 +83,7 @@ def refine(
         solver: the solver object of each step's H̄ solve where it is iterative, passed to it
             (:class:`gradmerge.KroneckerCG` for K-FAC, :class:`gradmerge.CG` for sums and
             matrix-free operators); ``None``: their defaults.
+        max_backtracking: trial points per step, at least 1 (1: the full step or none).
 
     Returns:
         The iterates θ^1, …, θ^steps.
@@ -78,6 +93,12 @@ def refine(
         raise ArgumentError(f"got {tasks} gradient functions but {len(curvatures)} curvatures")
     if steps < 1:
         raise ArgumentError(f"steps must be at least 1, got {steps}")
+    if isinstance(max_backtracking, bool) or not isinstance(max_backtracking, int):
+        raise ArgumentError(f"max_backtracking must be an integer, got {max_backtracking!r}")
+    if max_backtracking < 1:
+        raise ArgumentError(
+            f"max_backtracking must be at least 1 (trial points per step), got {max_backtracking}"
+        )
     weights = checked_alphas(alphas, tasks)
     P.check_params(base, name="base")
     P.check_params(theta, name="theta")
@@ -109,7 +130,7 @@ def refine(
         # backtracking on ‖R‖, which a Newton direction decreases: far from θ_{1:T} a full step
         # can overshoot (the expansion is local)
         size, norm = 1.0, P.norm(residual)
-        for _halving in range(30):
+        for _trial in range(max_backtracking):
             trial = P.axpy(-size, direction, current)
             try:
                 trial_residual = stationarity(trial)

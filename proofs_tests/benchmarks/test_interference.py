@@ -138,6 +138,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         assert passes["examples"] == [12] and passes["curvature evaluations"] == [1]
         assert passes["gradient evaluations, record"] == [1 + 2 * 2]
         steps = passes["gradient evaluations, steps"][0]
+        assert r["gradient evaluations per step"] == [steps - 1]  # one step: its trials
         # Eq. 13: θ_t (24) and H_t (12); Koh & Liang: ∇ℓ_t at M (24); both H_rest (12)
         first = 24 + 12 if "Eq. 13" in n else 24
         assert r["cost"]["text passes"] == first + 12 + 12 * (steps + 1), n

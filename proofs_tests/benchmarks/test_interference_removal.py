@@ -111,3 +111,34 @@ def test_gradient_norm_is_the_norm_over_every_tensor_of_the_file(tmp_path):
     save_file({"a": torch.tensor([3.0, 0.0]), "b.weight": torch.tensor([[4.0], [12.0]])},
               str(tmp_path / "g.safetensors"))  # fmt: skip
     assert gradient_norm(tmp_path / "g.safetensors") == pytest.approx(13.0)
+
+
+def test_the_second_baseline_budget_is_capped_at_retraining():
+    """The costliest removal's passes (11,020 in the study, 123% of retraining's 8,960) are
+    capped at retraining's, the label saying so; below retraining the label and name are kept
+    (the run in progress caches rows by name); --quick has the 10% budget only."""
+    from benchmarks.interference_removal import COSTLIEST, baseline_budgets
+
+    capped = baseline_budgets(8960, 11020)
+    assert capped == {
+        "10% of retraining": 896,
+        f"retraining's: {COSTLIEST} 11020, capped": 8960,
+    }
+    assert max(capped.values()) <= 8960
+    assert baseline_budgets(8960, 4000) == {"10% of retraining": 896, COSTLIEST: 4000}
+    assert baseline_budgets(8960, 11020, quick=True) == {"10% of retraining": 896}
+    assert baseline_budgets(None, 11020) == {COSTLIEST: 11020}  # no retraining cost: no cap
+
+
+def test_gradient_evaluations_per_step_come_from_the_refine_record():
+    """``gradient evaluations, steps`` counts R at θ^0 once and each step's line-search trials:
+    2 steps of 12 and 13 trials record 26 (the study's 2 steps); per step 12.5."""
+    from benchmarks.interference_removal import evaluations_per_step
+
+    record = {
+        "steps": [{"step": 0}, {"step": 1}, {"step": 2}],
+        "passes": {"gradient evaluations, steps": [26], "examples": [310]},
+    }
+    assert evaluations_per_step(record) == [12.5]
+    record["steps"] = [{"step": 0}]
+    assert evaluations_per_step(record) == []

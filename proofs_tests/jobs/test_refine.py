@@ -215,6 +215,8 @@ def test_gradient_fn_is_autograd_of_the_summed_loss(setting):
         ({"prior": {"delta": 0.0}}, gm.ConfigError, "prior is zero"),
         ({"structure": "kfac", "fisher": "hessian"}, gm.ConfigError, "needs `structure: full`"),
         ({"step": 2}, gm.ConfigError, "did you mean 'steps'"),
+        ({"max_backtracking": 0}, gm.ConfigError, "`max_backtracking` must be at least 1"),
+        ({"max_backtracking": 2.5}, gm.ConfigError, "`max_backtracking` must be an integer"),
     ],
 )  # fmt: skip
 def test_bad_configurations_are_refused(setting, changes, error, message):
@@ -345,3 +347,17 @@ def test_the_record_counts_the_passes_gm_refine_makes(setting, tmp_path):
     assert passes["gradient evaluations, steps"] == calls["gradient"]
     assert passes["curvature evaluations"] == calls["curvature"] == [STEPS, STEPS]
     assert passes["gradient evaluations, record"] == [1 + 2 * (STEPS + 1)] * 2
+
+
+def test_max_backtracking_is_read_passed_to_gm_refine_and_recorded(setting, tmp_path):
+    """The YAML key bounds each step's trials: with 1, a step costs at most one gradient
+    evaluation per task (``gradient evaluations, steps`` ≤ 1 + STEPS), and the record's config
+    carries the key; its default is gm.refine's."""
+    assert RefineConfig.from_yaml(_config(setting)).max_backtracking == 30
+    config = RefineConfig.from_yaml(_config(setting, "one.yaml", max_backtracking=1))
+    assert config.max_backtracking == 1
+    out = tmp_path / "refined"
+    run_refine(config, out)
+    record = json.loads((out / RECORD).read_text())
+    assert record["config"]["max_backtracking"] == 1
+    assert all(n <= 1 + STEPS for n in record["passes"]["gradient evaluations, steps"])
