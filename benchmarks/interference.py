@@ -1023,12 +1023,14 @@ def pool_keys(row: dict[str, Any]) -> list[str]:
 
     - ``… agreement δ=1 + refine 2`` → ``… agreement δ + refine 2`` (also ``step check δ=…``);
     - ``baseline | NegGrad+, 893 text passes (10% of retraining)`` →
-      ``baseline | NegGrad+, 10% of retraining``;
+      ``baseline | NegGrad+, 10% of retraining`` (and a capped budget's label without the
+      passes it capped);
     - a grid row the label-free rule chose (``"label-free choice": true``) is pooled under its own
       name and under ``… , label-free δ`` (``from M | negation, label-free α``)."""
     name = row["method"]
     key = re.sub(r"(agreement|step check) δ=\S+", r"\1 δ", name)
     key = re.sub(r", \d+ text passes \((.*)\)$", r", \1", key)
+    key = re.sub(r"(curvature removal's) \d+", r"\1", key)  # the cap's label names its seed's
     keys = [key]
     if row.get("label-free choice"):
         head, sep, _ = name.rpartition(" δ=") if " δ=" in name else name.rpartition(" α=")

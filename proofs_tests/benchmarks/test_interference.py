@@ -272,6 +272,8 @@ def test_removal_rows_pool_by_the_rule_that_chose_them_not_the_value():
             row("from M | Eq. 13, kfac δ=100", "1111"),
             row("from M | Eq. 13, kfac, agreement δ=1 + refine 2", "1000"),
             row("baseline | NegGrad+, 893 text passes (10% of retraining)", "0000"),
+            row("baseline | NegGrad+, 8924 text passes (retraining's: the costliest curvature "
+                "removal's 11020, capped)", "0000"),
         ]}},
         {"removal": {"removed": "dutch", "rows": [
             gold,
@@ -279,6 +281,8 @@ def test_removal_rows_pool_by_the_rule_that_chose_them_not_the_value():
             row("from M | Eq. 13, kfac δ=100", "0000", **{"label-free choice": True}),
             row("from M | Eq. 13, kfac, agreement δ=100 + refine 2", "1110"),
             row("baseline | NegGrad+, 901 text passes (10% of retraining)", "0000"),
+            row("baseline | NegGrad+, 9010 text passes (retraining's: the costliest curvature "
+                "removal's 14790, capped)", "0000"),
         ]}},
     ]  # fmt: skip
     assert study.pool_keys(seeds[0]["removal"]["rows"][1]) == [
@@ -292,6 +296,7 @@ def test_removal_rows_pool_by_the_rule_that_chose_them_not_the_value():
         "from M | Eq. 13, kfac, label-free δ",
         "from M | Eq. 13, kfac, agreement δ + refine 2",
         "baseline | NegGrad+, 10% of retraining",
+        "baseline | NegGrad+, retraining's: the costliest curvature removal's, capped",
     }
     free = out["from M | Eq. 13, kfac, label-free δ"]
     assert free["rows pooled, per seed"] == [
@@ -306,3 +311,7 @@ def test_removal_rows_pool_by_the_rule_that_chose_them_not_the_value():
     assert "rows pooled, per seed" not in grid and grid["seeds"] == 2
     assert grid["removed: model − gold"]["difference"] == pytest.approx(0.75)  # (2 + 4) / 8
     assert out["baseline | NegGrad+, 10% of retraining"]["seeds"] == 2
+    assert (
+        out["baseline | NegGrad+, retraining's: the costliest curvature removal's, capped"]["seeds"]
+        == 2
+    )
