@@ -90,7 +90,7 @@ from benchmarks.paper_recipe import (
     write_jsonl,
     yaml_dump,
 )
-from benchmarks.record import Run, read_result, write_result
+from benchmarks.record import Run, output, read_result, write_result
 from gradmerge.errors import ArgumentError
 
 HERE = Path(__file__).resolve().parent
@@ -1414,7 +1414,11 @@ def main(argv: list[str] | None = None) -> int:
         "(default: every seed)",
     )
     p.add_argument("--work", type=Path, default=Path("/tmp/interference"))
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the record's folder (default: benchmarks/results; --quick: a new temporary one)",
+    )
     p.add_argument("--stem", default="interference-cpu")
     p.add_argument(
         "--markdown", type=Path, help="print the Markdown tables of this report and stop"
@@ -1428,6 +1432,7 @@ def main(argv: list[str] | None = None) -> int:
         "statistics of the current code, no model run) and write it to --out/--stem",
     )
     args = p.parse_args(argv)
+    args.out = output(args.out, quick=args.quick, default=RESULTS, name="interference")
     if args.markdown:
         print(markdown(read_result(args.markdown)["results"]), end="")
         return 0
