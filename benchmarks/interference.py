@@ -1467,6 +1467,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]
+        args.extras_seeds = [1]  # seed 0 alone runs: recipe (a) only, no Eq. 15 fine-tunes
     # OMP_NUM_THREADS=1 where another job shares the cores: two 2-thread trainings on 2 cores
     # spend most of their time waiting for each other's descheduled threads
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
