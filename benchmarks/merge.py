@@ -44,7 +44,7 @@ The machine's other load is recorded (``benchmarks.record``: before and after ea
 shared 2-core machine the timings move with it.
 
     python -m benchmarks.merge            # everything, writes benchmarks/results/merge-cpu.json
-    python -m benchmarks.merge --quick    # a smoke run with small sizes (writes merge-cpu-quick.json)
+    python -m benchmarks.merge --quick    # a smoke run, small sizes (record in a temporary folder)
     python -m benchmarks.merge --sections roofline diagonal kfac
     python -m benchmarks.merge --sections gpt2sized --repeats 9 --update   # (a') only
 """
@@ -77,6 +77,7 @@ from benchmarks.record import (
     load,
     machine,
     module_argv,
+    output,
     proc_status,
     read_result,
     run_measured,
@@ -1103,8 +1104,8 @@ def main() -> None:
         ]
     )
     info = machine()
-    suffix = "-quick" if args.quick else ""
-    out = Path(args.out or RESULTS / f"merge-cpu{suffix}.json")
+    default = RESULTS / "merge-cpu.json"
+    out = output(args.out and Path(args.out), quick=args.quick, default=default, name="merge")
     record = Run("merge", settings=vars(args) | {"prior_delta": DELTA})
     report: dict[str, Any] = {}
     if args.update and out.is_file():  # keep the sections not run now, and the runs that made them

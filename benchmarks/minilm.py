@@ -65,7 +65,7 @@ import torch
 from torch import Tensor, nn
 
 import gradmerge as gm
-from benchmarks.record import RESULTS, Run, write_result
+from benchmarks.record import RESULTS, Run, output, write_result
 from gradmerge import params as P
 
 Batch = dict[str, Tensor]
@@ -765,8 +765,15 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch threads (1: robust on a shared machine)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "minilm-cpu.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="default: benchmarks/results/minilm-cpu.json (--quick: a temporary folder)",
+    )
     args = parser.parse_args(argv)
+    args.out = output(
+        args.out, quick=args.quick, default=RESULTS / "minilm-cpu.json", name="minilm"
+    )
     if args.quick:
         args.train, args.val, args.test, args.epochs = 12, 6, 10, 2
         args.deltas, args.kfac_deltas = [1.0], [100.0]

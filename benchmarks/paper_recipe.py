@@ -70,7 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.paper_recipe_data import BASE_TASK, PROVENANCE, TASKS, TEXTS
-from benchmarks.record import Run, module_argv, read_result, write_result
+from benchmarks.record import Run, module_argv, output, read_result, write_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -1446,12 +1446,17 @@ def main(argv: list[str] | None = None) -> int:
         "with its own CLI calls, ran 2-4x slower than alone)",
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/paper-recipe"), help="checkpoints")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the record's folder (default: benchmarks/results; --quick: a new temporary one)",
+    )
     parser.add_argument("--stem", default="paper-recipe-cpu")
     parser.add_argument(
         "--combine", type=Path, nargs="+", help="per-seed reports to combine into --stem"
     )
     args = parser.parse_args(argv)
+    args.out = output(args.out, quick=args.quick, default=RESULTS, name="paper-recipe")
     if args.quick:
         args.seeds, args.train, args.val, args.test = [0], 16, 8, 16
         args.base_train, args.base_fisher_examples, args.epochs, args.base_epochs = 32, 16, 1, 1

@@ -65,7 +65,7 @@ from torch import Tensor, nn
 
 import gradmerge as gm
 from benchmarks.realnet_data import LABELS, PROVENANCE, TEXTS
-from benchmarks.record import RESULTS, ROOT, Run, write_result
+from benchmarks.record import RESULTS, ROOT, Run, output, write_result
 from gradmerge import params as P
 from gradmerge.kernels import select  # the compiled loops for the diagonal merges, as before
 
@@ -706,9 +706,14 @@ def main(argv: list[str] | None = None) -> int:
         "--refine-seeds", type=int, nargs="+", default=[0], help="seeds that run gm.refine"
     )
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the record's folder (default: benchmarks/results; --quick: a new temporary one)",
+    )
     parser.add_argument("--stem", default="realnet-cpu", help="file names' stem")
     args = parser.parse_args(argv)
+    args.out = output(args.out, quick=args.quick, default=RESULTS, name="realnet")
     if not set(args.kfac_alphas) <= set(args.alphas) or 1.0 not in args.kfac_alphas:
         parser.error("--kfac-alphas must be among --alphas and include 1.0 (refine starts there)")
     if args.quick:

@@ -213,6 +213,25 @@ def portable_commands(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def output(out: Path | None, *, quick: bool, default: Path, name: str) -> Path:
+    """Where a benchmark writes its record (a file or a folder, as ``default``): ``out`` when
+    given (``--out``, asked for), else ``default`` for a full run — a committed record under
+    :data:`RESULTS` — and for a ``--quick`` run a new temporary folder (``default``'s name
+    inside it): a smoke run is no result, so it never lands in :data:`RESULTS` unless asked.
+
+    Example:
+        >>> output(None, quick=False, default=RESULTS / "x.json", name="x") == RESULTS / "x.json"
+        True
+        >>> RESULTS in output(None, quick=True, default=RESULTS / "x.json", name="x").parents
+        False
+    """
+    if out is not None:
+        return out
+    if not quick:
+        return default
+    return Path(tempfile.mkdtemp(prefix=f"{name}-quick-")) / default.name
+
+
 def module_argv(benchmark: str, *args: str) -> list[str]:
     """The argv that runs ``benchmark`` in a fresh Python process (run it from the repository's
     root, as the parent was)."""

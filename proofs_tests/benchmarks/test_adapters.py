@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import adapters as study
+from benchmarks.inprocess import restored_state
 from benchmarks.interference import ADDED, BASE
 from benchmarks.interference_data import SDIST
 from benchmarks.record import read_result
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_of_the_adapter_study(cache, tmp_path):
@@ -35,12 +31,8 @@ def test_quick_run_of_the_adapter_study(cache, tmp_path):
     work = tmp_path / "w"
     (work / "data" / "sdist").mkdir(parents=True)
     shutil.copy(cache / SDIST, work / "data" / "sdist" / SDIST)
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.adapters", "--quick", "--work", str(work),
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    with restored_state():  # in this process: the study's imports are paid once per suite
+        assert study.main(["--quick", "--work", str(work), "--out", str(tmp_path)]) == 0
     record = read_result(tmp_path / "adapters-cpu.json")
     assert record["benchmark"] == "adapters"
     assert record["command"].startswith("python -m benchmarks.adapters --quick")

@@ -17,13 +17,11 @@ import hashlib
 import json
 import math
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import interference as study
+from benchmarks.inprocess import restored_state
 from benchmarks.interference_data import (
     DATASETS,
     SDIST,
@@ -33,8 +31,6 @@ from benchmarks.interference_data import (
     sdist,
 )
 from benchmarks.record import RecordError, Run, portable_commands, read_result, write_result
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_datasets_are_built_deterministically_and_never_overlap(cache, tmp_path):
@@ -84,12 +80,8 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     work = tmp_path / "w"
     (work / "data" / "sdist").mkdir(parents=True)
     shutil.copy(cache / SDIST, work / "data" / "sdist" / SDIST)
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.interference", "--quick", "--work", str(work),
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    with restored_state():  # in this process: the study's imports are paid once per suite
+        assert study.main(["--quick", "--work", str(work), "--out", str(tmp_path)]) == 0
     record = read_result(tmp_path / "interference-cpu.json")  # the suite's record
     assert record["benchmark"] == "interference" and record["command"].startswith(
         "python -m benchmarks.interference --quick"
@@ -112,6 +104,8 @@ def test_quick_run_of_both_studies(cache, tmp_path):
                 assert len(correct) == r["n"][d] == 16
                 assert r["accuracy"][d] == pytest.approx(correct.count("1") / len(correct))
     assert {(2, "Fisher averaging"), (2, "multi-task θ_1:T")} <= set(by)
+    eq15 = [m for _, m in by if "Eq. 15" in m]
+    assert eq15 == []  # --quick: recipe (a) only (no Eq. 15 fine-tunes)
     assert by[2, "task arithmetic, α by tune --criterion loss+base"]["alpha"] in (0.5, 1.0)
     removal = seed["removal"]
     rows = {r["method"]: r for r in removal["rows"]}

@@ -15,13 +15,16 @@ import pytest
 
 from benchmarks.out_of_core import MIN_FREE_GB, SIZES
 from benchmarks.record import read_result
+from proofs_tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "benchmarks.out_of_core", "--size", "tiny", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, check=False
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")

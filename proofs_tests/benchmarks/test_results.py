@@ -235,3 +235,40 @@ def test_a_written_record_names_no_machine_path(tmp_path):
     assert written["command"] == "python -m benchmarks.example --work WORK"
     assert written["results"]["log"][0]["command"] == "gradmerge merge WORK/a.yaml TMP/out docs"
     assert written["settings"] == {"work": "/scratch/w"}  # the parsed arguments, as they were
+
+
+def test_a_quick_run_writes_its_record_outside_the_results_unless_asked(tmp_path):
+    """record.output: ``--out`` as given; a full run's default (the committed record); a quick
+    run's default: a new temporary folder each time, never under benchmarks/results/."""
+    default = RESULTS / "example.json"
+    assert (
+        R.output(tmp_path / "r.json", quick=True, default=default, name="x") == tmp_path / "r.json"
+    )
+    assert R.output(default, quick=True, default=default, name="x") == default  # asked for
+    assert R.output(None, quick=False, default=default, name="x") == default
+    first, second = (R.output(None, quick=True, default=default, name="x") for _ in range(2))
+    assert first.name == default.name and first.parent != second.parent
+    assert first.parent.is_dir() and not any(first.parent.iterdir())
+    assert RESULTS not in first.parents and BENCHMARKS not in first.parents
+    for path in (first, second):
+        path.parent.rmdir()
+
+
+QUICK_SCRIPTS = sorted(n for n in SCRIPTS if '"--quick"' in (BENCHMARKS / n).read_text())
+
+
+@pytest.mark.parametrize("name", QUICK_SCRIPTS)
+def test_no_quick_mode_writes_into_the_results_by_default(name):
+    """Each benchmark with ``--quick`` gives ``--out`` no default under benchmarks/results/ and
+    picks its record's path through ``record.output`` (``device_check``: its ``default_out``;
+    ``scale --quick`` writes nothing without ``--out``; ``tune_criteria`` requires ``--out``)."""
+    text = (BENCHMARKS / name).read_text()
+    outs = re.findall(r'add_argument\(\s*"--out",(.*?)\)\n', text, flags=re.S)
+    assert outs, f"{name}: no --out option"
+    assert not any(re.search(r"default=\s*RESULT", o) for o in outs), name
+    chosen = {
+        "device_check.py": "args.out or default_out(args.quick)",
+        "scale.py": "args.out or (None if args.quick else RESULT)",
+        "tune_criteria.py": "required=True",
+    }.get(name, "output(")
+    assert chosen in text, f"{name}: a --quick run's record must not go into benchmarks/results/"

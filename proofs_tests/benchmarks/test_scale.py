@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.record import read_result
 from benchmarks.scale import calibrate
+from proofs_tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +24,7 @@ def quick(tmp_path_factory):
         cwd=ROOT,
         check=True,
         capture_output=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     return read_result(out)
 

@@ -13,6 +13,7 @@ import sys
 import transformers
 
 from gradmerge import cli
+from proofs_tests.limits import HANG_S
 from proofs_tests.text_models import LABELS, bert_classifier
 
 BAR = "Loading weights"
@@ -56,7 +57,7 @@ def test_no_progress_in_a_fresh_interpreter(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         env=env,
     )
     assert done.returncode == 0, done.stderr

@@ -29,7 +29,7 @@ from proofs_tests.workspace import make_workspace
 
 WORKER = Path(__file__).with_name("_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
-TIME_LIMIT = 90  # seconds per job, start-up of two Python processes on 2 busy cores included
+TIME_LIMIT = 1200  # seconds per job: a guard against a hang only (the ranks' own is 300 s)
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
     reason="torch.distributed with gloo is not available",
@@ -301,7 +301,7 @@ def test_a_late_rank_makes_the_others_fail_after_their_timeout(main_job):
     early, late = ranks[0]["late"], ranks[1]["late"]
     assert early["error"] == late["error"] == "DistributedError"
     # rank 1 starts only once rank 0 has given up (_worker.py forces the order); a timeout cannot
-    # fire early, and the message names the call's own timeout of 1 s, not the group's 30 s
+    # fire early, and the message names the call's own timeout of 1 s, not the group's 300 s
     assert early["seconds"] > 0.9
     assert "timeout of 1 s" in early["message"] and "Ranks 1 failed" in early["message"]
 
@@ -312,7 +312,7 @@ def test_a_killed_rank_makes_the_others_fail_at_once(kill_job):
     assert not (outdir / "rank1.pt").exists()
     killed = _load(outdir, 0)["kill"]
     assert killed["error"] == "DistributedError"
-    # noticed from the closed connection, not by the timeout of 30 s (whose message differs)
+    # noticed from the closed connection, not by the timeout of 300 s (whose message differs)
     assert "a rank crashed or was killed" in killed["message"]
 
 

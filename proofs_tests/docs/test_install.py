@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gradmerge.foundation.extras import EXTRAS, install_command
+from proofs_tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -54,7 +55,7 @@ def _resolve(argv: list[str], tmp_path: Path) -> tuple[list[dict], str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, (argv, done.stderr)
     assert "does not provide the extra" not in done.stderr, (argv, done.stderr)

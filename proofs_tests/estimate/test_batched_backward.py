@@ -37,6 +37,7 @@ from proofs_tests.estimate.test_diagonal import (
     seq_model,
 )
 from proofs_tests.estimate.test_kfac_factors import _TokenNet
+from proofs_tests.limits import HANG_S
 
 
 class _SignGate(torch.autograd.Function):
@@ -182,4 +183,4 @@ def test_estimators_do_not_import_transformers_for_plain_models():
         "estimate_diagonal(m, d); estimate_kfac_factors(m, d)\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_S)

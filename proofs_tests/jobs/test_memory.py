@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import save_file
 
 import gradmerge as gm
+from proofs_tests.limits import HANG_S
 
 MiB = 2**20
 TENSORS, NUMEL, TASKS = 40, MiB // 4, 3  # 40 tensors of 1 MiB (float32) per input
@@ -91,7 +92,7 @@ def test_peak_anonymous_memory_is_a_few_units(tmp_path):
         [sys.executable, "-c", SCRIPT, str(tmp_path / "merge.yaml"), str(tmp_path / "out")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         check=False,
     )
     assert result.returncode == 0, result.stderr

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from proofs_tests.limits import HANG_S
+
 jupytext = pytest.importorskip("jupytext", reason="jupytext reads the percent-format notebooks")
 nbclient = pytest.importorskip("nbclient", reason="nbclient executes the notebooks")
 pytest.importorskip("ipykernel", reason="the notebooks run in an ipykernel kernel")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("[0-9]*.py"))
-CELL_TIMEOUT_S = 300
+CELL_TIMEOUT_S = HANG_S
 
 
 def test_the_notebooks_are_there():

@@ -18,6 +18,7 @@ import gradmerge as gm
 from gradmerge import cli
 from gradmerge.errors import ConfigError
 from gradmerge.jobs import MergeConfig, RemoveConfig
+from proofs_tests.limits import HANG_S
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_case4_nine_level_alias_bomb_is_refused_quickly(folder):
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=600,  # a guard against a hang only: the bound under test is memory, not time
+        timeout=HANG_S,  # a guard against a hang only: the bound under test is memory, not time
         check=True,
         preexec_fn=_limit_memory,  # 3 GB of address space: a regression fails, not the machine
     )

@@ -11,6 +11,7 @@ import sys
 from gradmerge import cli
 from gradmerge.foundation.files import temp_dir_beside
 from gradmerge.jobs import MergeConfig, run_merge
+from proofs_tests.limits import HANG_S
 from proofs_tests.workspace import make_workspace
 
 KILLED_MID_MERGE = """
@@ -47,7 +48,7 @@ def test_case6_stale_staging_folder_of_a_killed_merge_is_removed_and_reported(tm
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        timeout=120,
+        timeout=HANG_S,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     (stale,) = _stages(out)

@@ -23,6 +23,7 @@ import torch
 import gradmerge as gm
 from gradmerge.errors import MissingExtraError
 from gradmerge.foundation import extras
+from proofs_tests.limits import HANG_S
 
 SOURCE = Path(gm.__file__).resolve().parent.parent
 """The checkout the tests run from: the missing-extra message names it (``pip install '.[x]'``)."""
@@ -52,7 +53,7 @@ def _run_without_extras(code: str, cwd: Path) -> subprocess.CompletedProcess[str
         [sys.executable, "-c", BLOCKER + textwrap.dedent(code)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         cwd=cwd,
     )
 
@@ -225,7 +226,7 @@ def test_import_gradmerge_loads_no_optional_module():
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r}))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=HANG_S
     )
     assert done.stdout.strip().splitlines()[-1] == "[]"
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from setuptools import find_packages
 
+from proofs_tests.limits import HANG_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,7 +42,7 @@ def _loaded_after(code: str) -> set[str]:
         f" if m.startswith({HEAVY!r})}}))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=HANG_S
     )
     return set(eval(out.stdout.strip().splitlines()[-1]))
 

@@ -18,6 +18,7 @@ import pytest
 
 from gradmerge import cli
 from gradmerge.commands._inputs import Renamed
+from proofs_tests.limits import HANG_S
 
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
 
@@ -53,7 +54,7 @@ def _run(argvs: list[list[str]]) -> dict:
         [sys.executable, "-c", PROBE, json.dumps(argvs)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -169,7 +170,7 @@ def test_warnings_print_as_one_line_without_source():
     with the category of one that is not gradmerge's own; no file, line or source. Python's own
     format is back afterwards."""
     done = subprocess.run(
-        [sys.executable, "-c", WARN], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", WARN], capture_output=True, text=True, timeout=HANG_S, check=True
     )
     lines = done.stderr.splitlines()
     assert lines[:2] == [

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from gradmerge import cli
+from proofs_tests.limits import HANG_S
 
 PROBE = """
 import contextlib, io, json, sys
@@ -40,7 +41,7 @@ def _helps(*flags: str) -> dict[str, list]:
         [sys.executable, *flags, "-c", PROBE, *_command_names()],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         env={**os.environ, "COLUMNS": "100"},
     )
     assert done.returncode == 0, done.stderr
@@ -64,7 +65,7 @@ def test_python_OO_m_gradmerge_help():
         [sys.executable, "-OO", "-m", "gradmerge", "--help"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: gradmerge")
@@ -86,7 +87,7 @@ def test_python_OO_distributed_commands_help():
         "print(json.dumps(texts))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-OO", "-c", probe], capture_output=True, text=True, timeout=300
+        [sys.executable, "-OO", "-c", probe], capture_output=True, text=True, timeout=HANG_S
     )
     assert done.returncode == 0, done.stderr
     texts = json.loads(done.stdout.strip().splitlines()[-1])
