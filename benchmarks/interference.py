@@ -1265,7 +1265,7 @@ def removal_plot(report: dict[str, Any], path: Path) -> None:
     ax.grid(alpha=0.3)
     seeds = len(report["removal"])
     fig.suptitle(f"Removal of {t} from the multi-task model: each method against retraining "
-                 f"(red star); mean over {seeds} seed(s); (n%) = cost × retraining's text "
+                 f"(red star)\nmean over {seeds} seed(s); (n%) = cost × retraining's text "
                  "passes", fontsize=9)  # fmt: skip
     fig.savefig(path, dpi=110)
 

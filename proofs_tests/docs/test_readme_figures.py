@@ -93,27 +93,44 @@ def test_barely_interfering_rows_each_with_its_paired_interval():
 
 
 def test_removal_figures_are_the_rows_they_name():
-    rows = {r["method"]: r for r in INTERFERENCE["removal comparisons"]}
+    """The removal sentence: the extended removal record's pooled rows (each − the retrained
+    model, on the removed set / on the rest) and their costs, and remerge's from the study."""
+    removal = _results("interference-removal-cpu.json")
+    rows = {r["method"]: r for r in removal["removal comparisons"]}
 
-    def removed(name: str) -> str:
-        return _paired(rows[name]["removed: model − gold"])
+    def on(name: str, part: str, paired: bool = False) -> str:
+        d = rows[name][f"{part}: model − gold"]
+        return _paired(d) if paired else _number(d["difference"])
 
-    def remaining(name: str) -> str:
-        return _paired(rows[name]["remaining: model − gold"])
+    def cost(name: str) -> str:
+        from benchmarks.interference import pool_keys
 
+        fractions = {
+            round(100 * r["cost"]["fraction of retraining"])
+            for s in removal["removal"]
+            for r in s["rows"]
+            if name in pool_keys(r) and "cost" in r
+        }
+        (only,) = fractions
+        return f"{only}%"
+
+    neg = "baseline | NegGrad+, 10% of retraining"
+    assert len(removal["seeds"]) == 2 and f"{len(removal['seeds'])} seeds" in README
+    assert rows[neg]["seeds"] == 2 and cost(neg) == "10%"
     assert (
-        f"Eq. 13 (diag, from M) and negation α=0.5 (the label-free α in two seeds of three) keep "
-        f"much of the task ({removed('from M | Eq. 13, diag')}, "
-        f"{removed('from M | negation α=0.5')} on it)"
+        f"**NegGrad+** at 10%, {on(neg, 'removed', True)} (chance) and {on(neg, 'remaining', True)}"
+        in README
+    )
+    eq13 = "from M | Eq. 13, kfac, label-free δ"
+    refined = "from M | Eq. 13, kfac, agreement δ + refine 2"
+    assert (
+        f"label-free δ: {on(eq13, 'removed')} / {on(eq13, 'remaining')} at {cost(eq13)}, "
+        f"refined {on(refined, 'removed')} / {on(refined, 'remaining')}"
     ) in README
-    assert f"removes it at {remaining('from merge | remerge')} on the other sets" in README
-    koh_liang = {
-        _number(rows[f"from M | Koh & Liang, {s}"]["remaining: model − gold"]["difference"])
-        for s in ("diag", "kfac")
-    }
-    assert koh_liang == {"−23.4"} and "Koh & Liang at −23.4" in README
-    multitask = _t4("multi-task θ_1:T", KFAC)
-    assert f"Multi-task − K-FAC merge: {_paired(multitask)}, a tie" in README
+    rest = "baseline | fine-tune M on the rest, 10% of retraining"
+    assert f"fine-tuning on the rest: {on(rest, 'removed')}" in README
+    remerge = {r["method"]: r for r in INTERFERENCE["removal comparisons"]}["from merge | remerge"]
+    assert f"`remerge` lands {_paired(remerge['remaining: model − gold'])} on the rest" in README
 
 
 def test_the_gpt2_time_range_spans_every_record_of_the_merge():
