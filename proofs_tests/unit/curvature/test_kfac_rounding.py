@@ -43,11 +43,8 @@ def _dense_solve(delta: float, terms, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(k, b.to(DT).reshape(-1)).reshape(N_OUT, N_IN)
 
 
-@pytest.mark.parametrize("terms", [1, TERMS])  # 1: δ + s·H_rest, a homotopy step's system
-def test_rounded_null_direction_below_delta_is_solved_as_the_exact_system(terms):
+def test_rounded_null_direction_below_delta_is_solved_as_the_exact_system():
     stored, exact, scale = _system(eta_rel=4 * EPS)
-    stored, exact = stored[:terms], exact[:terms]
-    scale = scale * terms / TERMS
     delta = 0.3 * EPS * scale  # above no round-off: the stored diagonal is negative
     # the premise: the stored float32 system has a negative Rayleigh quotient along 1 ⊗ q
     ones = torch.ones(N_OUT, dtype=DT) / N_OUT**0.5
