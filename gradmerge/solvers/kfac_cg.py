@@ -12,10 +12,7 @@ Method (eigenbasis-preconditioned CG, in the spirit of EKFAC, George et al. 2018
    (:func:`gradmerge.solvers.kronecker.eigh`).
 2. In that basis each term is Ã_k ⊗ G̃_k with Ã_k = Q_Aᵀ A_k Q_A, G̃_k = Q_Gᵀ G_k Q_G, and the
    diagonal of K is exactly D = δ + Σ_k diag(G̃_k) diag(Ã_k)ᵀ (the diagonal of a Kronecker
-   product is the Kronecker product of the diagonals), each factor's diagonal with its round-off
-   below 0 removed where the factor is semidefinite up to that round-off
-   (:func:`semidefinite`: a stored PSD factor's exact null direction comes out as ±ε‖F‖), so
-   D ≥ δ for PSD terms and only a genuinely indefinite factor makes D refuse. One term: K̃ = D, and y = b̃ / D is the
+   product is the Kronecker product of the diagonals). One term: K̃ = D, and y = b̃ / D is the
    exact solution. More terms: CG on K̃ y = b̃ preconditioned by D⁻¹ (Jacobi in the common
    eigenbasis), starting from D⁻¹ b̃. When the tasks' factors share eigenvectors, D = K̃ and CG
    stops at its start; in general D⁻¹ is as good a preconditioner as the exact solve of
@@ -24,10 +21,8 @@ Method (eigenbasis-preconditioned CG, in the spirit of EKFAC, George et al. 2018
    float64 when the working dtype is coarser (the residual of a float32 solve then measures the
    solution, not float32's round-off in forming it). Above ``tol``, the correction of K e = r is
    solved the same way and added (iterative refinement: each round gains about the working
-   precision's accuracy), up to :data:`REFINEMENTS` rounds; then in float64; otherwise
-   :class:`NotConvergedError`. A float32 solve that meets a Rayleigh quotient ≤ 0 (δ near
-   ε·Σ‖A_k‖‖G_k‖) is also handed to float64, which alone may refuse it, after removing the
-   factors' float32 round-off below 0 (:func:`psd_part`) where the factors as stored fail.
+   precision's accuracy), up to :data:`REFINEMENTS` rounds; otherwise
+   :class:`NotConvergedError`.
 
 Working precision: the eigendecompositions and CG run in the factors' dtype (float32 factors are
 decomposed in float32: their eigenvectors only define the basis; any loss of orthogonality is a
@@ -174,104 +169,45 @@ def solve(
         if not delta > 0:
             raise not_pd(f"the K-FAC system of {name!r}", f"δ·I with δ = {delta:.3e}")
         return LayerSolve(b / delta, "δ·I (exact)", 0, 0.0)
+    basis = inverse(name, delta, terms, spec.arithmetic, reduce)
     target = tol * bnorm / 2  # CG aims below tol: the certified residual has room for round-off
-    iterations = 0
-    try:
-        basis = inverse(name, delta, terms, spec.arithmetic, reduce)
-        x, iterations = basis.solve(b, target, maxiter, x0 if spec.warm_start else None)
+    x, iterations = basis.solve(b, target, maxiter, x0 if spec.warm_start else None)
+    r = residual(delta, terms, b, x)
+    rel = float(torch.linalg.norm(r)) / bnorm
+    if spec.approximate:  # the explicit trade: x as it stands, its residual measured
+        met = rel <= tol
+        note = "" if met else f", approximate: stopped after {iterations} CG iterations"
+        return LayerSolve(x, basis.method + note, iterations, rel, met)
+    rounds = 0
+    while rel > tol and rounds < REFINEMENTS:
+        rounds += 1
+        # the correction to INNER_RTOL of its own right-hand side r: each round divides the
+        # residual by about 1/INNER_RTOL, until the working dtype's round-off in forming K e
+        rhs = r.to(b.dtype)
+        inner = min(target, INNER_RTOL * float(torch.linalg.norm(rhs)))
+        e, its = basis.solve(rhs, inner, maxiter)
+        x, iterations = x + e, iterations + its
         r = residual(delta, terms, b, x)
         rel = float(torch.linalg.norm(r)) / bnorm
-        if spec.approximate:  # the explicit trade: x as it stands, its residual measured
-            met = rel <= tol
-            note = "" if met else f", approximate: stopped after {iterations} CG iterations"
-            return LayerSolve(x, basis.method + note, iterations, rel, met)
-        rounds = 0
-        while rel > tol and rounds < REFINEMENTS:
-            rounds += 1
-            # the correction to INNER_RTOL of its own right-hand side r: each round divides the
-            # residual by about 1/INNER_RTOL, until the working dtype's round-off in forming K e
-            rhs = r.to(b.dtype)
-            inner = min(target, INNER_RTOL * float(torch.linalg.norm(rhs)))
-            e, its = basis.solve(rhs, inner, maxiter)
-            x, iterations = x + e, iterations + its
-            r = residual(delta, terms, b, x)
-            rel = float(torch.linalg.norm(r)) / bnorm
-    except NotPositiveDefiniteError:
-        if b.dtype == torch.float64 or spec.approximate:
-            raise
-        # a coarser dtype's round-off met a Rayleigh quotient ≤ 0 (δ near ε·Σ‖A_k‖‖G_k‖, or
-        # CG's pᵀKp rounded): only float64 decides (:func:`_in_float64`)
-        return _in_float64(name, delta, terms, b, tol, maxiter, iterations)
     method = basis.method + (f", {rounds} refinement(s)" if rounds else "")
     if rel > tol and isinstance(basis, LowRank):  # it left out too much of K: the whole solve
         whole = solve(name, delta, terms, b, spec, x0=x0, reduce=False)
         return dataclasses.replace(whole, iterations=iterations + whole.iterations)
     if rel > tol and b.dtype != torch.float64:
-        # the working dtype cannot resolve this system (κ·ε ≳ tol): solve it in float64
-        return _in_float64(name, delta, terms, b, tol, maxiter, iterations)
+        # the working dtype cannot resolve this system (κ·ε ≳ tol): solve it in float64; the
+        # residual certified is the float64 solution's, and the method says what rounding it to
+        # the working dtype (as the merged tensors will be) leaves
+        wide = [(a.to(torch.float64), g.to(torch.float64)) for a, g in terms]
+        exact = solve(name, delta, wide, b.to(torch.float64), KroneckerCG(tol, maxiter))
+        x, iterations, rel = exact.x.to(b.dtype), iterations + exact.iterations, exact.residual
+        rounded = float(torch.linalg.norm(residual(delta, terms, b, x))) / bnorm
+        dtype = str(b.dtype).removeprefix("torch.")
+        method = f"{exact.method}, in float64 (rounded to {dtype}: residual {rounded:.1e})"
     if rel > tol:
         raise not_converged(
             name, rel, tol, b.dtype, f"{iterations} CG iterations, {rounds} refinements"
         )
     return LayerSolve(x, method, iterations, rel)
-
-
-def _in_float64(
-    name: str,
-    delta: float,
-    terms: list[Term],
-    b: Tensor,
-    tol: float,
-    maxiter: int,
-    iterations: int,
-) -> LayerSolve:
-    """The layer solved in float64 where the working dtype could not: its certified residual is
-    the float64 solution's, and the method says what rounding it to the working dtype (as the
-    merged tensors will be) leaves.
-
-    Where the float64 system of the factors as stored is refused as not positive definite, it
-    is solved again with their working-dtype round-off below 0 removed (:func:`psd_part`): F = QΛQᵀ → Q max(Λ, 0) Qᵀ for a factor whose eigenvalues are
-    ≥ −τ (:func:`semidefinite`; NSD likewise), a change of at most τ per factor, below the
-    precision it was stored in. Without it, a δ below ε·Σ‖A_k‖‖G_k‖ meets the factors' rounded
-    null directions (e.g. the 1 vector of a G before a LayerNorm) as negative eigenvalues of
-    K, which the exact factors do not have. Indefinite factors are kept and refused.
-    """
-    spec = KroneckerCG(tol, maxiter)
-    wide = [(a.to(torch.float64), g.to(torch.float64)) for a, g in terms]
-    try:
-        exact = solve(name, delta, wide, b.to(torch.float64), spec)
-    except NotPositiveDefiniteError:
-        # (only then: an eigendecomposition per factor) the factors' round-off below 0 removed
-        eps = torch.finfo(b.dtype).eps
-        wide = [(psd_part(a, eps), psd_part(g, eps)) for a, g in terms]
-        exact = solve(name, delta, wide, b.to(torch.float64), spec)
-    x = exact.x.to(b.dtype)
-    bnorm = float(torch.linalg.norm(b.to(torch.float64)))
-    rounded = float(torch.linalg.norm(residual(delta, wide, b, x))) / bnorm
-    dtype = str(b.dtype).removeprefix("torch.")
-    method = f"{exact.method}, in float64 (rounded to {dtype}: residual {rounded:.1e})"
-    return LayerSolve(x, method, iterations + exact.iterations, exact.residual)
-
-
-def psd_part(m: Tensor, eps: float) -> Tensor:
-    """``m`` in float64, and, where its eigenvalues are semidefinite up to the round-off ε of
-    the dtype it was stored in (:func:`semidefinite`), with that round-off removed:
-    Q max(Λ, 0) Qᵀ (or Q min(Λ, 0) Qᵀ). c·I and indefinite factors come back unchanged.
-
-    Example:
-        >>> import torch
-        >>> g = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]) - 1e-8 * torch.eye(2)
-        >>> float(torch.linalg.eigvalsh(psd_part(g, 1.2e-7))[0]) >= 0
-        True
-    """
-    wide = m.to(torch.float64)
-    if identity_multiple(m) is not None:
-        return wide
-    lam, q = torch.linalg.eigh((wide + wide.T) / 2)
-    clean = semidefinite(lam, eps)
-    if torch.equal(clean, lam):
-        return wide
-    return (q * clean) @ q.T
 
 
 def inverse(
@@ -329,15 +265,12 @@ class Basis:
     ) -> None:
         self.name, self.delta, self.terms = name, delta, terms
         self.low: list[Term] = []
-        eps = torch.finfo(terms[0][0].dtype).eps
         if len(terms) == 1:
             a0, g0 = terms[0]
             la, self.qa = eigh(a0)
             lg, self.qg = eigh(g0)
             self.rotated: list[Term] = []
-            # K̃ = D exactly, for the factors with their round-off below 0 removed
-            la, lg = semidefinite(la, eps), semidefinite(lg, eps)
-            self.diagonal = delta + torch.outer(lg, la)
+            self.diagonal = delta + torch.outer(lg, la)  # K̃ = D exactly
             self.method = "eigenbasis (exact)"
         else:
             norms = [torch.linalg.matrix_norm(a) for a, _ in terms]
@@ -348,10 +281,7 @@ class Basis:
             self.qa, self.qg = eigh(a0)[1], eigh(g0)[1]
             self.rotated = [(self.qa.T @ a @ self.qa, self.qg.T @ g @ self.qg) for a, g in terms]
             self.diagonal = delta + sum(
-                (
-                    torch.outer(semidefinite(g.diagonal(), eps), semidefinite(a.diagonal(), eps))
-                    for a, g in self.rotated
-                ),
+                (torch.outer(g.diagonal(), a.diagonal()) for a, g in self.rotated),
                 torch.zeros_like(terms[0][1][:, :1] * terms[0][0][:1]),
             )
             prior = " + δI" if delta else ""
@@ -364,9 +294,7 @@ class Basis:
         low = float(self.diagonal.min())
         if not low > 0:  # each diagonal entry is a Rayleigh quotient of K
             raise self.refusal(
-                f"its diagonal in the factors' eigenbasis has an entry {low:.3e}"
-                + _indefinite_factors(self.rotated or [(torch.diag(la), torch.diag(lg))], eps),
-                low,
+                f"its diagonal in the factors' eigenbasis has an entry {low:.3e}", low
             )
 
     @functools.cached_property
@@ -642,56 +570,6 @@ def _pcg(
         p = z + (rz_next / rz) * p
         rz = rz_next
     return x, maxiter
-
-
-def semidefinite(values: Tensor, eps: float) -> Tensor:
-    r"""A factor's eigenvalues, or its diagonal in an orthonormal basis (Rayleigh quotients
-    qᵢᵀFqᵢ), with the round-off of a semidefinite factor removed.
-
-    K-FAC factors are sums of outer products, PSD by construction (a negative multiple of one,
-    NSD). Stored in a dtype with unit round-off ε they are so only up to round-off: where F has
-    an exact null direction (G of a layer feeding a LayerNorm or a softmax; A of rank-deficient
-    inputs), qᵀFq comes out as ±ε‖F‖ and, times the other factor's size and a large scale s,
-    can outweigh a small δ in D = δ + Σ_k diag(G̃_k) diag(Ã_k)ᵀ. Entries within
-    τ = :data:`NOISE`·ε·max|values| of 0 are rounding: when every entry is ≥ −τ the factor is
-    PSD and its entries are clamped at 0 (≤ τ: NSD, clamped from above), so D ≥ δ for PSD
-    terms. A factor with an entry beyond −τ on both sides is genuinely indefinite and is left
-    as it is (its D refuses).
-
-    Example:
-        >>> import torch
-        >>> semidefinite(torch.tensor([-1e-9, 0.5, 2.0]), 1.2e-7)
-        tensor([0.0000, 0.5000, 2.0000])
-        >>> semidefinite(torch.tensor([-0.1, 0.5, 2.0]), 1.2e-7)  # indefinite: kept
-        tensor([-0.1000,  0.5000,  2.0000])
-    """
-    sign = _sign(values, eps)
-    return values.clamp_min(0) if sign > 0 else values.clamp_max(0) if sign < 0 else values
-
-
-def _sign(values: Tensor, eps: float) -> int:
-    """1 if every entry is ≥ −τ (PSD up to round-off), −1 if every one is ≤ τ (NSD), else 0
-    (indefinite), τ = :data:`NOISE`·ε·max|values| (:func:`semidefinite`)."""
-    tau = NOISE * eps * float(values.abs().max())
-    if float(values.min()) >= -tau:
-        return 1
-    return -1 if float(values.max()) <= tau else 0
-
-
-def _indefinite_factors(rotated: list[Term], eps: float) -> str:
-    """``"; term k's A factor is indefinite beyond round-off (…)"`` for the first factor whose
-    Rayleigh quotients in the eigenbasis lie beyond :func:`semidefinite`'s τ on both sides, or
-    ``""`` (then K is singular: δ = 0 with a common null direction, or indefinite in sum)."""
-    for k, (a, g) in enumerate(rotated):
-        for side, m in (("A", a), ("G", g)):
-            d = m.diagonal()
-            if _sign(d, eps) == 0:
-                return (
-                    f"; term {k}'s {side} factor is indefinite beyond round-off (its Rayleigh "
-                    f"quotients in that basis run from {float(d.min()):.3e} to "
-                    f"{float(d.max()):.3e}): a curvature that is not PSD, not rounding"
-                )
-    return ""
 
 
 def residual(delta: float, terms: list[Term], b: Tensor, x: Tensor) -> Tensor:
