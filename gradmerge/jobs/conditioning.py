@@ -338,11 +338,11 @@ def _cg_delta(system: Curvature, config: MergeConfig | RemoveConfig) -> float:
 
 
 def removal_checks(config: RemoveConfig) -> tuple[StepSize, Rounding] | None:
-    """``remove`` with diagonal curvatures only: compute every unit as the real run does (no
+    """A removal that bounds its rounding (``remove``, Eq. 13) with diagonal curvatures only: compute every unit as the real run does (no
     output) and return its step size and rounding bound, for the checks the real run applies
     before writing (``step_check``, ``rounding_check``). None for other removals or
     structures, where the dry run does not compute the result."""
-    if config.method != "remove":
+    if not registry.get(config.method).bounds_rounding:
         return None
     with ExitStack() as stack:
         job = open_job(config, stack)

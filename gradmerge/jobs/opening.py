@@ -327,7 +327,7 @@ def open_remove(config: RemoveConfig, stack: ExitStack) -> Job:
         dtype,
         config.source,
         step,
-        rounding=rounding if config.method == "remove" else None,
+        rounding=rounding if spec.bounds_rounding else None,
     )
 
 

@@ -23,6 +23,9 @@ know about a method:
   method whose system is not checked;
 - ``systems``: for a method whose solves are not one such system per unit (RegMean's Gram
   systems), the dry run's check itself (:data:`SystemsFn`), run on the units it merges;
+- ``bounds_rounding``: a removal whose result amplifies the rounding of its stored inputs
+  (Eq. 13's (H_0 + H_t)/H̄_\t), bounded per unit with diagonal curvatures and checked by
+  ``rounding_check`` (:class:`gradmerge.jobs.removal_checks.Rounding`);
 - ``precheck``: a check of the method's own settings against the shapes of the merged tensors,
   run when the job opens, before a tensor is read (:data:`PrecheckFn`: Iso-CTS's split);
 - ``hint``: what to change when the run meets a singular system (the engine adds it to the
@@ -239,6 +242,7 @@ class MergeMethod:
     precheck: PrecheckFn | None = None
     hint: str = ""
     max_relative_step: float | None = None
+    bounds_rounding: bool = False
     runs: Command | None = None
     rowwise: bool = False
     uses: frozenset[str] = field(init=False)
@@ -277,9 +281,10 @@ def removal(
     rule: RemoveRule,
     step: float,
     docs: str,
+    bounds_rounding: bool = False,
 ) -> MergeMethod:
     """A removal method: every one solves H̄_\\t, damped by ``remaining: {delta: ...}``;
-    ``step`` is its default ``max_relative_step``."""
+    ``step`` is its default ``max_relative_step``; ``bounds_rounding`` as the record's."""
     return MergeMethod(
         name,
         "remove",
@@ -293,4 +298,5 @@ def removal(
         "...}}` to the base model's prior precision δ ({example}), or add the curvature of the "
         "data that stays",
         max_relative_step=step,
+        bounds_rounding=bounds_rounding,
     )

@@ -40,6 +40,7 @@ METHOD = removal(
     {"model": "required", "curvature": "required", "prior": "required"},
     remove,
     step=100.0,
+    bounds_rounding=True,
     docs="Eq. 13, θ_\\t = θ_LLM − α H̄_\\t⁻¹ (H_0 + H_t)(θ_t − θ_LLM), with the model θ_t "
     "fine-tuned on D_t, its curvature H_t and the prior H_0.",
 )

@@ -221,11 +221,11 @@ def _compared_names(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
     return found
 
 
-def test_the_jobs_and_commands_compare_with_no_merge_method_name():
+def test_the_jobs_and_commands_compare_with_no_method_name():
     """What a method does differently lives in its record (``system``, ``damping_at``,
-    ``systems``, ``precheck``, ``keys``), so no job or command module tests for a merge
-    method by name; the check finds such a test where there is one."""
-    names = {m.name for m in registry.methods("merge")}
+    ``systems``, ``precheck``, ``bounds_rounding``, ``keys``), so no job or command module tests
+    for a merge or removal method by name; the check finds such a test where there is one."""
+    names = {m.name for m in registry.REGISTRY}
     root = Path(gradmerge.__file__).parent
     offenders = {
         str(path.relative_to(root)): hits
