@@ -67,7 +67,8 @@ def refine(
     curvature), −d is a descent direction of ½‖R‖² with slope −‖R‖², so small steps
     decrease ‖R‖ by about t‖R‖ and an Armijo test ‖R(θ − t d)‖² ≤ (1 − 2ct)‖R‖² accepts
     the same trials for any small c; where H̄ is fixed (quasi-Newton) d may not descend at
-    all, and it is then the bound on trials, not the test, that limits the cost. A non-finite gradient at θ^0 itself is an error. With curvatures recomputed at θ^k (pass
+    all, and it is then the bound on trials, not the test, that limits the cost. A non-finite
+    gradient at θ^0 itself is an error. With curvatures recomputed at θ^k (pass
     callables θ ↦ H_t(θ)) it is damped Newton, which converges quadratically near θ_{1:T}; with
     fixed H_t (e.g. at θ_t) a quasi-Newton iteration. Start from θ^0 = :func:`gradient_matching`.
 
