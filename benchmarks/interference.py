@@ -1074,8 +1074,32 @@ def removal_comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dic
             for rows in per_seed
             if name in rows and "mean KL(gold ‖ model)" in rows[name]
         ]
+        entry |= kl_split([rows[name] for rows in per_seed if name in rows], t)
         out.append(entry)
     return out
+
+
+def kl_split(rows: list[dict[str, Any]], t: str) -> dict[str, float]:
+    """Mean over seeds of a removal row's KL(gold ‖ model) on the removed set ``t``'s test texts
+    and on the remaining sets' (each set's mean KL, then the mean over the remaining sets): the
+    accuracy differences say how many answers agree with the retrained model, this how close the
+    predicted probabilities are (a model that is confidently wrong on ``t`` can match the
+    retrained model's accuracy there and still be far from it). Empty where the rows carry no
+    per-dataset KL.
+
+    Example:
+        >>> kl_split([{"KL per dataset": {"a": 2.0, "b": 0.5, "c": 1.5}},
+        ...           {"KL per dataset": {"a": 4.0, "b": 0.5, "c": 0.5}}], "a")
+        {'KL on the removed set, mean over seeds': 3.0, 'KL on the remaining sets, mean over seeds': 0.75}
+    """
+    per = [r["KL per dataset"] for r in rows if "KL per dataset" in r]
+    if not per:
+        return {}
+    rest = [sum(v for d, v in k.items() if d != t) / (len(k) - 1) for k in per]
+    return {
+        "KL on the removed set, mean over seeds": sum(k[t] for k in per) / len(per),
+        "KL on the remaining sets, mean over seeds": sum(rest) / len(rest),
+    }
 
 
 def interference(seeds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1319,8 +1343,10 @@ def removal_markdown(report: dict[str, Any]) -> list[str]:
     if report.get("removal comparisons"):
         t = report["removal"][0]["removed"]
         out += ["", f"Removal of `{t}`: model − gold (retrained without `{t}`), accuracy points, "
-                "pooled paired bootstrap 95% CI; mean KL(gold ‖ model) over all test texts, per seed.",
-                "", f"| method | on `{t}` | on the remaining sets | KL per seed "
+                "pooled paired bootstrap 95% CI; KL(gold ‖ model) of the predicted "
+                f"probabilities in nats, mean over the test texts of `{t}` and of the remaining "
+                "sets, mean over seeds (the gold model: 0).",
+                "", f"| method | on `{t}` | on the remaining sets | KL on `{t}` · on the rest "
                 "| text passes, × retraining's (per seed) |", "|---|---|---|---|---|"]  # fmt: skip
         fractions: dict[str, list[str]] = {}
         for s in report["removal"]:
@@ -1332,7 +1358,9 @@ def removal_markdown(report: dict[str, Any]) -> list[str]:
         chosen = ", ".join(r["negation chosen"].split(" | ")[-1] for r in report["removal"])
         out_tail = ["", f"Negation's α chosen without labels, per seed: {chosen}."]
         for c in report["removal comparisons"]:
-            kl = ", ".join(f"{k:.3f}" for k in c["mean KL(gold ‖ model), per seed"])
+            kl_t = c.get("KL on the removed set, mean over seeds")
+            kl_r = c.get("KL on the remaining sets, mean over seeds")
+            kl = f"{kl_t:.2f} · {kl_r:.2f}" if kl_t is not None and kl_r is not None else "—"
             fr = ", ".join(fractions.get(c["method"], [])) or "—"
             out.append(f"| {c['method'].replace('|', '·')} | {ci(c.get('removed: model − gold'))} | "
                        f"{ci(c.get('remaining: model − gold'))} | {kl} | {fr} |")  # fmt: skip

@@ -90,6 +90,8 @@ def _report():
                 "method": "from M | x",
                 "removed: model − gold": {"difference": 0.1, "ci95": [0.05, 0.15]},
                 "mean KL(gold ‖ model), per seed": [0.2],
+                "KL on the removed set, mean over seeds": 0.5,
+                "KL on the remaining sets, mean over seeds": 0.125,
             },
         ],
     }
@@ -100,7 +102,28 @@ def test_a_removal_only_report_has_its_plot_and_table_with_costs(tmp_path):
     study.plot(report, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000
     text = study.markdown(report)
-    assert "| from M · x | +10.0 [+5.0, +15.0] | — | 0.200 | 0.30 |" in text
+    assert "| from M · x | +10.0 [+5.0, +15.0] | — | 0.50 · 0.12 | 0.30 |" in text
+
+
+def test_removal_comparisons_split_the_kl_into_the_removed_set_and_the_rest():
+    """KL(gold ‖ model) of each row, per dataset from the scores' losses, then its mean on the
+    removed set and over the remaining sets, mean over seeds: against kl_binary by hand."""
+    import math
+
+    gold = {"dutch": {"loss": [math.log(2)] * 2, "correct": "11"},
+            "snippets": {"loss": [math.log(2)] * 2, "correct": "11"}}  # fmt: skip
+    model = {"dutch": {"loss": [-math.log(0.9)] * 2, "correct": "11"},
+             "snippets": {"loss": [math.log(2)] * 2, "correct": "11"}}  # fmt: skip
+    for s in (gold, model):
+        for d in s.values():
+            d |= {"accuracy": 1.0, "n": 2}
+    rows = [study.removal_row("gold: retrained without", gold, gold, "dutch"),
+            study.removal_row("from M | x", model, gold, "dutch")]  # fmt: skip
+    seeds = [{"removal": {"removed": "dutch", "rows": rows}}] * 2
+    (entry,) = study.removal_comparisons(seeds, resamples=10)
+    kl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert entry["KL on the removed set, mean over seeds"] == pytest.approx(kl)
+    assert entry["KL on the remaining sets, mean over seeds"] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_gradient_norm_is_the_norm_over_every_tensor_of_the_file(tmp_path):
