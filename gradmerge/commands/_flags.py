@@ -8,13 +8,14 @@ the command's own thing (the OUT an ``--overwrite`` replaces), the declaration h
 ``{field}`` the command fills, never a second text.
 
 A flag that stands for a setting (:mod:`gradmerge.foundation.settings`, ``Setting.flag``: the
-estimator's ``--structure``, ``--mc-samples``, ``--loss``, ... of :class:`gradmerge.EstimateOptions`)
-is added by :func:`setting_flag`: its default, choices, type and help all come from the setting's
-one declaration, the help being the setting's description in the command line's words
-(:func:`setting_help`), so that docs/config.md's table of the setting and ``--help`` say the
-same. Where a flag's declaration cannot be read without torch (``--device``: the merge options'
-``device``, ``--timeout``: :data:`gradmerge.distributed.DEFAULT_TIMEOUT`), its value is written
-here once and ``proofs_tests/docs/test_flags_reference.py`` checks it against the declaration.
+estimator's ``--structure``, ``--mc-samples``, ``--loss``, ... of
+:class:`gradmerge.EstimateOptions`) is added by :func:`setting_flag`: its default, choices, type and
+help all come from the setting's one declaration, the help being the setting's description in the
+command line's words (:func:`setting_help`), so that docs/config.md's table of the setting and
+``--help`` say the same. Where a flag's declaration cannot be read without torch (``--device``: the
+merge options' ``device``, ``--timeout``: :data:`gradmerge.distributed.DEFAULT_TIMEOUT`), its value
+is written here once and ``proofs_tests/docs/test_flags_reference.py`` checks it against the
+declaration.
 
 Building the flags imports no torch (printing ``--help`` stays fast).
 

@@ -381,8 +381,8 @@ def check_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def run_distributed(args: argparse.Namespace) -> int:
     """Estimate on this rank's shard, sum over the ranks, write OUT on rank 0. 0 on success.
 
-    What ``gradmerge curvature --distributed`` and ``-m gradmerge.commands.distributed curvature`` run;
-    ``args`` are that parser's (:func:`add_distributed_options` included).
+    What ``gradmerge curvature --distributed`` and ``-m gradmerge.commands.distributed curvature``
+    run; ``args`` are that parser's (:func:`add_distributed_options` included).
     """
     import torch.distributed as dist
 

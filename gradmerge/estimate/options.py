@@ -187,11 +187,11 @@ class EstimateOptions:
     a tuple; the options are frozen and hashable, so one object serves every call (and every rank
     of :func:`gradmerge.distributed.estimate_curvature`, which compares them across ranks).
 
-    Each field is a setting declared once (:func:`gradmerge.foundation.settings.setting`): its meaning,
-    kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the flags
-    of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
-    (:func:`gradmerge.foundation.settings.declared`; ``python -m gradmerge.commands.reference`` writes the
-    table).
+    Each field is a setting declared once (:func:`gradmerge.foundation.settings.setting`): its
+    meaning, kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the
+    flags of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
+    (:func:`gradmerge.foundation.settings.declared`; ``python -m gradmerge.commands.reference``
+    writes the table).
 
     Raises:
         ArgumentError: on construction, for an unknown choice, ``fisher="hessian"`` with a
