@@ -188,7 +188,8 @@ def check_compatible(reference: Params, other: Params, *, ref_name: str, name: s
 
 
 def flatten(params: Params, layout: Layout | None = None) -> Tensor:
-    """Concatenate the tensors of ``params`` into one vector, in ``layout`` order (default: key order).
+    """Concatenate the tensors of ``params`` into one vector, in ``layout`` order (default: key
+    order).
 
     Raises:
         StructureError: ``params`` does not have the keys and shapes of ``layout``.
@@ -205,7 +206,8 @@ def flatten(params: Params, layout: Layout | None = None) -> Tensor:
 
 
 def unflatten(vector: Tensor, layout: Layout) -> dict[str, Tensor]:
-    """Split a vector back into a dict with the names and shapes of ``layout`` (inverse of flatten)."""
+    """Split a vector back into a dict with the names and shapes of ``layout`` (inverse of
+    flatten)."""
     total = sum(s.numel() for _, s in layout)
     if vector.ndim != 1 or vector.numel() != total:
         raise StructureError(

@@ -7,11 +7,15 @@ and its help — and every command adds it with :meth:`Flag.add`; where a part o
 the command's own thing (the OUT an ``--overwrite`` replaces), the declaration holds a
 ``{field}`` the command fills, never a second text.
 
-Flags that stand for a setting take their default and choices from that setting's declaration
-(:mod:`gradmerge.foundation.settings`; e.g. ``--loss``, ``--ignore-index``: :class:`gradmerge.EstimateOptions`)
-where it can be read without torch; where it cannot (``--device``: the merge options' ``device``,
-``--timeout``: :data:`gradmerge.distributed.DEFAULT_TIMEOUT`), the value is written here once and
-``proofs_tests/docs/test_flags_reference.py`` checks it against the declaration.
+A flag that stands for a setting (:mod:`gradmerge.foundation.settings`, ``Setting.flag``: the
+estimator's ``--structure``, ``--mc-samples``, ``--loss``, ... of
+:class:`gradmerge.EstimateOptions`) is added by :func:`setting_flag`: its default, choices, type and
+help all come from the setting's one declaration, the help being the setting's description in the
+command line's words (:func:`setting_help`), so that docs/config.md's table of the setting and
+``--help`` say the same. Where a flag's declaration cannot be read without torch (``--device``: the
+merge options' ``device``, ``--timeout``: :data:`gradmerge.distributed.DEFAULT_TIMEOUT`), its value
+is written here once and ``proofs_tests/docs/test_flags_reference.py`` checks it against the
+declaration.
 
 Building the flags imports no torch (printing ``--help`` stays fast).
 
@@ -27,8 +31,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from gradmerge.foundation.settings import Setting, declared, default_of
 
 
 @dataclass(frozen=True)
@@ -95,3 +102,62 @@ SHARED = {
     "adapter_base": ADAPTER_BASE,
 }
 """Every shared flag, by its argparse ``dest``."""
+
+
+SETTING_TYPES = {"integer": int, "number": float}
+"""The argparse ``type`` of a setting flag, by the setting's kind (a choice is a string)."""
+
+
+def setting_help(s: Setting, flags: dict[str, str]) -> str:
+    """The description of setting ``s`` (``Setting.doc``, markdown) in the command line's words:
+    a setting in backticks becomes its flag (``flags``: setting name → flag), ``name: value``
+    the flag and its value, other backticks are dropped, and so is the final full stop.
+
+    Example:
+        >>> s = Setting("targets per example for `fisher: mc`, at most `max_params`.")
+        >>> setting_help(s, {"fisher": "--fisher", "max_params": "--max-params"})
+        'targets per example for --fisher mc, at most --max-params'
+    """
+
+    def words(match: re.Match[str]) -> str:
+        name, colon, value = match.group(1).partition(": ")
+        if name in flags:
+            return f"{flags[name]} {value}" if colon else flags[name]
+        return match.group(1)
+
+    return re.sub(r"`([^`]+)`", words, s.doc).strip().removesuffix(".")
+
+
+def setting_flag(
+    parser: Any, owner: type, name: str, *, aliases: tuple[str, ...] = (), **options: Any
+) -> argparse.Action:
+    """Add to ``parser`` the flag of setting ``name`` of the configuration dataclass ``owner``
+    (its ``Setting.flag``, then ``aliases``), all from the setting's declaration: the default,
+    the choices (as strings), the ``type`` (an integer setting parses as ``int``, a number as
+    ``float``) and the help, :func:`setting_help` followed by the default.
+
+    ``options``: argparse keywords that replace or add to those (another ``type``, a
+    ``metavar``), never the help: a flag's one description is its setting's.
+
+    Example:
+        >>> from gradmerge.estimate.options import EstimateOptions
+        >>> p = argparse.ArgumentParser(prog="x")
+        >>> print(setting_flag(p, EstimateOptions, "seed").help)
+        seed of the Monte-Carlo draws (--fisher mc); default: 0
+        >>> p.parse_args(["--seed", "3"])
+        Namespace(seed=3)
+    """
+    settings = declared(owner)
+    s = settings[name]
+    if s.flag is None or "help" in options:
+        raise TypeError(f"{owner.__name__}.{name}: a setting with a flag, its help its own")
+    default = default_of(owner, name)
+    keywords: dict[str, Any] = {"dest": name, "default": default}
+    if s.choices:
+        keywords["choices"] = tuple(str(choice) for choice in s.choices)
+    if s.kind in SETTING_TYPES:
+        keywords["type"] = SETTING_TYPES[s.kind]
+    keywords.update(options)
+    flags = {key: str(other.flag) for key, other in settings.items() if other.flag}
+    text = setting_help(s, flags).replace("%", "%%")
+    return parser.add_argument(s.flag, *aliases, help=f"{text}; default: {default}", **keywords)

@@ -16,11 +16,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradmerge.commands._flags import ADAPTER_BASE, DEVICE, NO_PROGRESS, OVERWRITE
+from gradmerge.commands._flags import ADAPTER_BASE, DEVICE, NO_PROGRESS, OVERWRITE, setting_flag
 from gradmerge.commands._writes import Writes, file_output, reading_inputs
 from gradmerge.errors import ArgumentError
 from gradmerge.estimate.options import EstimateOptions  # its declarations: no torch
-from gradmerge.foundation.settings import declared
 from gradmerge.io.forms import BATCH_SIZE
 from gradmerge.io.forms import FORMS as FORMS
 from gradmerge.io.text_records import TextOptions  # its declarations: no torch
@@ -114,13 +113,7 @@ def add_reading_arguments(
 
     ``max_length``: the ``type``, ``metavar`` and ``help`` of ``--max-length`` where a command
     reads it otherwise (``tune``: one per DATA); default: one whole number."""
-    p.add_argument(
-        "--loss",
-        choices=[str(choice) for choice in declared(EstimateOptions)["loss"].choices],
-        default=EstimateOptions.loss,
-        help="the loss whose curvature or gradient is taken: cross_entropy (classifiers, "
-        f"language models) or mse (regression); default: {EstimateOptions.loss}",
-    )
+    setting_flag(p, EstimateOptions, "loss")
     p.add_argument(
         "--batch-size", type=int, default=None, help=f"examples per batch of a file ({BATCH_SIZE})"
     )
@@ -178,12 +171,7 @@ def add_reading_arguments(
         "entry point is imported and called: it runs code, like a Python import",
     )
     DEVICE.add(p)
-    p.add_argument(
-        "--ignore-index",
-        type=int,
-        default=EstimateOptions.ignore_index,
-        help=f"label of ignored positions (default: {EstimateOptions.ignore_index})",
-    )
+    setting_flag(p, EstimateOptions, "ignore_index")
     p.add_argument(
         "--shift-labels",
         action="store_true",

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gradmerge.commands._flags import TIMEOUT
+from gradmerge.commands._flags import TIMEOUT, setting_flag
 from gradmerge.commands._inputs import (
     FORMS,
     add_source_arguments,
@@ -31,21 +31,18 @@ if TYPE_CHECKING:  # imported where used: the parser and --help need no torch
 
 OPTIONS = declared(EstimateOptions)
 """The estimator's options, declared once (:class:`gradmerge.EstimateOptions`): the flags below
-take their defaults and choices from these declarations."""
+take their defaults, choices and help from these declarations
+(:func:`gradmerge.commands._flags.setting_flag`)."""
 
 
 def _choices(name: str) -> tuple[str, ...]:
     return tuple(str(choice) for choice in OPTIONS[name].choices)
 
 
-def _default(name: str) -> object:
-    return default_of(EstimateOptions, name)
-
-
 STRUCTURES = _choices("structure")
 FISHERS = _choices("fisher")
 KFAC_APPROXES = _choices("kfac_approx")
-MAX_FACTOR_SIDE = _default("kfac_max_factor_side")
+MAX_FACTOR_SIDE = default_of(EstimateOptions, "kfac_max_factor_side")
 
 DESCRIPTION = """\
 H_t = Σ_i ∇²ℓ_i (or its Fisher/GGN), a SUM over the examples of DATA, at the weights of MODEL
@@ -133,58 +130,17 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES + "\n" + DISTRIBUTED_EPILOG,
     )
     add_source_arguments(p, "curvature file to write (.safetensors)")
-    p.add_argument(
-        "--structure",
-        choices=STRUCTURES,
-        default=_default("structure"),
-        help="diag (one number per parameter), kfac (Kronecker factors per Linear, Conv2d, "
-        "Embedding layer; a diagonal block elsewhere) or full (a dense matrix, small models "
-        f"only: --max-params); default: {_default('structure')}",
-    )
-    p.add_argument(
-        "--fisher",
-        choices=FISHERS,
-        default=_default("fisher"),
-        help="empirical (observed labels), mc (sampled labels), ggn (exact GGN), "
-        f"hessian (--structure full only); default: {_default('fisher')}",
-    )
-    p.add_argument(
-        "--mc-samples",
-        type=int,
-        default=_default("mc_samples"),
-        help=f"labels drawn per example (mc; default: {_default('mc_samples')})",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=_default("seed"),
-        help=f"seed of the Monte-Carlo draws (default: {_default('seed')})",
-    )
-    p.add_argument(
-        "--kfac-approx",
-        choices=KFAC_APPROXES,
-        default=_default("kfac_approx"),
-        help="--structure kfac, weight sharing over sequence positions: expand (each position "
-        f"an example of the layer) or reduce (positions summed first); default: "
-        f"{_default('kfac_approx')}",
-    )
-    p.add_argument(
-        "--kfac-max-factor-side",
-        "--kfac-max-side",  # the flag's first name: an alias, still accepted
-        dest="kfac_max_factor_side",
+    for name in ("structure", "fisher", "mc_samples", "seed", "kfac_approx"):
+        setting_flag(p, EstimateOptions, name)
+    setting_flag(
+        p,
+        EstimateOptions,
+        "kfac_max_factor_side",
+        aliases=("--kfac-max-side",),  # the flag's first name: an alias, still accepted
         type=max_side,
-        default=MAX_FACTOR_SIDE,
         metavar="N",
-        help="--structure kfac: a layer whose A or G factor would have a side above N (N² × 4 "
-        "bytes in float32) gets a diagonal block instead, e.g. an untied vocabulary head; "
-        f"'none': no limit; default: {MAX_FACTOR_SIDE}",
     )
-    p.add_argument(
-        "--max-params",
-        type=int,
-        default=_default("max_params"),
-        help=f"largest model --structure full takes (default: {_default('max_params')})",
-    )
+    setting_flag(p, EstimateOptions, "max_params")
     p.add_argument(
         "--whole-model",
         action="store_true",
@@ -425,8 +381,8 @@ def check_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def run_distributed(args: argparse.Namespace) -> int:
     """Estimate on this rank's shard, sum over the ranks, write OUT on rank 0. 0 on success.
 
-    What ``gradmerge curvature --distributed`` and ``-m gradmerge.commands.distributed curvature`` run;
-    ``args`` are that parser's (:func:`add_distributed_options` included).
+    What ``gradmerge curvature --distributed`` and ``-m gradmerge.commands.distributed curvature``
+    run; ``args`` are that parser's (:func:`add_distributed_options` included).
     """
     import torch.distributed as dist
 

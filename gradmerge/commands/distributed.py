@@ -1,4 +1,5 @@
-"""``torchrun ... -m gradmerge.commands.distributed curvature|merge|remove ...``: the commands, distributed.
+"""``torchrun ... -m gradmerge.commands.distributed curvature|merge|remove ...``: the commands,
+distributed.
 
 ``curvature MODEL DATA OUT`` — data-parallel curvature estimation; the same as
 ``torchrun --nproc-per-node N --no-python gradmerge curvature MODEL DATA OUT --distributed``
@@ -19,8 +20,8 @@ explanation and exits with status 1, and OUT is not written.
 each writing its own shards, one index at the end (:mod:`gradmerge.distributed.merge`); the inputs
 and OUT_DIR must be on a filesystem every rank shares. The control messages go over gloo.
 
-Devices (curvature): ``--device auto`` uses ``cuda:LOCAL_RANK`` (one GPU per rank, NCCL for the sums and a
-gloo group for the control messages) when CUDA is available, else the CPU (gloo).
+Devices (curvature): ``--device auto`` uses ``cuda:LOCAL_RANK`` (one GPU per rank, NCCL for the sums
+and a gloo group for the control messages) when CUDA is available, else the CPU (gloo).
 
 This module is the command line only: the library it drives is :mod:`gradmerge.distributed`
 (estimation, sharding, process groups) and :mod:`gradmerge.io.sources` (MODEL and DATA).
@@ -51,7 +52,8 @@ from gradmerge.distributed.launch import init_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``gradmerge curvature``'s parser under ``curvature`` (always distributed), and merge/remove."""
+    """``gradmerge curvature``'s parser under ``curvature`` (always distributed), and
+    merge/remove."""
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m gradmerge.commands.distributed",
         description="Data-parallel gradmerge commands (launch with torchrun).",

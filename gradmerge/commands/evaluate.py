@@ -4,7 +4,8 @@ bootstrap intervals.
 
 What it computes is :data:`DESCRIPTION`, the command's ``--help`` (a string, not this
 docstring, so that the help survives ``python -OO``); the scores are
-:func:`gradmerge.evaluation.evaluate`'s, the intervals :func:`gradmerge.bootstrap.paired_bootstrap`'s.
+:func:`gradmerge.evaluation.evaluate`'s, the intervals
+:func:`gradmerge.bootstrap.paired_bootstrap`'s.
 """
 
 from __future__ import annotations

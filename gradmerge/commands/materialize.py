@@ -14,6 +14,7 @@ from typing import Any
 
 from gradmerge.commands._flags import ADAPTER_BASE, OVERWRITE
 from gradmerge.commands._writes import Writes
+from gradmerge.foundation.text import parse_size
 
 DESCRIPTION = """\
 Write the PEFT LoRA adapter ADAPTER applied to its base model as a full Hugging Face model folder
@@ -71,28 +72,21 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--adapter-base {args.adapter_base} is not a folder")
 
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
 def size(text: str) -> int:
-    """``--max-shard-size``: bytes, or a number with a unit (5GB, 500MB, 2GiB), above 0.
+    """``--max-shard-size``: bytes, or a number with a unit (5GB, 500MB, 2GiB), above 0: read by
+    :func:`gradmerge.foundation.text.parse_size` (the YAML key ``max_shard_size``'s reader too,
+    and torch-free, so ``--help`` stays so), its refusal said as an argparse error.
 
     Example:
         >>> size("1.5GB"), size("2KiB"), size("100")
         (1500000000, 2048, 100)
     """
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    value = 0
-    if match and match.group(2).upper() in UNITS:
-        value = int(float(match.group(1)) * UNITS[match.group(2).upper()])
-    if value <= 0:
+    try:
+        return parse_size(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a positive size such as 5GB, 500MB or 2GiB, got {text!r}"
-        )
-    return value
+        ) from None
 
 
 def writes(args: argparse.Namespace) -> Writes:

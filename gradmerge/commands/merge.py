@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gradmerge.commands._flags import NO_PROGRESS, OVERWRITE
+from gradmerge.foundation.text import byte_size
 
 EPILOG = """\
 configuration (YAML; relative paths are relative to the YAML file), for example:
@@ -137,7 +138,7 @@ def run_command(
         print(
             f"{config.method}: wrote {report.tensors} tensors ({report.merged} merged, "
             f"{report.copied} copied from the base) in {len(report.files)} files to {report.out_dir}\n"
-            f"read {_size(report.bytes_read)}, wrote {_size(report.bytes_written)} in "
+            f"read {byte_size(report.bytes_read)}, wrote {byte_size(report.bytes_written)} in "
             f"{report.seconds:.2f} s on {report.device}"
         )
         for note in report.notes:
@@ -277,13 +278,6 @@ def describe_plan(plan: Any, config: Any) -> str:
         f"{config.method}: inputs fit together (names, shapes, dtypes; their values — NaN/Inf — "
         "are checked only by the real run, as is any result not computed below).\n"
         f"{len(plan.shapes)} tensors: {len(plan.merged)} merged in {sum(u.merged for u in plan.units)} "
-        f"groups, {len(plan.copied)} copied from the base; output {_size(plan.out_bytes())}\n"
+        f"groups, {len(plan.copied)} copied from the base; output {byte_size(plan.out_bytes())}\n"
         f"largest group: {largest[:4]}{' ...' if len(largest) > 4 else ''} ({len(largest)} tensors)"
     )
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"

@@ -2,10 +2,11 @@
 
 The tables of YAML keys and options come from the settings' declarations
 (:func:`gradmerge.jobs.reference.tables`); the ``flags`` block lists each command's arguments —
-name, default and help — read from the argparse parsers themselves (:func:`gradmerge.commands.parser.build_parser`
-and, for what the data-parallel entry point adds, :func:`gradmerge.commands.distributed.build_parser`),
-so the page says what ``gradmerge CMD --help`` says. ``proofs_tests/docs/test_config_reference.py``
-and ``proofs_tests/docs/test_flags_reference.py`` check that the committed page equals what
+name, default and help — read from the argparse parsers themselves
+(:func:`gradmerge.commands.parser.build_parser` and, for what the data-parallel entry point adds,
+:func:`gradmerge.commands.distributed.build_parser`), so the page says what ``gradmerge CMD --help``
+says. ``proofs_tests/docs/test_config_reference.py`` and
+``proofs_tests/docs/test_flags_reference.py`` check that the committed page equals what
 :func:`tables` gives; after changing a declaration or a flag, rewrite the page with
 
     python -m gradmerge.commands.reference docs/config.md

@@ -313,8 +313,8 @@ def validate(args: argparse.Namespace, config: Any) -> list[Any]:
 
 def writes(args: argparse.Namespace) -> Writes:
     """The output guard's declaration: ``--out`` FILE and ``--out-dir`` DIR against CONFIG
-    with every path it names, each DATA (the tasks', ``--base-data``) and held-out file (``--validation``,
-    ``--base-validation``) and the reading flags'
+    with every path it names, each DATA (the tasks', ``--base-data``) and held-out file
+    (``--validation``, ``--base-validation``) and the reading flags'
     folders."""
     from gradmerge.foundation.guard import Output
     from gradmerge.jobs.config import MergeConfig
@@ -432,7 +432,8 @@ class Scorer:
     base task: base_model with that DATA (its head is base_model's under ``--task-heads``, its
     mismatch reference ∇ℓ̄_0(θ_LLM)). The data are read once, with base_model before the first
     merge (:meth:`read`; every merged folder has the base's config and tokenizer, so the
-    tokenised batches are the same for all); for ``mismatch`` the reference gradients ∇ℓ̄_t(θ_t) are computed once per task.
+    tokenised batches are the same for all); for ``mismatch`` the reference gradients ∇ℓ̄_t(θ_t) are
+    computed once per task.
     """
 
     def __init__(self, args: argparse.Namespace, config: Any, device: torch.device) -> None:

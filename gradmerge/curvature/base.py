@@ -307,7 +307,8 @@ def provide(
     lazy_sum: type[Sum],
     save: Callable[[Curvature, str | os.PathLike[str]], Path],
 ) -> None:
-    """Give the algebra its δ·I and lazy-sum structures and ``save`` its writer (:class:`_Provided`)."""
+    """Give the algebra its δ·I and lazy-sum structures and ``save`` its writer
+    (:class:`_Provided`)."""
     PROVIDED.identity, PROVIDED.lazy_sum, PROVIDED.save = identity, lazy_sum, save
 
 

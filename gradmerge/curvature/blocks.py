@@ -86,8 +86,8 @@ class Blocks(Curvature):
     def solve_info(
         self, v: Params, solver: Solver | None = None, *, guess: Params | None = None
     ) -> Solution:
-        """Each block's :meth:`solve_info` with the same ``solver``; the parts are the blocks' own parts (e.g. K-FAC
-        layers), or the block itself under its index."""
+        """Each block's :meth:`solve_info` with the same ``solver``; the parts are the blocks' own
+        parts (e.g. K-FAC layers), or the block itself under its index."""
         out: dict[str, Tensor] = {}
         parts: dict[str, Solution] = {}
         guesses = self._parts(guess) if guess is not None else [None] * len(self.blocks)

@@ -160,8 +160,8 @@ class ShiftedDiagonal(Diagonal):
 
     ``values`` forms (once) ``unshifted.scaled(scale) + delta``: every operation of
     :class:`Diagonal` sees exactly the values of that eager expression. The diagonal merge of
-    :mod:`gradmerge.elementwise.matching` instead hands c, scale and δ to its C loop, which forms each
-    h = (c·scale) + δ with the same roundings where it is used (one read of c, no write).
+    :mod:`gradmerge.elementwise.matching` instead hands c, scale and δ to its C loop, which forms
+    each h = (c·scale) + δ with the same roundings where it is used (one read of c, no write).
     The coarsest dtype is that of ``unshifted`` (as for the eager sum).
 
     Example:

@@ -17,7 +17,8 @@ class ScaledIdentity(Curvature):
 
     ``mv(v) = δ v`` and ``solve(v) = v / δ``. It has no layout of its own: it covers whatever dict
     it is applied to, and a sum with a structured curvature takes that curvature's structure.
-    A float ``δ`` passed as ``prior`` or ``remaining`` to a merge function means ``ScaledIdentity(δ)``.
+    A float ``δ`` passed as ``prior`` or ``remaining`` to a merge function means
+    ``ScaledIdentity(δ)``.
 
     Example:
         >>> import torch, gradmerge as gm

@@ -1,9 +1,10 @@
 """K-FAC curvature: per layer a (lazy, exact) sum of Kronecker products Σ_k A_k ⊗ G_k.
 
-Convention (docs/architecture.md): a layer ``m`` with weight V of shape (out, in) — the ``nn.Linear``
-layout — and optionally a bias is treated as one matrix [V | b] of shape (out, in + 1), the bias
-being the LAST input column. A term A ⊗ G acts as [V | b] ↦ G [V | b] A, with A (in[+1])² and G
-out². The operator covers ``f"{m}.weight"`` and, for layers in ``bias``, ``f"{m}.bias"``.
+Convention (docs/architecture.md): a layer ``m`` with weight V of shape (out, in) — the
+``nn.Linear`` layout — and optionally a bias is treated as one matrix [V | b] of shape
+(out, in + 1), the bias being the LAST input column. A term A ⊗ G acts as [V | b] ↦ G [V | b] A,
+with A (in[+1])² and G out². The operator covers ``f"{m}.weight"`` and, for layers in ``bias``,
+``f"{m}.bias"``.
 
 Sums stay exact: ``K1 + K2`` keeps both Kronecker terms per layer (it never sums the factors,
 which would be a different, approximate operator); ``K + δ`` adds the term I ⊗ δI. Solves

@@ -1,7 +1,7 @@
 r"""The merge and removal methods the demo compares, each one call into gradmerge.
 
-Merging T fine-tunes θ_t of θ_LLM (paper notation → code: docs/architecture.md), with H_0 = δI the prior
-every fine-tune was trained with and H_t the GGN of task t at θ_t (a SUM over D_t; for softmax
+Merging T fine-tunes θ_t of θ_LLM (paper notation → code: docs/architecture.md), with H_0 = δI the
+prior every fine-tune was trained with and H_t the GGN of task t at θ_t (a SUM over D_t; for softmax
 cross-entropy the GGN is the Fisher) in three structures:
 
 =====================  =========================================================================

@@ -62,7 +62,8 @@ class MLP:
     def module(
         self, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu"
     ) -> nn.Sequential:
-        """The same network as an ``nn.Sequential`` (in eval mode), e.g. for curvature estimators."""
+        """The same network as an ``nn.Sequential`` (in eval mode), e.g. for curvature
+        estimators."""
         net = nn.Sequential(
             nn.Linear(self.inputs, self.hidden), nn.Tanh(), nn.Linear(self.hidden, self.classes)
         )
@@ -87,7 +88,8 @@ class MLP:
     def init(
         self, *, seed: int, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu"
     ) -> Tensor:
-        """PyTorch's default initialisation of the layers, drawn from a generator seeded ``seed``."""
+        """PyTorch's default initialisation of the layers, drawn from a generator seeded
+        ``seed``."""
         generator = torch.Generator().manual_seed(seed)
         parts = []
         fan_ins = (self.inputs, self.inputs, self.hidden, self.hidden)

@@ -1,7 +1,7 @@
 r"""Data-parallel curvature estimation: each rank estimates on its shard, the sums are all-reduced.
 
-A curvature is a SUM over examples, H = Σ_i H_i (docs/architecture.md), so with the examples split over R
-ranks, H = Σ_r Σ_{i ∈ shard r} H_i = Σ_r H_r: every rank runs the single-process estimator of
+A curvature is a SUM over examples, H = Σ_i H_i (docs/architecture.md), so with the examples split
+over R ranks, H = Σ_r Σ_{i ∈ shard r} H_i = Σ_r H_r: every rank runs the single-process estimator of
 :func:`gradmerge.estimate_curvature` on its own shard, and the per-rank sums are added with
 ``all_reduce`` (:mod:`gradmerge.distributed.reduce` says how, K-FAC's mean-normalised A included).
 For ``fisher`` = ``"empirical"``, ``"ggn"`` and ``"hessian"`` the result EQUALS the single-process
@@ -123,7 +123,8 @@ def estimate_curvature(
     expected_examples: int | None = None,
     **options: Unpack[EstimateKeywords],
 ) -> Curvature:
-    r"""The curvature of ``model`` on the union of every rank's ``data``: H = Σ_r Σ_{i ∈ shard r} H_i.
+    r"""The curvature of ``model`` on the union of every rank's ``data``: H = Σ_r Σ_{i ∈ shard r}
+    H_i.
 
     Every rank of ``group`` calls this with the same model and options and its OWN shard of the
     data (e.g. :func:`gradmerge.distributed.shard`); every rank returns the same, summed,

@@ -1,4 +1,5 @@
-r"""Distributed merging and removal: the streaming engine's units split over ranks, one index at the end.
+r"""Distributed merging and removal: the streaming engine's units split over ranks, one index at the
+end.
 
 The single-process engine (:mod:`gradmerge.jobs.engine`) processes the plan's units — the
 smallest groups of tensors some curvature couples — one after another and appends the results to

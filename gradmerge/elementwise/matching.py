@@ -6,7 +6,8 @@ is elementwise,
 .. math::
 
     \\theta = \\theta_{LLM}
-        + \\frac{\\sum_t \\alpha_t (h_0 + h_t)\\,(\\theta_t - \\theta_{LLM})}{h_0 + \\sum_t \\alpha_t h_t},
+        + \\frac{\\sum_t \\alpha_t (h_0 + h_t)\\,(\\theta_t - \\theta_{LLM})}
+                {h_0 + \\sum_t \\alpha_t h_t},
 
 and :func:`gradmerge.gradient_matching` (hence task arithmetic and Fisher averaging, its special
 cases) evaluates it here, tensor by tensor in chunks of :data:`CHUNK` elements, so that the
@@ -44,7 +45,8 @@ from gradmerge.errors import not_pd
 from gradmerge.params import Params
 
 CHUNK = 1 << 16
-"""Elements per step on a CPU (256 KiB per float32 buffer): one step's working set stays in cache."""
+"""Elements per step on a CPU (256 KiB per float32 buffer): one step's working set stays in
+cache."""
 
 DEVICE_CHUNK = 1 << 24
 """Elements per step on other devices (GPUs): each operation is a kernel launch, so steps are
@@ -148,7 +150,8 @@ def merge(
     precisions: Sequence[torch.dtype | None],
     kernel: Kernel | None = None,
 ) -> dict[str, Tensor]:
-    """Eq. 6 with elementwise H_0 = ``prior`` and H_t = ``curvatures[t]`` (already structure-checked).
+    """Eq. 6 with elementwise H_0 = ``prior`` and H_t = ``curvatures[t]`` (already
+    structure-checked).
 
     ``names`` are the curvatures' argument names for error messages (prior first);
     ``precisions`` their ``coarsest_dtype`` (same order), at which negative values are judged.

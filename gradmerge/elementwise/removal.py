@@ -4,7 +4,8 @@ When H_0, H_t and H̄_\t are diagonal or δ·I, the removal of Eq. 13 is element
 
 .. math::
 
-    \theta_{\setminus t} = \theta_{LLM} - \alpha\,\frac{(h_0 + h_t)(\theta_t - \theta_{LLM})}{\bar h_{\setminus t}},
+    \theta_{\setminus t} = \theta_{LLM}
+        - \alpha\,\frac{(h_0 + h_t)(\theta_t - \theta_{LLM})}{\bar h_{\setminus t}},
 
 and :func:`gradmerge.remove` evaluates it here, tensor by tensor in chunks of
 :data:`CHUNK` elements, with the same floating-point operations in the same order as the operator
@@ -24,8 +25,9 @@ carries an error up to
 from the inputs' rounding alone (where h̄ ≪ h_0 + h_t, e.g. embedding rows of tokens only the
 removed task saw, r reaches 10¹⁰ and e exceeds the step itself). The pass accumulates
 Σ_i [r_i (|θ_t| + |θ_LLM|)_i]², so that ‖e‖₂ = (ε/2)·√(that) for any ε, the largest r_i, and the
-norms of the step and of the task vector (:class:`RemovalStats`, returned with the result). Computing in float64 removes the arithmetic's own rounding, not the rounding
-the stored inputs already carry.
+norms of the step and of the task vector (:class:`RemovalStats`, returned with the result).
+Computing in float64 removes the arithmetic's own rounding, not the rounding the stored inputs
+already carry.
 
 Example:
     >>> import torch

@@ -60,7 +60,8 @@ class Call:
 
 
 class Rule:
-    """Per-example gradients of one layer type's parameters (``role`` is ``"weight"``/``"bias"``)."""
+    """Per-example gradients of one layer type's parameters (``role`` is
+    ``"weight"``/``"bias"``)."""
 
     broadcasts_batch = False  # whether a batch-1 input may be expanded to the batch (see Recorder)
     sparse_rows = False  # whether a per-example gradient touches few rows (added last, in place)
@@ -213,7 +214,8 @@ class Conv1DRule(LinearRule):
 
 
 class Conv2dRule(_LinearLike):
-    """``nn.Conv2d`` (groups 1, zero padding): unfolded patches are the inputs, pixels the positions."""
+    """``nn.Conv2d`` (groups 1, zero padding): unfolded patches are the inputs, pixels the
+    positions."""
 
     def applies(self, module: nn.Module) -> bool:
         return (
@@ -347,7 +349,8 @@ class LayerNormRule(Rule):
         return call.inputs[0].numel() == m.weight.numel()  # one position per example
 
     def sq_sum_of_squares(self, call: Call, g2: Tensor, role: str, dtype: torch.dtype) -> Tensor:
-        """One position: ``Σ_i Σ_r (g_ir ∘ x̂_i)² = Σ_i g2_i ∘ x̂_i²``; the bias' is ``Σ_i g2_i``."""
+        """One position: ``Σ_i Σ_r (g_ir ∘ x̂_i)² = Σ_i g2_i ∘ x̂_i²``; the bias' is
+        ``Σ_i g2_i``."""
         m = call.module
         assert call.inputs is not None and isinstance(m, nn.LayerNorm)
         g2 = g2.to(dtype).reshape(-1, *m.normalized_shape)

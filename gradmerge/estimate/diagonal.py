@@ -283,13 +283,13 @@ class SharedPassDiagonal:
 
     K-FAC gives factors to the layers it supports; the rest of a model (LayerNorms, position
     embeddings, a vocabulary too large for a factor) gets the diagonal of the same Fisher. The
-    shared-pass diagonal collects it in the K-FAC pass instead of a second pass over the data: its forward hooks
-    record the calls while the host runs the forward pass (:meth:`recording`), :meth:`start`
-    plans the batch, the host asks autograd for the gradients of :attr:`outputs` together with
-    its own, from the SAME output vectors ``v_ir``, and hands them to :meth:`add`. With the
-    vectors of ``fisher="empirical"`` or ``"mc"`` (the same draws in the same order), the sums are
-    :func:`estimate_diagonal`'s: ``Σ_i (1/k) Σ_r (J_iᵀ v_ir)²`` (``k`` = ``mc_samples``, 1 for
-    ``"empirical"``).
+    shared-pass diagonal collects it in the K-FAC pass instead of a second pass over the data: its
+    forward hooks record the calls while the host runs the forward pass (:meth:`recording`),
+    :meth:`start` plans the batch, the host asks autograd for the gradients of :attr:`outputs`
+    together with its own, from the SAME output vectors ``v_ir``, and hands them to :meth:`add`.
+    With the vectors of ``fisher="empirical"`` or ``"mc"`` (the same draws in the same order), the
+    sums are :func:`estimate_diagonal`'s: ``Σ_i (1/k) Σ_r (J_iᵀ v_ir)²`` (``k`` = ``mc_samples``, 1
+    for ``"empirical"``).
 
     Args:
         model: the network the host runs.

@@ -81,11 +81,11 @@ def estimate_curvature(
             side gets no Kronecker factors; its parameters join the diagonal block, estimated
             with the same ``fisher`` (exactly the values ``structure="diag"`` gives them), and
             the estimate still covers the whole model. A factor of side n takes n² × 4 bytes in
-            float32: the default (:data:`MAX_FACTOR_SIDE`) allows 1 GiB per factor, which keeps the layers inside
-            the blocks of common transformers (widths ≤ 14336) on K-FAC and sends untied
-            vocabulary heads (vocab 32k: 4 GB, 152k: 92 GB per G) to the diagonal. Embeddings,
-            whose A is diagonal, are held to min(this, :data:`MAX_DIAGONAL_FACTOR`) for their
-            vocabulary (their A is stored dense). ``None``: no limit.
+            float32: the default (:data:`MAX_FACTOR_SIDE`) allows 1 GiB per factor, which keeps the
+            layers inside the blocks of common transformers (widths ≤ 14336) on K-FAC and sends
+            untied vocabulary heads (vocab 32k: 4 GB, 152k: 92 GB per G) to the diagonal.
+            Embeddings, whose A is diagonal, are held to min(this, :data:`MAX_DIAGONAL_FACTOR`) for
+            their vocabulary (their A is stored dense). ``None``: no limit.
         progress: print a line per batch (and per layer left to the diagonal) to stderr.
 
     Returns:
@@ -264,9 +264,10 @@ def _diagonal_block(
     params: list[str],
     collected: dict[str, Tensor],
 ) -> Curvature:
-    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's shared-pass diagonal) where it has
-    them, estimated in a pass of its own for the others (``fisher="ggn"``, or a non-embedding
-    layer left out while the pass ran: never called, a batch dimension that does not match)."""
+    """The diagonal of ``params``: taken from ``collected`` (the K-FAC pass's shared-pass diagonal)
+    where it has them, estimated in a pass of its own for the others (``fisher="ggn"``, or a
+    non-embedding layer left out while the pass ran: never called, a batch dimension that does not
+    match)."""
     missing = [name for name in params if name not in collected]
     values = {name: collected[name] for name in params if name in collected}
     if missing:

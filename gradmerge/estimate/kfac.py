@@ -3,7 +3,8 @@ r"""K-FAC Kronecker factors of the Fisher/GGN, per layer, as a SUM over examples
 For a layer with weight W (viewed as ``(out, in)``, see *Layout*) K-FAC approximates the curvature
 block of its parameters by ``A ⊗ G``, the operator ``V ↦ G V A`` on ``V = [W | b]`` (the bias, if
 any, is the LAST input column, and the inputs are augmented with a 1). The factors are normalised
-so that ``A ⊗ G`` approximates the SUM over examples Σ_i of the per-example curvature (docs/architecture.md):
+so that ``A ⊗ G`` approximates the SUM over examples Σ_i of the per-example curvature
+(docs/architecture.md):
 
     A = (1/M) Σ_{(i,s) kept} a_is a_isᵀ            (a mean over the M kept positions)
     G = Σ_{(i,s) kept} g_is g_isᵀ                   (a sum)

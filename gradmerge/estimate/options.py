@@ -187,11 +187,11 @@ class EstimateOptions:
     a tuple; the options are frozen and hashable, so one object serves every call (and every rank
     of :func:`gradmerge.distributed.estimate_curvature`, which compares them across ranks).
 
-    Each field is a setting declared once (:func:`gradmerge.foundation.settings.setting`): its meaning,
-    kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the flags
-    of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
-    (:func:`gradmerge.foundation.settings.declared`; ``python -m gradmerge.commands.reference`` writes the
-    table).
+    Each field is a setting declared once (:func:`gradmerge.foundation.settings.setting`): its
+    meaning, kind, choices and default, which :func:`gradmerge.estimate_curvature`'s keywords, the
+    flags of ``gradmerge curvature`` (``Setting.flag``) and docs/config.md's ``estimate`` table read
+    (:func:`gradmerge.foundation.settings.declared`; ``python -m gradmerge.commands.reference``
+    writes the table).
 
     Raises:
         ArgumentError: on construction, for an unknown choice, ``fisher="hessian"`` with a
@@ -233,21 +233,24 @@ class EstimateOptions:
     )
     loss: LossFunction | LossName = setting(
         LossFunction.CROSS_ENTROPY.value,
-        "the per-example loss ℓ_i: cross-entropy over the last dimension (a sum over "
-        "positions, `ignore_index` left out) or ½‖f_i − y_i‖².",
+        "the per-example loss ℓ_i: `cross_entropy` over the last dimension (classifiers, language "
+        "models; a sum over positions, `ignore_index` left out) or `mse`, ½‖f_i − y_i‖² "
+        "(regression).",
         kind="choice",
         choices=tuple(LossFunction),
         flag="--loss",
     )
     mc_samples: int = setting(
         1,
-        "targets drawn per example for `fisher: mc` (`kfac` refuses values other than 1 with "
-        "another fisher).",
+        "targets drawn per example for `fisher: mc` (`structure: kfac` refuses values other "
+        "than 1 with another `fisher`).",
         kind="integer",
         minimum=1,
         flag="--mc-samples",
     )
-    seed: int = setting(0, "seed of the Monte-Carlo draws.", kind="integer", flag="--seed")
+    seed: int = setting(
+        0, "seed of the Monte-Carlo draws (`fisher: mc`).", kind="integer", flag="--seed"
+    )
     ignore_index: int = setting(
         IGNORE_INDEX,
         "cross-entropy target value of positions to leave out (PyTorch's convention).",
@@ -258,7 +261,7 @@ class EstimateOptions:
         KFACApprox.EXPAND.value,
         "K-FAC's treatment of weight sharing (sequence positions, conv locations): `expand` "
         "(each position an example of the layer) or `reduce` (positions summed first); "
-        "`kfac` only.",
+        "`structure: kfac` only.",
         kind="choice",
         choices=tuple(KFACApprox),
         flag="--kfac-approx",
@@ -272,17 +275,17 @@ class EstimateOptions:
     )
     max_params: int = setting(
         20_000,
-        "the largest model `structure: full` accepts (its matrix takes max_params² × 4 bytes "
-        "in float32).",
+        "the largest model, in parameters, that `structure: full` accepts: its n × n matrix "
+        "takes n² × 4 bytes in float32.",
         kind="integer",
         minimum=1,
         flag="--max-params",
     )
     kfac_max_factor_side: int | None = setting(
         MAX_FACTOR_SIDE,
-        "`kfac` only: a layer whose A or G factor would have a larger side gets a diagonal "
-        "block instead (n² × 4 bytes per float32 factor), e.g. an untied vocabulary head; "
-        "`none` (Python: `None`): no limit.",
+        "`structure: kfac` only: a layer whose A or G factor would have a side larger than "
+        "this gets a diagonal block instead (a side n takes n² × 4 bytes per float32 factor), "
+        "e.g. an untied vocabulary head; `none` (`None` in Python): no limit.",
         kind="integer",
         minimum=1,
         source="`gradmerge.estimate.options.MAX_FACTOR_SIDE`: 1 GiB per float32 factor, which "

@@ -88,7 +88,9 @@ class Setting:
         per_method: each method of the registry requires, allows or refuses it.
         requires: a method-specific key it goes with: refused by the methods refusing that.
         flag: the command-line flag that sets it (``--max-params``), where a command has one;
-            the command takes the flag's default and choices from this declaration.
+            the command takes the flag's default, choices and help (``doc`` in the command
+            line's words) from this declaration
+            (:func:`gradmerge.commands._flags.setting_flag`).
     """
 
     doc: str

@@ -1,4 +1,5 @@
-"""DATA of the commands: its kinds, loading, tensor files, and the bound on an entry point's batches.
+"""DATA of the commands: its kinds, loading, tensor files, and the bound on an entry point's
+batches.
 
 :func:`load_data` turns the DATA argument into batches that :func:`gradmerge.estimate_curvature`
 accepts: text (:mod:`gradmerge.io.text_data`), a tensor file (:class:`TensorBatches`) or an entry

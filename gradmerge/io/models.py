@@ -1,9 +1,9 @@
 """MODEL of the commands: a Hugging Face folder (a LoRA adapter's included) or an entry point.
 
 :func:`load_model` turns the MODEL argument into an ``nn.Module`` (the forms are listed in
-:data:`gradmerge.io.sources.FORMS`); a Hugging Face folder is built offline by the class its config names, and every
-parameter must come from its weights (:func:`hugging_face_model`); a PEFT LoRA folder is its base
-with the adapter applied (:mod:`gradmerge.io.lora`).
+:data:`gradmerge.io.sources.FORMS`); a Hugging Face folder is built offline by the class its config
+names, and every parameter must come from its weights (:func:`hugging_face_model`); a PEFT LoRA
+folder is its base with the adapter applied (:mod:`gradmerge.io.lora`).
 
 Example:
     >>> model_kind("scripts/model.py:build")

@@ -140,7 +140,8 @@ class Checkpoint:
         return iter(self.keys())
 
     def keys(self) -> list[str]:
-        """Tensor names in storage order (file by file, by offset): the order that reads sequentially."""
+        """Tensor names in storage order (file by file, by offset): the order that reads
+        sequentially."""
         return [name for _, _, name in self._order]
 
     def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int]:

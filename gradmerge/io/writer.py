@@ -180,7 +180,8 @@ class ShardedWriter:
 
 def _reserve(file: BinaryIO, size: int) -> None:
     """Allocate the shard's blocks up front: a full disk fails here, before its data is
-    computed, and the writes that follow allocate no blocks (figures in ``benchmarks/README.md``)."""
+    computed, and the writes that follow allocate no blocks (figures in
+    ``benchmarks/README.md``)."""
     if size <= 0 or not hasattr(os, "posix_fallocate"):
         return
     try:

@@ -1,11 +1,12 @@
-"""Jobs over checkpoint files: YAML configurations, planning, the streaming engine, dry runs, refine.
+"""Jobs over checkpoint files: YAML configurations, planning, the streaming engine, dry runs,
+refine.
 
 - :class:`MergeConfig`, :class:`RemoveConfig` — strict YAML configurations
   (:mod:`~gradmerge.jobs.config`);
 - :func:`run_merge`, :func:`run_remove` — the streaming engine: unit by unit (the smallest groups
   of tensors a curvature couples, :mod:`~gradmerge.jobs.plan`), through the pure rules of
-  :mod:`gradmerge.merge` (each method's rule, :mod:`gradmerge.methods`), into sharded safetensors written
-  atomically (:mod:`~gradmerge.jobs.engine`);
+  :mod:`gradmerge.merge` (each method's rule, :mod:`gradmerge.methods`), into sharded safetensors
+  written atomically (:mod:`~gradmerge.jobs.engine`);
 - :mod:`~gradmerge.jobs.conditioning` — the ``--dry-run`` check of every unit's linear system;
 - :mod:`~gradmerge.jobs.refine` — the refinement workflow over files (data, estimation, merge).
 

@@ -23,11 +23,11 @@ or the output dtype — is computed again at other values of that key (:func:`le
 starting at the δ the failure suggests (the error's own, :func:`_cg_delta` for CG, for an
 overflow 10× the configured δ but at least the round-off scale ε·‖H̄‖), up by factors of
 :data:`CLIMB` (squared at each failure) while it fails, down by factors of 4 (squared) from
-the first that works until one fails, then bisected geometrically to a factor 2, so that the dry run names the least δ it found finite and
-certified and the largest it found failing below it (or, when none up to far above the
-curvature's scale works, why). This assumes that a larger δ does not break a unit that a smaller
-one solved; every δ it names was computed. A method whose solves are not one such system per
-unit brings its own check (``systems`` of its record: RegMean's Gram systems,
+the first that works until one fails, then bisected geometrically to a factor 2, so that the dry run
+names the least δ it found finite and certified and the largest it found failing below it (or, when
+none up to far above the curvature's scale works, why). This assumes that a larger δ does not break
+a unit that a smaller one solved; every δ it names was computed. A method whose solves are not one
+such system per unit brings its own check (``systems`` of its record: RegMean's Gram systems,
 :func:`gradmerge.methods.regmean.dry_run`).
 
 For ``gradient_matching`` with diagonal curvatures it also compares the prior H_0 (δ and its
@@ -338,10 +338,10 @@ def _cg_delta(system: Curvature, config: MergeConfig | RemoveConfig) -> float:
 
 
 def removal_checks(config: RemoveConfig) -> tuple[StepSize, Rounding] | None:
-    """A removal that bounds its rounding (``remove``, Eq. 13) with diagonal curvatures only: compute every unit as the real run does (no
-    output) and return its step size and rounding bound, for the checks the real run applies
-    before writing (``step_check``, ``rounding_check``). None for other removals or
-    structures, where the dry run does not compute the result."""
+    """A removal that bounds its rounding (``remove``, Eq. 13) with diagonal curvatures only:
+    compute every unit as the real run does (no output) and return its step size and rounding bound,
+    for the checks the real run applies before writing (``step_check``, ``rounding_check``). None
+    for other removals or structures, where the dry run does not compute the result."""
     if not registry.get(config.method).bounds_rounding:
         return None
     with ExitStack() as stack:

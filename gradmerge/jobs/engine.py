@@ -4,8 +4,8 @@ For every unit of the plan (:mod:`gradmerge.jobs.plan`: the smallest group of te
 curvature couples) the engine reads that unit's tensors from every input — base, fine-tuned
 models, the unit's part of each curvature file, the gradient — on the chosen device in the
 compute dtype, calls the pure rule of :mod:`gradmerge.merge` on these sub-dicts
-(each method's rule, :mod:`gradmerge.methods`), casts the result to the output dtype and appends it to the
-output shards. Peak memory is a few units' tensors: the inputs are memory-mapped and read one
+(each method's rule, :mod:`gradmerge.methods`), casts the result to the output dtype and appends it
+to the output shards. Peak memory is a few units' tensors: the inputs are memory-mapped and read one
 unit at a time, the output is written as it comes. A tensor larger than
 :data:`~gradmerge.jobs.job.ROW_BLOCK_BYTES` (in the compute dtype) that its method merges
 elementwise — task arithmetic, and Fisher averaging and gradient matching where its curvatures

@@ -63,9 +63,10 @@ class UnitFn(Protocol):
 class Job:
     """The opened inputs of a merge or removal, its plan, and how to compute one unit.
 
-    Made by :func:`~gradmerge.jobs.opening.open_job`; valid while the ``ExitStack`` given there is open (the inputs are
-    memory-mapped). A driver computes every unit of ``plan.units`` with :meth:`compute_unit` and
-    writes the tensors in that order; :func:`~gradmerge.jobs.engine.run_merge` does exactly this with one writer,
+    Made by :func:`~gradmerge.jobs.opening.open_job`; valid while the ``ExitStack`` given there is
+    open (the inputs are memory-mapped). A driver computes every unit of ``plan.units`` with
+    :meth:`compute_unit` and writes the tensors in that order;
+    :func:`~gradmerge.jobs.engine.run_merge` does exactly this with one writer,
     :mod:`gradmerge.distributed.merge` with one writer per rank.
 
     Attributes:

@@ -75,10 +75,10 @@ class FromYaml:
         raise NotImplementedError
 
     def inputs(self) -> list[Input]:
-        """Every file and folder the run reads, for the output guard (:mod:`gradmerge.foundation.guard`):
-        the YAML file (``CONFIG``), each path it names under its key (``base_model``,
-        ``models[1].curvature``, ``prior.curvature[0]``, an entry point's ``.py`` file) and the
-        base each LoRA adapter applies to.
+        """Every file and folder the run reads, for the output guard
+        (:mod:`gradmerge.foundation.guard`): the YAML file (``CONFIG``), each path it names under
+        its key (``base_model``, ``models[1].curvature``, ``prior.curvature[0]``, an entry point's
+        ``.py`` file) and the base each LoRA adapter applies to.
 
         Example:
             >>> from gradmerge.jobs.config import MergeConfig
@@ -95,7 +95,8 @@ class FromYaml:
 
 @dataclass(frozen=True, kw_only=True)
 class Options(FromYaml):
-    """Settings shared by merges and removals (each declared once: :mod:`gradmerge.foundation.settings`)."""
+    """Settings shared by merges and removals (each declared once:
+    :mod:`gradmerge.foundation.settings`)."""
 
     dtype: str | None = setting(
         None,

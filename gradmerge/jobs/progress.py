@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from gradmerge.foundation.text import byte_size
+
 DEFAULT_INTERVAL = 30.0
 """Seconds between two log lines when stderr is not a terminal."""
 
@@ -120,10 +122,7 @@ def _is_terminal(stream: TextIO) -> bool:
 
 def _amount(value: float, unit: str, bare: bool = False) -> str:
     if unit == "B":
-        for name, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-            if value >= scale:
-                return f"{value / scale:.1f} {name}"
-        return f"{value:.0f} B"
+        return byte_size(value)
     number = f"{value:.0f}" if float(value).is_integer() or value >= 100 else f"{value:.1f}"
     return number if bare else f"{number} {unit}"
 

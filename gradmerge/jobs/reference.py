@@ -4,10 +4,11 @@ Each YAML key and option is declared once (:mod:`gradmerge.foundation.settings`,
 :mod:`gradmerge.jobs.config`, :class:`gradmerge.KroneckerCG`, :class:`gradmerge.EstimateOptions`
 and :class:`gradmerge.jobs.refine.RefineConfig`); this module renders those
 declarations — with the registry's say on which method uses which key — as the page's tables,
-and the records' ``docs`` lines as its lists of methods, between ``<!-- generated: NAME -->`` and ``<!-- end generated -->`` lines.
-``proofs_tests/docs/test_config_reference.py`` checks that the committed page equals what
-:func:`tables` gives (with the commands' flags, :mod:`gradmerge.commands.reference`, which
-sits above the jobs); after changing a declaration, rewrite the page with
+and the records' ``docs`` lines as its lists of methods, between ``<!-- generated: NAME -->`` and
+``<!-- end generated -->`` lines. ``proofs_tests/docs/test_config_reference.py`` checks that the
+committed page equals what :func:`tables` gives (with the commands' flags,
+:mod:`gradmerge.commands.reference`, which sits above the jobs); after changing a declaration,
+rewrite the page with
 
     python -m gradmerge.commands.reference docs/config.md
 

@@ -25,8 +25,8 @@ An entry point runs code (it is imported and called): :meth:`RefineConfig.from_y
 YAML file that names one unless ``allow_entry_points`` (``gradmerge refine
 --allow-entry-points``) or the environment variable ``GRADMERGE_ALLOW_ENTRY_POINTS=1`` says to
 trust it as a script (``docs/trust.md``); :meth:`~RefineConfig.from_dict`, called from Python
-code, is trusted as that code is. Unlike a merge, refinement is not streamed: it holds T + 2 copies of
-the parameters (θ^k, θ_LLM, θ_1 … θ_T), the model, and one curvature at a time in memory.
+code, is trusted as that code is. Unlike a merge, refinement is not streamed: it holds T + 2 copies
+of the parameters (θ^k, θ_LLM, θ_1 … θ_T), the model, and one curvature at a time in memory.
 
 The output folder appears only when everything succeeded (:func:`~gradmerge.io.writer.
 staged_output`): θ^k saved as the start model was (``save_pretrained`` for a Hugging Face model,

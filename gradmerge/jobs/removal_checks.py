@@ -83,8 +83,8 @@ class Rounding:
 
     Each input θ is known only to ε/2 relative (ε: the coarser of its stored dtype and the
     compute dtype, in which it is read); where r = |α|(H_0 + H_t)/H̄_\\t is large, Eq. 13
-    multiplies that by r (:mod:`gradmerge.elementwise.removal`). The bound ‖e‖₂ is compared with the task
-    vector ‖θ_t − θ_LLM‖. Measured for elementwise (diagonal, δ·I) units; ``unmeasured`` counts
+    multiplies that by r (:mod:`gradmerge.elementwise.removal`). The bound ‖e‖₂ is compared with the
+    task vector ‖θ_t − θ_LLM‖. Measured for elementwise (diagonal, δ·I) units; ``unmeasured`` counts
     the others (K-FAC, dense), where it is not bounded.
 
     Example:

@@ -18,11 +18,11 @@ task weighted alike:
   / N_t, Eq. 2's gradient mismatch per task (ℓ̄_t a SUM over the N_t examples of D_t, so each term
   is a mismatch of MEAN gradients), the base task's against θ_LLM.
 
-Why ``mismatch`` does not choose the scale (docs/guide.md, "Choosing the scale without labels"). On quadratic
-losses a task's term is ‖Ā_t(θ − θ_t)‖, the distance of θ to that task's fine-tune: J is least
-where θ is nearest to all the fine-tunes at once, whatever the data say beyond them. Take every
-task and the base with mean Hessian aI, N_0 base examples and N_t per task, r = N_0/N_t, and the
-fine-tunes trained under the base's prior (each stops at 1/(1 + r) of the way to its task's
+Why ``mismatch`` does not choose the scale (docs/guide.md, "Choosing the scale without labels"). On
+quadratic losses a task's term is ‖Ā_t(θ − θ_t)‖, the distance of θ to that task's fine-tune: J is
+least where θ is nearest to all the fine-tunes at once, whatever the data say beyond them. Take
+every task and the base with mean Hessian aI, N_0 base examples and N_t per task, r = N_0/N_t, and
+the fine-tunes trained under the base's prior (each stops at 1/(1 + r) of the way to its task's
 optimum). On task arithmetic's line θ(s) = θ_LLM + s Σ_t τ_t the loss, base included, is least
 at s* = (1 + r)/(T + 1); Σ_t ‖Ā_t(θ(s) − θ_t)‖² at s = 1/T (the fine-tunes' average), for any r,
 and so is the mismatch when the task vectors are orthogonal and of equal length. Its choice is
@@ -39,8 +39,8 @@ criterion with the base's data.
 The chosen setting is the grid point of least J (the first one on ties). A point whose merge
 fails (e.g. a δ too small for the systems to be solved) or whose criterion is NaN/Inf is
 reported with its error and skipped. A choice on the edge of the grid (its lowest or highest
-scale, δ or prior scale among the points scored) warns (:class:`~gradmerge.errors.SelectionWarning`):
-the criterion may keep decreasing beyond it.
+scale, δ or prior scale among the points scored) warns
+(:class:`~gradmerge.errors.SelectionWarning`): the criterion may keep decreasing beyond it.
 
 Example:
     >>> cfg = MergeConfig.from_dict({"method": "task_arithmetic", "base_model": "base",
@@ -94,7 +94,8 @@ DIAGNOSTIC_ONLY = {
 """The criteria kept to report, not to choose, each with the warning `gradmerge tune` prints."""
 
 AXES = {"scale": "--scales", "delta": "--deltas", "prior_scale": "--prior-scales"}
-"""The grid's axes (attributes of :class:`Setting`) and the flags of `gradmerge tune` that set them."""
+"""The grid's axes (attributes of :class:`Setting`) and the flags of `gradmerge tune` that set
+them."""
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ mapping (which YAML leaves to the reader and PyYAML resolves silently), nesting 
 deep. :class:`Reader` gives typed access to one mapping of it: every message names the key as
 the file spells it (``models[1].curvature``), an unknown key is refused with the allowed ones and
 a close match (or the key another tool uses for it), relative paths are relative to the file's
-folder and must exist. :func:`parse_size` reads sizes such as ``5GB``. What each key means and
-allows is declared elsewhere (:mod:`gradmerge.foundation.settings`;
+folder and must exist. :func:`parse_size` (:mod:`gradmerge.foundation.text`'s, shared with
+``gradmerge materialize``) reads sizes such as ``5GB``. What each key means and allows is declared
+elsewhere (:mod:`gradmerge.foundation.settings`;
 :mod:`gradmerge.jobs.setting_values` reads a declared setting through a :class:`Reader`).
 
 Example:
@@ -30,6 +31,7 @@ from typing import Any
 
 from gradmerge.errors import ConfigError, MissingInputError
 from gradmerge.foundation.settings import REQUIRED, Setting, check, shown
+from gradmerge.foundation.text import parse_size as parse_size  # gradmerge.jobs.parse_size
 
 _ALIASES = {  # keys other tools use for the same thing
     "merge_method": "method",
@@ -144,35 +146,6 @@ class Reader:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"`{self._name(key)}`: {err}") from None
         return size
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"`` (decimal/binary).
-
-    Example:
-        >>> parse_size("1.5GB"), parse_size("2KiB"), parse_size(100)
-        (1500000000, 2048, 100)
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {shown(value)}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-        if not match or match.group(2).upper() not in _UNITS:
-            raise ValueError(
-                f"expected a size such as '5GB', '500MB' or '2GiB', got {shown(value)}"
-            )
-        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    else:
-        raise TypeError(f"expected a size in bytes or a string such as '5GB', got {shown(value)}")
-    if size <= 0:
-        raise ValueError(f"a size must be positive, got {shown(value)}")
-    return size
 
 
 def load_yaml(path: str | os.PathLike[str]) -> tuple[Any, Path]:

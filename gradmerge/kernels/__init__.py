@@ -1,10 +1,10 @@
 """Fast kernels behind the diagonal merge: compiled single loops, and output memory.
 
 The pure rules (:mod:`gradmerge.merge`) evaluate Eq. 6 for elementwise curvatures in a chunked
-torch pass (:mod:`gradmerge.elementwise.matching`); they never compile code or map memory themselves. A
-faster loop is handed in, ``kernel=`` (a :class:`Fused`): the streaming engine does so for every
-job and the in-memory rules by default, both with :func:`select` (the package's facade plugs it
-into the rules' default, ``gradmerge.elementwise.matching.SELECTED``):
+torch pass (:mod:`gradmerge.elementwise.matching`); they never compile code or map memory
+themselves. A faster loop is handed in, ``kernel=`` (a :class:`Fused`): the streaming engine does so
+for every job and the in-memory rules by default, both with :func:`select` (the package's facade
+plugs it into the rules' default, ``gradmerge.elementwise.matching.SELECTED``):
 
 - :mod:`~gradmerge.kernels.fused` — :class:`Fused`, one compiled loop per tensor (the C loop of
   :mod:`~gradmerge.kernels.native` on CPUs, ``torch.compile`` elsewhere), certified in the same

@@ -172,8 +172,8 @@ def merge_tensor(
 ) -> Tensor | None:
     """Eq. 6 for one tensor by a compiled kernel, or ``None``: no kernel for this device, or the
     result is not certified (then the caller's chunked path decides what is wrong). An
-    :class:`~gradmerge.elementwise.matching.Affine` h is formed in the C loop; ``torch.compile``'s kernel
-    takes it formed (``form()``)."""
+    :class:`~gradmerge.elementwise.matching.Affine` h is formed in the C loop; ``torch.compile``'s
+    kernel takes it formed (``form()``)."""
     if native.supports(base, [*finetuned, *tensors(h)]):
         return _native(base, finetuned, alphas, h)
     formed = [x.form() if isinstance(x, Affine) else x for x in h]

@@ -1,8 +1,8 @@
 """Eq. 6 for elementwise curvatures as one C loop, built by the system C compiler and cached.
 
-The CPU backend of :mod:`gradmerge.kernels.fused`: for float32 and float64 tensors on a CPU it writes,
-for each *pattern* (the number of tasks T and whether each of H_0, H_1..H_T is δ·I, a tensor h_i,
-or an :class:`Affine` tensor c_i·s_i + δ_i formed in the loop), a C function whose loop reads
+The CPU backend of :mod:`gradmerge.kernels.fused`: for float32 and float64 tensors on a CPU it
+writes, for each *pattern* (the number of tasks T and whether each of H_0, H_1..H_T is δ·I, a tensor
+h_i, or an :class:`Affine` tensor c_i·s_i + δ_i formed in the loop), a C function whose loop reads
 θ_LLM, every θ_t and h_t (or c_t) once and writes θ once,
 
 .. math::
@@ -32,8 +32,8 @@ and θ is rounded to nearest even as ``.to(torch.bfloat16)`` rounds it, so the r
 bit the float32 loop's on the widened tensors, rounded; a θ that rounds to ±Inf counts as
 uncertified, in the same loop (:data:`BF16_HELPERS`).
 
-Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept in
-``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
+Each pattern is built once per machine (measured in ``benchmarks/README.md``): the library is kept
+in ``$GRADMERGE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/gradmerge`` or ``~/.cache/gradmerge``), under
 a name hashing the source, the compiler, its flags and the CPU; a folder that is not private to
 this user is not trusted (a fresh private temporary folder is used instead). The compiler is
 ``$CC`` or ``cc``.

@@ -24,10 +24,11 @@ errors are typed (:mod:`gradmerge.errors`).
 
 The rules that solve a system (:func:`gradient_matching`, :func:`remove`,
 :func:`influence_remove`) take the solver object explicitly (``solver=``, a
-:class:`gradmerge.KroneckerCG` or :class:`gradmerge.CG`, passed to the call that solves) and, like every rule, return the parameters; called through
-:func:`with_solution` they return a :class:`Merged`, the parameters with the solve's report
-(method, iterations, certified residual per block): the report travels with the result, not
-through any global state or a flag that changes the return type.
+:class:`gradmerge.KroneckerCG` or :class:`gradmerge.CG`, passed to the call that solves) and, like
+every rule, return the parameters; called through :func:`with_solution` they return a
+:class:`Merged`, the parameters with the solve's report (method, iterations, certified residual per
+block): the report travels with the result, not through any global state or a flag that changes the
+return type.
 
 One module per rule family:
 

@@ -156,7 +156,8 @@ def gradient_matching(
 
     .. math::
 
-        \hat\theta_{1:T} = \theta_{LLM} + \bar H^{-1} \sum_t \alpha_t (H_0 + H_t)(\theta_t - \theta_{LLM}),
+        \hat\theta_{1:T} = \theta_{LLM}
+            + \bar H^{-1} \sum_t \alpha_t (H_0 + H_t)(\theta_t - \theta_{LLM}),
         \qquad \bar H = H_0 + \sum_t \alpha_t H_t .
 
     It is exact (equals the multi-task MAP θ_{1:T}) when every loss is quadratic with Hessian
@@ -185,8 +186,8 @@ def gradient_matching(
             :mod:`gradmerge.kernels` for float32/float64 tensors of 4096 elements or more,
             bit-identical to the chunked pass and falling back to it wherever it cannot be built;
             ``gm.fused_kernels("off")`` or ``$GRADMERGE_FUSED=off`` turns it off, as for the
-            engine). ``None``: the chunked torch pass of :mod:`gradmerge.elementwise.matching` alone,
-            which compiles nothing. Or a :class:`gradmerge.kernels.Fused` (``Fused("on")``).
+            engine). ``None``: the chunked torch pass of :mod:`gradmerge.elementwise.matching`
+            alone, which compiles nothing. Or a :class:`gradmerge.kernels.Fused` (``Fused("on")``).
         solver: the solver object of H̄ x = rhs where it is iterative, passed to that solve:
             :class:`gradmerge.KroneckerCG` for K-FAC (its ``tol`` and ``maxiter`` also run the
             CG of sums), :class:`gradmerge.CG` for sums and matrix-free operators; ``None``:

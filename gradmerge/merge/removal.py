@@ -65,9 +65,9 @@ def remove(
             INCLUDING the base model's own regulariser δ·I (``C_remaining + delta``).
         prior: H_0 used when fine-tuning θ_t.
         alpha: α_t.
-        solver: the solver object of H̄_\t x = rhs where it is iterative (:class:`gradmerge.KroneckerCG`
-            for K-FAC, :class:`gradmerge.CG` for sums and matrix-free operators); ``None``:
-            their defaults.
+        solver: the solver object of H̄_\t x = rhs where it is iterative
+            (:class:`gradmerge.KroneckerCG` for K-FAC, :class:`gradmerge.CG` for sums and
+            matrix-free operators); ``None``: their defaults.
 
     Returns:
         The parameters without D_t; ``gm.with_solution(gm.remove, ...)`` returns them in a
@@ -132,9 +132,9 @@ def _remove_elementwise(
     curvatures: tuple[CurvatureLike, CurvatureLike, CurvatureLike],
     alpha: float,
 ) -> tuple[dict[str, Tensor], elementwise_removal.RemovalStats] | None:
-    """Eq. 13 in one fused pass (:mod:`gradmerge.elementwise.removal`) when every curvature — ``(prior,
-    curvature, remaining)`` — is diagonal or δ·I, with what the pass measured; None otherwise, or
-    when a value check fails (the generic path then names the cause)."""
+    """Eq. 13 in one fused pass (:mod:`gradmerge.elementwise.removal`) when every curvature —
+    ``(prior, curvature, remaining)`` — is diagonal or δ·I, with what the pass measured; None
+    otherwise, or when a value check fails (the generic path then names the cause)."""
     P.check_params(finetuned, name="finetuned", finite=False)
     P.check_compatible(base, finetuned, ref_name="base", name="finetuned")
     terms = []

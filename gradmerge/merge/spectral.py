@@ -203,7 +203,8 @@ def iso_cts(
     common_space_fraction: float = ISO_CTS_COMMON_SPACE_FRACTION,
     average: Collection[str] = (),
 ) -> dict[str, Tensor]:
-    r"""Iso-CTS, isotropic merging in common and task-specific subspaces (Marczak et al., ICML 2025).
+    r"""Iso-CTS, isotropic merging in common and task-specific subspaces (Marczak et al., ICML
+    2025).
 
     For every 2-D tensor, with Δ_t = α_t (θ_t − θ_LLM), r = min(m, n) and (c, n) =
     :func:`iso_cts_split` (r, T, ``common_space_fraction``):
@@ -217,7 +218,8 @@ def iso_cts(
         \hat V = [V_1[:, :n], \dots, V_T[:, :n], V_c],\quad
         \hat s = (S_1[:n], \dots, S_T[:n], S[:c]),
 
-        \theta = \theta_{LLM} + \bar s\, \operatorname{polar}(\hat U)\, \operatorname{polar}(\hat V)^\top,
+        \theta = \theta_{LLM} + \bar s\, \operatorname{polar}(\hat U)\,
+            \operatorname{polar}(\hat V)^\top,
         \qquad \bar s = \operatorname{mean}(\hat s),
 
     with polar as in :func:`tsv_merge`: the common subspace of the sum, its least directions
@@ -454,7 +456,7 @@ def _warn_if_tied(method: str, key: str, cuts: list[tuple[Tensor, int]], shape: 
         )
 
 
-# ----- the driver: every tensor --------------------------------------------------------------------
+# ----- the driver: every tensor -------------------------------------------------------------------
 def _merge(
     method: str,
     base: Params,

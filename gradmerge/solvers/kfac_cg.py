@@ -136,7 +136,8 @@ def solve(
             :class:`NotConvergedError` (an explicit speed-for-accuracy trade; the residual is
             still certified in float64 and reported); ``arithmetic``, the dtype of CG's inner
             Kronecker products (``"bfloat16"``: under a working-precision refinement, same
-            certificate; ``"auto"``: :func:`auto_arithmetic`); ``warm_start``, whether ``x0`` may start CG.
+            certificate; ``"auto"``: :func:`auto_arithmetic`); ``warm_start``, whether ``x0`` may
+            start CG.
         x0: an estimate of X; CG starts from it when its residual is below that of the
             preconditioner's solve (both measured in the eigenbasis).
         reduce: allow the low-rank reduction (:class:`LowRank`); where its refinement does not

@@ -152,7 +152,8 @@ class KroneckerCG(CG):
     from them):
 
     - ``tol``: the relative residual ‖b − Kx‖/‖b‖ every solve must reach, certified in float64;
-      ``None``: by the solve's dtype, :data:`DEFAULT_TOL` (:func:`gradmerge.solvers.cg.default_tol`).
+      ``None``: by the solve's dtype, :data:`DEFAULT_TOL`
+      (:func:`gradmerge.solvers.cg.default_tol`).
     - ``maxiter``: CG iterations per round before :class:`NotConvergedError`; ``None``:
       :data:`MAXITER`, or 0 with ``approximate``; the record holds the resolved number.
     - ``approximate``: accept each K-FAC layer's solve after at most ``maxiter`` CG iterations

@@ -20,8 +20,8 @@ the K' modelled probabilities (σ(z_i), or softmax(z_i)) and e_{y} the label's o
 for the binary model):
 
     ∇ℓ̄(θ)  = Σ_i w_i J_iᵀ (p_i − e_{y_i}),
-    ∇²ℓ̄(θ) = Σ_i w_i J_iᵀ (diag(p_i) − p_i p_iᵀ) J_i   (= Σ_i w_i (diag p_i − p_i p_iᵀ) ⊗ x̃_i x̃_iᵀ
-              up to the ordering of the flat layout),
+    ∇²ℓ̄(θ) = Σ_i w_i J_iᵀ (diag(p_i) − p_i p_iᵀ) J_i
+              (= Σ_i w_i (diag p_i − p_i p_iᵀ) ⊗ x̃_i x̃_iᵀ up to the ordering of the flat layout),
     F(θ)    = Σ_i w_i E_{y ~ p(·|x_i, θ)} [∇ℓ_i ∇ℓ_iᵀ]  (the true Fisher), which equals ∇²ℓ̄(θ)
               because the link is canonical. :meth:`LogisticModel.fisher` computes it as the
               expectation (an independent route), so tests can check the identity.
@@ -318,8 +318,9 @@ class NewtonInfo:
         gradient_norm: ‖∇f(θ)‖ at the returned θ.
         gradient_scale: the scale the tolerance is relative to,
             Σ_i |w_i| ‖p_i − e_{y_i}‖ ‖x̃_i‖ + ‖P(θ − m)‖ + ‖P‖₂(‖θ‖ + ‖m‖): the sum of the
-            magnitudes of the gradient's terms (the last: P(θ − m) is no more accurate than θ), so that the rounding floor of ‖∇f‖ is about 1e-16 of it. (Relative to
-            it, a separable data set never converges: its terms shrink but do not cancel.)
+            magnitudes of the gradient's terms (the last: P(θ − m) is no more accurate than θ), so
+            that the rounding floor of ‖∇f‖ is about 1e-16 of it. (Relative to it, a separable data
+            set never converges: its terms shrink but do not cancel.)
         newton_decrement_sq: λ² = ∇fᵀ(∇²f)⁻¹∇f at the last step computed.
         objective: f(θ) at the returned θ.
         halvings: total step halvings made by the line search.

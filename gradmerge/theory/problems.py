@@ -1,4 +1,5 @@
-"""Shared helpers of the exact reference models in :mod:`gradmerge.theory.linear` and :mod:`gradmerge.theory.logistic`.
+"""Shared helpers of the exact reference models in :mod:`gradmerge.theory.linear` and
+:mod:`gradmerge.theory.logistic`.
 
 Everything here works in ``torch.float64`` on flat parameter vectors θ ∈ R^p and is deterministic
 given a ``torch.Generator``. The helpers build the random ingredients of the merge and removal

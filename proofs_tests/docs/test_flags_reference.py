@@ -214,3 +214,77 @@ def test_the_commands_defaults_are_the_librarys():
 def test_a_help_shows_its_flags_default_from_the_flag(command, flag):
     action = next(a for a in PARSERS[f"gradmerge {command}"]._actions if flag in a.option_strings)
     assert "%(default)" in (action.help or ""), f"{command} {flag}: default restated in its help"
+
+
+def _setting_flags() -> dict[str, tuple[type, str]]:
+    """Every flag of the estimator's options: flag → (owner, setting name)."""
+    from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.foundation.settings import declared
+
+    return {
+        str(s.flag): (EstimateOptions, name)
+        for name, s in declared(EstimateOptions).items()
+        if s.flag
+    }
+
+
+READING = ("--loss", "--ignore-index")
+"""The estimator's flags that every command reading MODEL and DATA has (``add_reading_arguments``);
+``gradmerge curvature`` has them all."""
+
+
+def test_a_setting_flag_has_one_description_its_settings():
+    """``--mc-samples``, ``--loss``, ... of every command that has them: the help is the
+    setting's description (docs/config.md's ``estimate`` table) in the command line's words
+    and its default, never a second text; docs/config.md's flags table shows the same."""
+    from gradmerge.foundation.settings import declared, default_of
+
+    flags = _setting_flags()
+    sections = _sections()
+    seen = set()
+    for command, action in _every_action():
+        if not action.option_strings or action.option_strings[0] not in flags:
+            continue
+        if not command.endswith("curvature") and action.option_strings[0] not in READING:
+            continue  # e.g. evaluate's --seed: the bootstrap's, another setting
+        owner, name = flags[action.option_strings[0]]
+        s = declared(owner)[name]
+        words = {key: str(other.flag) for key, other in declared(owner).items() if other.flag}
+        expected = f"{_flags.setting_help(s, words)}; default: {default_of(owner, name)}"
+        assert action.help == expected, (command, s.flag)
+        assert action.dest == name and action.default == default_of(owner, name), command
+        single = "gradmerge " + command.rpartition(" ")[2]  # the data-parallel one: its rows
+        page = sections.get(command, "") + sections.get(single, "")
+        assert f"| {expected} |" in page, (command, s.flag)
+        seen.add(s.flag)
+    assert seen == set(flags)
+
+
+def test_the_words_of_a_setting_on_the_command_line():
+    """A setting named in a description is its flag; ``name: value`` the flag and the value."""
+    from gradmerge.estimate.options import EstimateOptions
+    from gradmerge.foundation.settings import declared
+
+    options = declared(EstimateOptions)
+    flags = {key: str(s.flag) for key, s in options.items() if s.flag}
+    assert _flags.setting_help(options["mc_samples"], flags) == (
+        "targets drawn per example for --fisher mc (--structure kfac refuses values other than "
+        "1 with another --fisher)"
+    )
+    assert _flags.setting_help(options["max_params"], flags) == (
+        "the largest model, in parameters, that --structure full accepts: its n × n matrix "
+        "takes n² × 4 bytes in float32"
+    )
+    assert "`" not in _flags.setting_help(options["structure"], flags)
+
+
+def test_no_command_writes_a_setting_flag_by_hand():
+    """The modules that give commands the estimator's flags add none by hand (``demo`` and
+    ``evaluate`` have a ``--seed`` of their own: other settings)."""
+    names = "|".join(re.escape(flag) for flag in _setting_flags())
+    by_hand = re.compile(r"add_argument\(\s*\"(?:" + names + r")\"")
+    found = {
+        name: by_hand.findall((ROOT / "gradmerge" / "commands" / name).read_text("utf-8"))
+        for name in ("curvature.py", "_inputs.py", "distributed.py")
+    }
+    assert not {name: hits for name, hits in found.items() if hits}

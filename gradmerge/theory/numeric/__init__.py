@@ -1,7 +1,7 @@
 """Numeric checks of the appendix on exact linear and logistic models (float64).
 
-``ALL_CHECKS`` lists every :class:`~gradmerge.theory.numeric._common.NumericCheck`; each calls the public
-gradmerge functions where the statement is about a merge or removal rule.
+``ALL_CHECKS`` lists every :class:`~gradmerge.theory.numeric._common.NumericCheck`; each calls the
+public gradmerge functions where the statement is about a merge or removal rule.
 """
 
 from gradmerge.theory.numeric._common import NumericCheck

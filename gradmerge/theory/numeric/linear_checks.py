@@ -1,4 +1,5 @@
-"""Numeric checks on exact linear regression (quadratic losses), where the appendix claims exactness.
+"""Numeric checks on exact linear regression (quadratic losses), where the appendix claims
+exactness.
 
 Every case is drawn from a seed: dimensions d ∈ [1, 8], T ∈ [1, 4] tasks, 1–12 examples per task
 (fewer than d makes H_t singular; H_0 keeps the systems definite), feature covariance condition
@@ -201,7 +202,8 @@ def line83_printed(spec: LinearMergeSpec) -> float:
 
 
 def line83_corrected(spec: LinearMergeSpec) -> float:
-    """Corrected: ∇ℓ̄_t(θ_{1:T}) − ∇ℓ̄_t(θ_t) = ∇log r_t(θ_t) − ∇log r_t(θ_{1:T}), r_t = p(θ|D_t)/p(θ)."""
+    """Corrected: ∇ℓ̄_t(θ_{1:T}) − ∇ℓ̄_t(θ_t) = ∇log r_t(θ_t) − ∇log r_t(θ_{1:T}), r_t =
+    p(θ|D_t)/p(θ)."""
     problem, alphas = spec.build(), list(spec.alphas)
     target = problem.target(alphas)
     mismatch = problem.gradient(0, target) - problem.gradient(0, problem.finetuned(0))

@@ -99,7 +99,8 @@ def line5_corrected(spec: LogisticMergeSpec) -> float:
 
 # ----- the error of each rule, exactly, in terms of Taylor remainders ------------------------
 def eq6_remainder(spec: LogisticMergeSpec) -> float:
-    """gm.gradient_matching − θ_{1:T} = H̄⁻¹ Σ_t α_t ρ_t, ρ_t = Δ_t − H_t(θ_{1:T} − θ_t) (any loss)."""
+    """gm.gradient_matching − θ_{1:T} = H̄⁻¹ Σ_t α_t ρ_t, ρ_t = Δ_t − H_t(θ_{1:T} − θ_t) (any
+    loss)."""
     problem, alphas = spec.build(), list(spec.alphas)
     lay = Layout(problem.model.layout)
     merged = lay.flat(gm.gradient_matching(**merge_inputs(problem), alphas=alphas))
@@ -116,7 +117,8 @@ def eq6_remainder(spec: LogisticMergeSpec) -> float:
 
 def _removal_remainders(problem: logistic.LogisticRemovalProblem) -> tuple[Tensor, Tensor]:
     """ρ_1 = ∇ℓ̄_\\t(θ_\\t) − ∇ℓ̄_\\t(θ_LLM) − ∇²ℓ̄_\\t(θ_LLM)(θ_\\t − θ_LLM) and
-    ρ_2 = ∇ℓ̄_t(θ_LLM) − ∇ℓ̄_t(θ_t) − H_t(θ_LLM − θ_t): the Taylor remainders of line 25 and Eq. 12."""
+    ρ_2 = ∇ℓ̄_t(θ_LLM) − ∇ℓ̄_t(θ_t) − H_t(θ_LLM − θ_t): the Taylor remainders of line 25
+    and Eq. 12."""
     refit, theta_llm, theta_t = problem.refit, problem.theta_llm, problem.finetuned
     eye = torch.eye(problem.num_params, dtype=DTYPE)
     h_rest = problem.remaining_hessian() - problem.delta * eye
@@ -183,7 +185,8 @@ def thm1_left(spec: LogisticMergeSpec) -> float:
 
 
 def _laplace_map(spec: LogisticMergeSpec, *, printed: bool) -> float:
-    """arg max of q_α (Eq. 19) found by Newton on its autograd Hessian, against gm.gradient_matching."""
+    """arg max of q_α (Eq. 19) found by Newton on its autograd Hessian, against
+    gm.gradient_matching."""
     problem, alphas = spec.build(), list(spec.alphas)
     lay = Layout(problem.model.layout)
     h0, theta_llm = problem.prior_precision, problem.theta_llm

@@ -99,7 +99,8 @@ def prior_scaling_orders(
 
 
 def removal_errors(problem: logistic.LogisticRemovalProblem) -> dict[str, float]:
-    """Relative error ‖θ − θ_\\t‖ / ‖θ_\\t − θ_LLM‖ of Eq. 13 and of Koh & Liang (1.0 = no removal)."""
+    """Relative error ‖θ − θ_\\t‖ / ‖θ_\\t − θ_LLM‖ of Eq. 13 and of Koh & Liang (1.0 = no
+    removal)."""
     lay = Layout(problem.model.layout)
     base = lay.params(problem.theta_llm)
     remaining = lay.dense(problem.remaining_hessian())

@@ -1,8 +1,9 @@
 """The record every symbolic derivation check publishes.
 
-A module in :mod:`gradmerge.theory.symbolic` proves one result of the appendix. It exposes ``CHECKS``, a list
-of :class:`SymbolicCheck`. ``expect=True`` marks a statement that must hold; ``expect=False`` marks a
-statement *as printed* in the appendix that is wrong (an erratum), whose check must return ``False``.
+A module in :mod:`gradmerge.theory.symbolic` proves one result of the appendix. It exposes
+``CHECKS``, a list of :class:`SymbolicCheck`. ``expect=True`` marks a statement that must hold;
+``expect=False`` marks a statement *as printed* in the appendix that is wrong (an erratum), whose
+check must return ``False``.
 """
 
 from __future__ import annotations

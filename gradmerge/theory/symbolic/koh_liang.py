@@ -1,7 +1,8 @@
 """Sec. 1.4 (lines 47-54): the influence-function removal of Koh & Liang (2017).
 
-Printed (line 48): ``θ̂_\\t = θ_LLM + H̄_\\t⁻¹ g_t`` with ``g_t = ∇ℓ̄_t(θ_LLM)``, ``H̄_\\t = δI + B``,
-``B = ∇²ℓ̄_\\t(θ_LLM)``; ``α_t`` is the weight of task ``t`` in the LLM's objective (Eq. 9).
+Printed (line 48): ``θ̂_\\t = θ_LLM + H̄_\\t⁻¹ g_t`` with ``g_t = ∇ℓ̄_t(θ_LLM)``,
+``H̄_\\t = δI + B``, ``B = ∇²ℓ̄_\\t(θ_LLM)``; ``α_t`` is the weight of task ``t`` in the LLM's
+objective (Eq. 9).
 
 Lines 49-50 claim Eq. 11 recovers it when the Taylor step of Eq. 12 is skipped (line 25's Taylor
 step for ``ℓ̄_\\t`` and the fine-tune condition, Eq. 10 second line, are kept). It gives
@@ -34,10 +35,12 @@ def _from_eq11(with_alpha: bool) -> bool:
 
 
 def _exact_linear(alpha: sp.Expr, with_alpha: bool) -> bool:
-    """Quadratic losses, LLM trained on ℓ̄_\\t + α ℓ̄_t + (δ/2)‖θ‖²: is θ_LLM + [α] H̄_\\t⁻¹ g_t exact?
+    """Quadratic losses, LLM trained on ℓ̄_\\t + α ℓ̄_t + (δ/2)‖θ‖²: is θ_LLM + [α] H̄_\\t⁻¹ g_t
+    exact?
 
-    ``ℓ̄_\\t(θ) = ½θᵀBθ − rᵀθ`` (linear regression: ``B = X_\\tᵀX_\\t``), ``ℓ̄_t = ½θᵀH_tθ − b_tᵀθ``;
-    ``θ_LLM`` free and ``r`` eliminated by Eq. 9's stationarity condition.
+    ``ℓ̄_\\t(θ) = ½θᵀBθ − rᵀθ`` (linear regression: ``B = X_\\tᵀX_\\t``),
+    ``ℓ̄_t = ½θᵀH_tθ − b_tᵀθ``; ``θ_LLM`` free and ``r`` eliminated by Eq. 9's stationarity
+    condition.
     """
     b, ht = sym("B", D), sym("Ht", D)
     thl, bt, theta = vec("thL", D), vec("bt", D), vec("theta", D)

@@ -272,7 +272,8 @@ def line83_ratio_corrected() -> bool:
 
 
 def eq21_exact_linear() -> bool:
-    """Eq. 21: ∇ℓ̄_t(θ) = ∇ℓ̄_t(θ_t) + H_t(θ − θ_t) exactly for ℓ̄_t = ½‖y_t − X_tθ‖², any θ, θ_t."""
+    """Eq. 21: ∇ℓ̄_t(θ) = ∇ℓ̄_t(θ_t) + H_t(θ − θ_t) exactly for ℓ̄_t = ½‖y_t − X_tθ‖², any θ,
+    θ_t."""
     th, tht, x, y = vec("theta", D), vec("tht", D), mat("Xt", 2, D), vec("yt", 2)
     g = grad(lsq_loss(x, y, th), th)
     return decide(g - at(g, th, tht) - x.T * x * (th - tht))
