@@ -386,6 +386,8 @@ class Study:
             "gold": root / f"gold-without-{args.remove}-e{epochs}",
         }
         for (key, folder), offset in zip(multi.items(), (7, 8), strict=True):
+            if key == "gold" and getattr(args, "no_removal", False):
+                continue  # Study 2's alone
             keep = [d for d in self.sets if key == "all" or d != args.remove]
             self.checkpoint(
                 folder,
@@ -418,7 +420,10 @@ class Study:
         self.multi = multi["all"]
         self.gold = multi["gold"]
         rows = [] if args.removal_only else self.study1()
-        removal = self.study2()
+        if getattr(args, "no_removal", False):
+            removal = {"removed": args.remove, "rows": [], "note": "--no-removal: not run"}
+        else:
+            removal = self.study2()
         return {"seed": seed, "rows": rows, "removal": removal}
 
     # -- merges --
@@ -1450,6 +1455,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Study 2 alone: θ_LLM, M, the gold model, θ_t and the removal rows (no Study 1)",
     )
+    p.add_argument(
+        "--no-removal",
+        action="store_true",
+        help="Study 1 alone (with its refinement rows): no gold model, no Study 2",
+    )
     p.add_argument("--negation-alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument(
         "--refine-steps",
@@ -1488,6 +1498,8 @@ def main(argv: list[str] | None = None) -> int:
         "statistics of the current code, no model run) and write it to --out/--stem",
     )
     args = p.parse_args(argv)
+    if args.no_removal and args.removal_only:
+        p.error("--no-removal and --removal-only exclude each other: one study or the other")
     if not 0 <= args.refine_steps <= MAX_STEPS:
         p.error(f"--refine-steps must be 0 (off) to {MAX_STEPS}, got {args.refine_steps}")
     args.out = output(args.out, quick=args.quick, default=RESULTS, name="interference")
