@@ -31,7 +31,9 @@ validation labels (an ORACLE, marked), gradient matching with the official recip
 δ, δ = 1e-12 diagonal; K-FAC at δ = :data:`OFFICIAL_KFAC_DELTA`), TSV-M, Iso-C. At T = 4 also:
 Fisher averaging, RegMean, TIES, DARE, Iso-CTS, recipe (b) (Eq. 15 fine-tunes, H_0 = δI), the
 multi-task model θ_1:T and every fine-tune on its own dataset (interference = fine-tuned − task
-arithmetic α = 1).
+arithmetic α = 1), and (``--refine-steps K``, default 2, 0: off) K-FAC gradient matching refined
+by K Newton steps on the four sets' data (``gradmerge refine``) against a multi-task fine-tune of
+task arithmetic at the same text passes (``benchmarks/interference_refine.py``).
 
 Study 2 (removal against retraining): remove ``dutch`` (``--remove``) (i) from the multi-task model
 M (trained on all five datasets, ``--multitask-epochs``) — Eq. 13 with diagonal and K-FAC
@@ -74,6 +76,9 @@ import torch
 from torch import nn
 
 from benchmarks.interference_data import DATASETS, LANGUAGE, build, load
+from benchmarks.interference_refine import REFINE_STEPS
+from benchmarks.interference_refine import extend as refine_extend
+from benchmarks.interference_refine import pairs as refine_pairs
 from benchmarks.interference_removal import extend as removal_extend
 from benchmarks.paper_recipe import (
     CLI,
@@ -93,6 +98,7 @@ from benchmarks.paper_recipe import (
 )
 from benchmarks.record import Run, output, read_result, write_result
 from gradmerge.errors import ArgumentError
+from gradmerge.jobs.refine import MAX_STEPS
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -380,6 +386,8 @@ class Study:
             "gold": root / f"gold-without-{args.remove}-e{epochs}",
         }
         for (key, folder), offset in zip(multi.items(), (7, 8), strict=True):
+            if key == "gold" and getattr(args, "no_removal", False):
+                continue  # Study 2's alone
             keep = [d for d in self.sets if key == "all" or d != args.remove]
             self.checkpoint(
                 folder,
@@ -412,7 +420,10 @@ class Study:
         self.multi = multi["all"]
         self.gold = multi["gold"]
         rows = [] if args.removal_only else self.study1()
-        removal = self.study2()
+        if getattr(args, "no_removal", False):
+            removal = {"removed": args.remove, "rows": [], "note": "--no-removal: not run"}
+        else:
+            removal = self.study2()
         return {"seed": seed, "rows": rows, "removal": removal}
 
     # -- merges --
@@ -646,6 +657,10 @@ class Study:
                 if n == "θ_LLM" or n.split("θ_")[1] in sets:
                     rows.append(row(T, n, scores, kind="reference"))
         self.stage("study 1: test scores", start)
+        if getattr(args, "refine_steps", 0):  # benchmarks/interference_refine.py
+            start = time.perf_counter()
+            rows += refine_extend(self, Ts[-1], merged)
+            self.stage("study 1: refinement at the largest T, its baseline", start)
         return rows
 
     def data_free(self, method: str, tasks: list[str]) -> dict[str, Any]:
@@ -976,9 +991,11 @@ KEY_METHODS = (
 
 
 def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, Any]]:
-    """Per T, every merge row against task arithmetic α = 1 and against α by the training loss:
-    the paired-bootstrap difference of mean accuracy (over θ_LLM's set and the T datasets), per seed
-    and pooled over the seeds."""
+    """Per T, every merge row against each row of :data:`AGAINST` (task arithmetic α = 1, α by
+    the training loss, K-FAC gradient matching), and the refinement's rows against the data-free
+    merges, the multi-task model and their equal-compute baseline
+    (:func:`benchmarks.interference_refine.pairs`): the paired-bootstrap difference of mean
+    accuracy (over θ_LLM's set and the T datasets), per seed and pooled over the seeds."""
     out = []
     if not seeds:
         return out
@@ -989,30 +1006,34 @@ def comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dict[str, A
             for r in seeds[0]["rows"]
             if r["T"] == T and "correct" in r and r.get("kind") != "reference"
         ]
-        for against in AGAINST:
-            for method in methods:
-                if method == against or method.startswith("task arithmetic α="):
-                    continue
-                pairs = []
-                for s in seeds:
-                    rows = {r["method"]: r for r in s["rows"] if r["T"] == T}
-                    a, b = rows.get(method), rows.get(against)
-                    if a and b and "correct" in a and "correct" in b:
-                        pairs.append({d: (a["correct"][d], b["correct"][d]) for d in a["correct"]})
-                if not pairs:
-                    continue
-                out.append(
-                    {
-                        "T": T,
-                        "method": method,
-                        "against": against,
-                        "per seed": [
-                            paired_bootstrap([p], resamples, seed=i) for i, p in enumerate(pairs)
-                        ],
-                        "pooled": paired_bootstrap(pairs, resamples, seed=99),
-                        "seeds": len(pairs),
-                    }
-                )
+        todo = [
+            (method, against)
+            for against in AGAINST
+            for method in methods
+            if method != against and not method.startswith("task arithmetic α=")
+        ]
+        todo += [p for p in refine_pairs(methods) if p not in todo]
+        for method, against in todo:
+            pairs = []
+            for s in seeds:
+                rows = {r["method"]: r for r in s["rows"] if r["T"] == T}
+                a, b = rows.get(method), rows.get(against)
+                if a and b and "correct" in a and "correct" in b:
+                    pairs.append({d: (a["correct"][d], b["correct"][d]) for d in a["correct"]})
+            if not pairs:
+                continue
+            out.append(
+                {
+                    "T": T,
+                    "method": method,
+                    "against": against,
+                    "per seed": [
+                        paired_bootstrap([p], resamples, seed=i) for i, p in enumerate(pairs)
+                    ],
+                    "pooled": paired_bootstrap(pairs, resamples, seed=99),
+                    "seeds": len(pairs),
+                }
+            )
     return out
 
 
@@ -1462,7 +1483,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Study 2 alone: θ_LLM, M, the gold model, θ_t and the removal rows (no Study 1)",
     )
+    p.add_argument(
+        "--no-removal",
+        action="store_true",
+        help="Study 1 alone (with its refinement rows): no gold model, no Study 2",
+    )
     p.add_argument("--negation-alphas", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    p.add_argument(
+        "--refine-steps",
+        type=int,
+        default=REFINE_STEPS,
+        metavar="K",
+        help="at the largest T: K refinement steps from the K-FAC merge and the multi-task "
+        "fine-tune of task arithmetic at the same text passes (benchmarks/interference_refine.py;"
+        " 0: off; --quick: 1)",
+    )
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument(
         "--extras-seeds",
@@ -1491,6 +1526,10 @@ def main(argv: list[str] | None = None) -> int:
         "statistics of the current code, no model run) and write it to --out/--stem",
     )
     args = p.parse_args(argv)
+    if args.no_removal and args.removal_only:
+        p.error("--no-removal and --removal-only exclude each other: one study or the other")
+    if not 0 <= args.refine_steps <= MAX_STEPS:
+        p.error(f"--refine-steps must be 0 (off) to {MAX_STEPS}, got {args.refine_steps}")
     args.out = output(args.out, quick=args.quick, default=RESULTS, name="interference")
     if args.markdown:
         print(markdown(read_result(args.markdown)["results"]), end="")
@@ -1527,6 +1566,7 @@ def main(argv: list[str] | None = None) -> int:
         args.structures, args.criteria, args.mergekit = ["diag"], ["loss+base"], False
         args.negation_alphas, args.datasets, args.remove = [1.0], 2, ADDED[1]
         args.extras_seeds = [1]  # seed 0 alone runs: recipe (a) only, no Eq. 15 fine-tunes
+        args.refine_steps = min(args.refine_steps, 1)  # one step from the diagonal merge
     # OMP_NUM_THREADS=1 where another job shares the cores: two 2-thread trainings on 2 cores
     # spend most of their time waiting for each other's descheduled threads
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)

@@ -128,14 +128,17 @@ def baseline(
     forget: list[tuple[str, int]] | None,
     texts: int,
     seed: int,
+    start: Path | None = None,
 ) -> Path:
-    """M trained by :func:`train_steps` into ``folder`` (its ``training.json`` records how; a
-    folder trained otherwise is refused, as every checkpoint of the study), with ``cost.json``."""
+    """``start`` (default: M) trained by :func:`train_steps` into ``folder`` (its
+    ``training.json`` records how; a folder trained otherwise is refused, as every checkpoint of
+    the study), with ``cost.json``."""
     from benchmarks.interference import done, save
 
     args = study.args
+    start = start or study.multi
     settings = {
-        "start": str(study.multi),
+        "start": str(start),
         "texts": {d: len(e) for d, e in rest.items()},
         "forget texts": len(forget) if forget is not None else 0,
         "forget weight": NEGGRAD_WEIGHT if forget is not None else 0.0,
@@ -149,7 +152,7 @@ def baseline(
         return folder
     begin = time.perf_counter()
     tok = study.tokenizer
-    _, model = load_classifier(str(study.multi))
+    _, model = load_classifier(str(start))
     spent = train_steps(
         model,
         [encode(tok, e, args.max_length) for e in rest.values()],
@@ -301,16 +304,7 @@ def extend(study: Any, ctx: dict[str, Any]) -> tuple[dict[str, tuple[Path, list[
                     study.cache[f"{study.r_ns} | {name} | seconds"] = secs
             if (out / "gradmerge_refine.json").exists():
                 record = json.loads((out / "gradmerge_refine.json").read_text())
-                p = record["passes"]
-                steps_passes = sum(
-                    e * (g + c)
-                    for e, g, c in zip(
-                        p["examples"],
-                        p["gradient evaluations, steps"],
-                        p["curvature evaluations"],
-                        strict=True,
-                    )
-                )
+                steps_passes = refine_passes(record)
                 c = cost(
                     parts13
                     | {
@@ -444,6 +438,28 @@ def evaluations_per_step(record: dict[str, Any]) -> list[float]:
     steps = len(record["steps"]) - 1  # the record lists θ^0, …, θ^K
     evaluations = record["passes"]["gradient evaluations, steps"]
     return [(n - 1) / steps for n in evaluations] if steps > 0 else []
+
+
+def refine_passes(record: dict[str, Any]) -> int:
+    """Forward-backward text passes a ``gradmerge refine`` run spent on its steps, from its
+    record's ``passes``: Σ_t n_t·(g_t + c_t), n_t the texts of task t's data, g_t its gradient
+    evaluations in the steps (the residual at θ^0 and every backtracking trial) and c_t its
+    curvature evaluations (one MC-Fisher pass per text per step). The record's own diagnostics
+    (θ_t's gradient, the mismatch and ‖R‖ at each iterate) are not the method's cost and are not
+    counted.
+
+    Example:
+        >>> refine_passes({"passes": {"examples": [580, 491],
+        ...     "gradient evaluations, steps": [4, 4], "curvature evaluations": [2, 2]}})
+        6426
+    """
+    p = record["passes"]
+    return sum(
+        e * (g + c)
+        for e, g, c in zip(
+            p["examples"], p["gradient evaluations, steps"], p["curvature evaluations"], strict=True
+        )
+    )
 
 
 def gradient_norm(path: Path) -> float:

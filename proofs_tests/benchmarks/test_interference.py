@@ -148,8 +148,41 @@ def test_quick_run_of_both_studies(cache, tmp_path):
         if n.startswith("baseline |") and "correct" in r:
             budget = int(n.split(", ")[1].split(" text passes")[0])
             assert budget <= r["cost"]["text passes"] < budget + 2 * 16
+    # refinement past the one-shot merge (benchmarks/interference_refine.py): --quick refines the
+    # diagonal merge (no K-FAC curvature here) by one step on each set's 24 training texts, and
+    # fine-tunes task arithmetic α=1 on M's three sets for the passes that step spent
+    R = "grad. matching (official), diag + refine 1"
+    B = "multi-task fine-tune of task arithmetic α=1, diag + refine 1's text passes"
+    r, b = by[2, R], by[2, B]
+    for x in (r, b):
+        assert set(x["accuracy"]) == {study.BASE, *study.ADDED[:2], "mean"}
+        assert all(len(c) == 16 for c in x["correct"].values())
+    passes = r["refine record"]["passes"]
+    assert passes["examples"] == [24, 24] and passes["curvature evaluations"] == [1, 1]
+    (g, g2) = passes["gradient evaluations, steps"]
+    assert g == g2 and 2 <= g <= 1 + 3  # R at θ^0, then 1 to max_backtracking = 3 trials
+    assert len(r["refine record"]["steps"]) == 2 and r["gradient evaluations per step"] == [
+        g - 1,
+        g - 1,
+    ]
+    spent = r["cost"]["text passes"]
+    assert spent == 2 * 24 * (g + 1)  # two sets × 24 texts × (gradients + one curvature)
+    multitask = 3 * 24  # M: three sets of 24 texts, one epoch
+    assert r["cost"]["fraction of the multi-task model's passes"] == pytest.approx(
+        spent / multitask
+    )
+    assert r["cost"]["seconds (this run's parts)"] > 0
+    assert b["budget: the refinement's text passes"] == spent
+    assert spent <= b["cost"]["text passes"] < spent + 16  # within one batch of 16
+    assert b["cost"]["fraction of the multi-task model's passes"] == pytest.approx(
+        b["cost"]["text passes"] / multitask
+    )
+    assert b["cost"]["seconds (this run's parts)"] > 0
+    assert b["trained on (texts per set)"] == {d: 24 for d in (study.BASE, *study.ADDED[:2])}
     comps = {(c["T"], c["method"], c["against"]) for c in report["comparisons"]}
     assert (2, "grad. matching (official), diag", "task arithmetic α=1") in comps
+    assert {(2, R, "multi-task θ_1:T"), (2, R, B), (2, B, "multi-task θ_1:T"),
+            (2, R, "task arithmetic α=1")} <= comps  # fmt: skip
     for c in report["comparisons"]:
         lo, hi = c["pooled"]["ci95"]
         assert lo <= c["pooled"]["difference"] <= hi
@@ -158,6 +191,20 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     ) == set(study.ADDED[:2])
     assert (tmp_path / "interference-cpu.png").stat().st_size > 10_000
     assert set(report["libraries"]) == {"transformers"}
+    # --no-removal on the same work folder: Study 1 alone, every row (the refinement's included)
+    # from the cache, no command run again but the scores' evaluations already cached (none)
+    log = len(record["results"]["cli log"])
+    with restored_state():
+        args = ["--quick", "--no-removal", "--work", str(work), "--out", str(tmp_path / "s1")]
+        assert study.main(args) == 0
+    again = read_result(tmp_path / "s1" / "interference-cpu.json")["results"]
+    assert again["removal"] == [
+        {"removed": "sentences", "rows": [], "note": "--no-removal: not run"}
+    ]
+    assert [(r["method"], r.get("correct")) for r in again["seeds"][0]["rows"]] == [
+        (r["method"], r.get("correct")) for r in seed["rows"]
+    ]
+    assert not any(" refine " in e["command"] for e in again["cli log"]), log
     shutil.rmtree(work)  # 2.4 GB of checkpoints; kept (by pytest) only when a check fails
 
 
