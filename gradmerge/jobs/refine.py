@@ -597,9 +597,24 @@ def _examples(batches: list[Any]) -> int:
 def _cached(
     gradient: Callable[[Params], dict[str, Tensor]], finetuned: Params
 ) -> Callable[[Params], dict[str, Tensor]]:
-    """``gradient``, computed once at θ_t (the same dict object every mismatch passes)."""
+    """``gradient``, computed once at θ_t (the same dict object every mismatch passes), and
+    reused at the point it was last evaluated at when asked again for that same dict object (the
+    record asks twice per iterate, for the mismatch and for ‖R‖: one pass over D_t, not two).
+    A point is the same only if it is the same object, never by value: a refinement step builds
+    a new dict, so nothing stale is returned."""
     at_finetuned = gradient(finetuned)
-    return lambda theta: at_finetuned if theta is finetuned else gradient(theta)
+    last: list[tuple[Params, dict[str, Tensor]]] = []
+
+    def at(theta: Params) -> dict[str, Tensor]:
+        if theta is finetuned:
+            return at_finetuned
+        if last and last[0][0] is theta:
+            return last[0][1]
+        value = gradient(theta)
+        last[:] = [(theta, value)]
+        return value
+
+    return at
 
 
 def _curvature_at(

@@ -130,7 +130,7 @@ def test_quick_run_of_both_studies(cache, tmp_path):
     for n, r in refined.items():  # --quick: one step
         passes = r["refine record"]["passes"]
         assert passes["examples"] == [12] and passes["curvature evaluations"] == [1]
-        assert passes["gradient evaluations, record"] == [1 + 2 * 2]
+        assert passes["gradient evaluations, record"] == [1 + 2]  # θ_t, then θ^0 and θ^1
         steps = passes["gradient evaluations, steps"][0]
         assert r["gradient evaluations per step"] == [steps - 1]  # one step: its trials
         # Eq. 13: θ_t (24) and H_t (12); Koh & Liang: ∇ℓ_t at M (24); both H_rest (12)
