@@ -115,8 +115,8 @@ def test_removal_figures_are_the_rows_they_name():
         return f"{only}%"
 
     neg = "baseline | NegGrad+, 10% of retraining"
-    assert len(removal["seeds"]) == 2 and f"{len(removal['seeds'])} seeds" in README
-    assert rows[neg]["seeds"] == 2 and cost(neg) == "10%"
+    assert len(removal["seeds"]) == 3 and f"{len(removal['seeds'])} seeds" in README
+    assert rows[neg]["seeds"] == 3 and cost(neg) == "10%"
     assert (
         f"**NegGrad+** at 10%, {on(neg, 'removed', True)} (chance) and {on(neg, 'remaining', True)}"
         in README
@@ -129,8 +129,14 @@ def test_removal_figures_are_the_rows_they_name():
     ) in README
     rest = "baseline | fine-tune M on the rest, 10% of retraining"
     assert f"fine-tuning on the rest: {on(rest, 'removed')}" in README
+    # the second removed set, which needed no removal: NegGrad+'s loss on it
+    sentences = _results("interference-removal-sentences-cpu.json")
+    (neg_s,) = [r for r in sentences["removal comparisons"] if r["method"] == neg]
+    assert f"{_number(neg_s['removed: model − gold']['difference'])} on a set that needed" in README
     remerge = {r["method"]: r for r in INTERFERENCE["removal comparisons"]}["from merge | remerge"]
-    assert f"`remerge` lands {_paired(remerge['remaining: model − gold'])} on the rest" in README
+    assert (
+        f"`remerge` of a merge: {_paired(remerge['remaining: model − gold'])} on the rest" in README
+    )
 
 
 def test_the_gpt2_time_range_spans_every_record_of_the_merge():
