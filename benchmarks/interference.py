@@ -1090,12 +1090,11 @@ def removal_comparisons(seeds: list[dict[str, Any]], resamples: int) -> list[dic
                 pairs.append({d: (a["correct"][d], g["correct"][d]) for d in ds})
             if pairs:
                 entry[f"{part}: model − gold"] = paired_bootstrap(pairs, resamples, seed=7)
+        found = [rows[name] for rows in per_seed if name in rows]
         entry["mean KL(gold ‖ model), per seed"] = [
-            rows[name]["mean KL(gold ‖ model)"]
-            for rows in per_seed
-            if name in rows and "mean KL(gold ‖ model)" in rows[name]
+            r["mean KL(gold ‖ model)"] for r in found if "mean KL(gold ‖ model)" in r
         ]
-        entry |= kl_split([rows[name] for rows in per_seed if name in rows], t)
+        entry |= kl_split(found, t)
         out.append(entry)
     return out
 
